@@ -1,0 +1,80 @@
+"""Base config: every field attnlab reads, with its meaning; experiment configs override a few."""
+
+import ml_collections
+
+# Model sizes: one table, chosen by `size=NAME` in the config argument (e.g. `default.py:size=small`).
+SIZES = {
+    #        num_layers, d_model, num_heads, d_ff
+    'tiny': (2, 64, 4, 256),
+    'small': (3, 128, 4, 512),
+    'base': (6, 512, 8, 2048),
+}
+
+
+def parse_arg(arg):
+  """'quick,size=small' -> {'quick': True, 'size': 'small'} (the text after `:` in --config)."""
+  out = {}
+  for item in filter(None, (arg or '').split(',')):
+    key, _, value = item.partition('=')
+    out[key.strip()] = value.strip() if value else True
+  return out
+
+
+def get_config(arg=None):
+  """Returns the base config. `arg`: `quick` shrinks everything for a smoke run; `size=NAME`."""
+  args = parse_arg(arg)
+  config = ml_collections.ConfigDict()
+
+  config.model = model = ml_collections.ConfigDict()
+  model.arch = 'decoder_only'  # decoder_only (more in models.ARCHS)
+  model.attention = 'dense'  # attention variant, a key of layers.attention.VARIANTS
+  model.attention_impl = 'xla'  # exact softmax kernel: xla | blockwise | pallas | cudnn (GPU)
+  model.position = 'sinusoidal'  # sinusoidal | learned | nope (layers.positions.POSITIONS)
+  model.norm = 'layernorm'  # layernorm | rmsnorm
+  model.norm_position = 'pre'  # pre (Pre-LN, final norm added) | post (Post-LN, the original)
+  model.ffn = 'relu'  # relu | gelu | swiglu | geglu
+  num_layers, d_model, num_heads, d_ff = SIZES[args.get('size', 'small')]
+  model.num_layers = num_layers  # Transformer blocks (per stack)
+  model.d_model = d_model  # D, model width
+  model.num_heads = num_heads  # N, query heads; must divide d_model
+  model.num_kv_heads = 0  # K, key/value heads: 0 means num_heads (MHA); 1 is MQA; between is GQA
+  model.d_ff = d_ff  # F, feed-forward width; 0 means 4 * d_model
+  model.dropout = 0.0  # dropout rate on embeddings and every sublayer output
+  model.use_bias = False  # biases in the attention and feed-forward projections
+
+  config.train = train = ml_collections.ConfigDict()
+  train.steps = 2000  # optimisation steps
+  train.batch_size = 64  # sequences per step (global)
+  train.learning_rate = 2e-3  # peak learning rate (AdamW)
+  train.warmup_steps = 100  # linear warmup from 0 to the peak; 0 allowed (an ablation axis)
+  train.schedule = 'cosine'  # after warmup: cosine (to 0) | linear (to 0) | constant
+  train.weight_decay = 0.01  # AdamW decoupled weight decay
+  train.b1 = 0.9  # Adam beta1
+  train.b2 = 0.98  # Adam beta2
+  train.grad_clip_norm = 1.0  # clip the global gradient norm; 0 = off
+  train.seed = 0  # parameter init, dropout and data order
+  train.loss_on = 'target'  # decoder-only loss: target (translation) | all (every token, LM)
+  train.checkpoint_every = 500  # steps between checkpoints (and one at the end)
+  train.keep_checkpoints = 3  # newest checkpoints kept on disk
+  train.eval_every = 500  # steps between validation passes
+  train.eval_batches = 8  # validation batches per pass (0 = the whole split)
+  train.log_every = 50  # steps between train-metric lines in metrics.jsonl
+
+  config.data = data = ml_collections.ConfigDict()
+  data.task = 'base'  # the toy translation builder config
+  data.max_length = 64  # training length in tokens
+  data.data_dir = './tfds_data'  # where the dataset is generated (first use) and read
+  data.packing = 'none'  # none (one pair per padded row) | segments (packed, attention per pair)
+  #                        | stream (packed, attention across pairs: LM / extrapolation studies)
+
+  if args.get('quick'):
+    # A smoke run: tiny model, a few steps, frequent checkpoints.
+    model.num_layers, model.d_model, model.num_heads, model.d_ff = SIZES['tiny']
+    train.steps = 20
+    train.batch_size = 8
+    train.warmup_steps = 5
+    train.checkpoint_every = 10
+    train.eval_every = 10
+    train.eval_batches = 2
+    train.log_every = 5
+  return config

@@ -1,0 +1,93 @@
+"""Checks a resolved config before anything compiles; each problem is one line naming the field."""
+
+import models
+from layers import attention
+from layers import block
+from layers import feed_forward
+from layers import norms
+from layers import positions
+
+SCHEDULES = ('cosine', 'linear', 'constant')
+LOSS_ON = ('target', 'all')
+PACKINGS = ('none', 'segments', 'stream')
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message is one line naming the field and what is valid."""
+
+
+def _choice(name, value, valid):
+  if value not in valid:
+    raise ConfigError(f'{name}={value!r} is not valid; valid values: {", ".join(sorted(valid))}')
+
+
+def _positive(name, value, zero_ok=False):
+  if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
+      value == 0 and not zero_ok):
+    raise ConfigError(f'{name}={value!r} must be {"a non-negative" if zero_ok else "a positive"} '
+                      'number')
+
+
+def resolve(config):
+  """Fills the derived defaults (num_kv_heads 0 -> num_heads, d_ff 0 -> 4·d_model) in place."""
+  m = config.model
+  if m.num_kv_heads == 0:
+    m.num_kv_heads = m.num_heads
+  if m.d_ff == 0:
+    m.d_ff = 4 * m.d_model
+  return config
+
+
+def validate(config):
+  """Raises ConfigError on the first invalid field of `config` (after `resolve`)."""
+  m, t, d = config.model, config.train, config.data
+  _choice('model.arch', m.arch, models.ARCHS)
+  _choice('model.attention', m.attention, attention.VARIANTS)
+  _choice('model.attention_impl', m.attention_impl, attention.IMPLEMENTATIONS)
+  _choice('model.position', m.position, positions.POSITIONS)
+  _choice('model.norm', m.norm, norms.NORMS)
+  _choice('model.norm_position', m.norm_position, block.NORM_POSITIONS)
+  _choice('model.ffn', m.ffn, feed_forward.FFNS)
+  for name in ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'd_ff'):
+    value = m[name]
+    if not isinstance(value, int) or value <= 0:
+      raise ConfigError(f'model.{name}={value!r} must be a positive integer')
+  if m.d_model % m.num_heads:
+    divisors = [n for n in range(1, m.d_model + 1) if m.d_model % n == 0]
+    raise ConfigError(f'model.num_heads={m.num_heads} must divide model.d_model={m.d_model}; '
+                      f'valid values: {", ".join(map(str, divisors))}')
+  if m.num_heads % m.num_kv_heads:
+    divisors = [k for k in range(1, m.num_heads + 1) if m.num_heads % k == 0]
+    raise ConfigError(f'model.num_kv_heads={m.num_kv_heads} must divide model.num_heads='
+                      f'{m.num_heads}; valid values: {", ".join(map(str, divisors))}')
+  if not 0.0 <= m.dropout < 1.0:
+    raise ConfigError(f'model.dropout={m.dropout!r} must be in [0, 1)')
+  if m.attention_impl == 'cudnn':
+    import jax  # pylint: disable=g-import-not-at-top
+    if jax.default_backend() != 'gpu':
+      raise ConfigError("model.attention_impl='cudnn' needs a GPU; valid here: blockwise, pallas, "
+                        'xla')
+
+  for name in ('steps', 'batch_size', 'checkpoint_every', 'eval_every', 'log_every',
+               'keep_checkpoints'):
+    if not isinstance(t[name], int) or t[name] <= 0:
+      raise ConfigError(f'train.{name}={t[name]!r} must be a positive integer')
+  _positive('train.learning_rate', t.learning_rate)
+  _positive('train.weight_decay', t.weight_decay, zero_ok=True)
+  _positive('train.grad_clip_norm', t.grad_clip_norm, zero_ok=True)
+  _positive('train.eval_batches', t.eval_batches, zero_ok=True)
+  if not isinstance(t.warmup_steps, int) or not 0 <= t.warmup_steps < t.steps:
+    raise ConfigError(f'train.warmup_steps={t.warmup_steps!r} must be an integer in '
+                      f'[0, train.steps={t.steps})')
+  for name in ('b1', 'b2'):
+    if not 0.0 <= t[name] < 1.0:
+      raise ConfigError(f'train.{name}={t[name]!r} must be in [0, 1)')
+  _choice('train.schedule', t.schedule, SCHEDULES)
+  _choice('train.loss_on', t.loss_on, LOSS_ON)
+
+  _choice('data.packing', d.packing, PACKINGS)
+  if not isinstance(d.max_length, int) or d.max_length < 8:
+    raise ConfigError(f'data.max_length={d.max_length!r} must be an integer >= 8')
+  from data import toy_translation  # pylint: disable=g-import-not-at-top
+  tasks = [c.name for c in toy_translation.ToyTranslation.BUILDER_CONFIGS]
+  _choice('data.task', d.task, tasks)

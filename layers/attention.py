@@ -1,0 +1,154 @@
+"""Multi-head attention: the `dot_product_attention` contract, its implementations, and the NNX layer."""
+
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from layers import attention_xla
+from layers import masks
+
+
+def _lazy(module, name):
+  """Imports an implementation on first use (Pallas and the GPU paths are not needed for `xla`)."""
+  def call(*args, **kwargs):
+    return getattr(importlib.import_module(module), name)(*args, **kwargs)
+  return call
+
+
+def _cudnn(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
+           alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None):
+  """jax's fused cuDNN kernel (GPU only), the production reference for the flash kernels."""
+  if jax.default_backend() != 'gpu':
+    raise ValueError("implementation='cudnn' needs a GPU; valid here: xla, blockwise, pallas")
+  if alibi_slopes is not None:
+    t, s = query.shape[1], key.shape[1]
+    alibi = masks.alibi_bias(alibi_slopes, jnp.arange(t)[:, None], jnp.arange(s)[None])[None]
+    bias = alibi if bias is None else bias + alibi
+  return jax.nn.dot_product_attention(
+      query, key, value, bias=None if bias is None else bias.astype(query.dtype), mask=mask,
+      scale=scale, is_causal=is_causal, local_window_size=window,
+      query_seq_lengths=None, key_value_seq_lengths=None, implementation='cudnn')
+
+
+# Exact softmax attention kernels, keyed by `config.model.attention_impl`.
+IMPLEMENTATIONS = {
+    'xla': attention_xla.attention,
+    'blockwise': _lazy('layers.attention_blockwise', 'attention'),
+    'pallas': _lazy('layers.attention_pallas', 'attention'),
+    'cudnn': _cudnn,
+}
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                          local_window_size=None, alibi_slopes=None, segment_ids=None,
+                          implementation=None):
+  """Scaled dot-product attention, mirroring `jax.nn.dot_product_attention`.
+
+  Args:
+    query: `[B, T, N, H]`.
+    key, value: `[B, S, K, H]` with N a multiple of K (K = N: MHA, K = 1: MQA, between: GQA).
+    bias: optional, broadcastable to `[B, N, T, S]`, added to the scaled scores.
+    mask: optional boolean, broadcastable to `[B, N, T, S]`, True where a key may be attended.
+    scale: score scale; None means 1/sqrt(H), which keeps Var(q·k) at 1 for unit-variance inputs.
+    is_causal: key j is visible from query i only if j <= i.
+    local_window_size: int w (|i - j| <= w) or (left, right), as in jax.nn.
+    alibi_slopes: optional `[N]`; adds -slope * |i - j| to head n's scores.
+    segment_ids: `[B, T]` (self-attention) or a pair (`[B, T]`, `[B, S]`); attention stays within
+      equal ids (packed sequences; give padding its own id).
+    implementation: None (= 'xla') or a key of `IMPLEMENTATIONS`.
+
+  Returns:
+    `[B, T, N, H]`; a query row with no visible key is zeros.
+  """
+  impl = 'xla' if implementation is None else implementation
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f'attention implementation {impl!r} unknown; valid: {sorted(IMPLEMENTATIONS)}')
+  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+    raise ValueError('query, key, value must be [B, T, N, H], [B, S, K, H], [B, S, K, H]')
+  if key.shape != value.shape[:3] + key.shape[3:] or key.shape[2] != value.shape[2]:
+    raise ValueError(f'key {key.shape} and value {value.shape} disagree on [B, S, K]')
+  n, k = query.shape[2], key.shape[2]
+  if n % k:
+    raise ValueError(f'query heads ({n}) must be a multiple of key/value heads ({k})')
+  if scale is None:
+    scale = 1.0 / math.sqrt(query.shape[-1])
+  q_seg = kv_seg = None
+  if segment_ids is not None:
+    if isinstance(segment_ids, (tuple, list)):
+      q_seg, kv_seg = segment_ids
+    else:
+      q_seg = kv_seg = segment_ids
+  return IMPLEMENTATIONS[impl](
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      window=masks.normalize_window(local_window_size), alibi_slopes=alibi_slopes,
+      q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+
+
+class Attention(nnx.Module):
+  """Multi-head attention with `num_kv_heads` key/value heads (MHA, GQA, MQA) and q/k/v/o projections.
+
+  Self-attention when called with one input, cross-attention with a `context` (queries from `x`,
+  keys/values from `context`). Positions that act inside attention (RoPE, ALiBi, T5 bias) come in
+  through `position`, an object of `layers.positions` that may rotate q/k or add a score term.
+  """
+
+  def __init__(self, d_model, num_heads, num_kv_heads=None, *, head_dim=None, use_bias=False,
+               implementation='xla', local_window_size=None, scale=None, rngs):
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    head_dim = d_model // num_heads if head_dim is None else head_dim
+    self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+    self.implementation = implementation
+    self.local_window_size = local_window_size
+    self.scale = scale
+    init = nnx.initializers.lecun_normal()
+    self.query = nnx.LinearGeneral(d_model, (num_heads, head_dim), use_bias=use_bias,
+                                   kernel_init=init, rngs=rngs)
+    self.key = nnx.LinearGeneral(d_model, (num_kv_heads, head_dim), use_bias=use_bias,
+                                 kernel_init=init, rngs=rngs)
+    self.value = nnx.LinearGeneral(d_model, (num_kv_heads, head_dim), use_bias=use_bias,
+                                   kernel_init=init, rngs=rngs)
+    self.out = nnx.LinearGeneral((num_heads, head_dim), d_model, axis=(-2, -1), use_bias=use_bias,
+                                 kernel_init=init, rngs=rngs)
+
+  def project(self, x, context=None):
+    """q `[B, T, N, H]`, k and v `[B, S, K, H]`."""
+    context = x if context is None else context
+    return self.query(x), self.key(context), self.value(context)
+
+  def __call__(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
+               is_causal=False, positions=None, context_positions=None, position=None):
+    """Args:
+      x: `[B, T, D]` queries' input.
+      context: None (self-attention) or `[B, S, D]` (cross-attention).
+      segment_ids: `[B, T]` ids of x's tokens (0 for padding is fine: padding sees padding only).
+      context_segment_ids: `[B, S]`; defaults to `segment_ids` for self-attention.
+      is_causal: decoder self-attention.
+      positions, context_positions: `[B, T]` / `[B, S]` token positions, for `position`.
+      position: None or a `layers.positions` object acting inside attention.
+
+    Returns:
+      `[B, T, D]`.
+    """
+    q, k, v = self.project(x, context)
+    if context is None:
+      context_segment_ids = segment_ids if context_segment_ids is None else context_segment_ids
+      context_positions = positions if context_positions is None else context_positions
+    seg = None
+    if segment_ids is not None:
+      seg = (segment_ids, context_segment_ids)
+    kwargs = {}
+    if position is not None:
+      q, k, kwargs = position.in_attention(q, k, positions, context_positions, is_causal=is_causal)
+    out = dot_product_attention(q, k, v, segment_ids=seg, is_causal=is_causal, scale=self.scale,
+                                local_window_size=self.local_window_size,
+                                implementation=self.implementation, **kwargs)  # [B, T, N, H]
+    return self.out(out)  # [B, T, D]
+
+
+# Attention variants, keyed by `config.model.attention`.
+VARIANTS = {
+    'dense': Attention,
+}

@@ -1,0 +1,59 @@
+"""A stack of Transformer blocks over token embeddings: the body of every Transformer model."""
+
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+
+from layers import block
+from layers import norms
+from layers import positions as positions_lib
+
+
+class Stack(nnx.Module):
+  """Embeds tokens, adds positions, runs `num_layers` blocks and (Pre-LN) a final norm."""
+
+  def __init__(self, cfg, vocab_size, max_length, *, cross_attention=False, embed=None, rngs):
+    """Args:
+      cfg: `config.model`.
+      vocab_size: V.
+      max_length: longest sequence the position method must represent (learned tables).
+      cross_attention: blocks attend to a context (encoder-decoder decoder).
+      embed: an `nnx.Embed` to share (tied encoder/decoder embeddings), or None for a new one.
+      rngs: parameter initialisation.
+    """
+    self.d_model = cfg.d_model
+    # Unit-variance rows after the sqrt(D) scale below, so token and position signals are comparable.
+    self.embed = embed if embed is not None else nnx.Embed(
+        vocab_size, cfg.d_model, rngs=rngs,
+        embedding_init=nnx.initializers.normal(stddev=1.0 / math.sqrt(cfg.d_model)))
+    self.position = positions_lib.make(cfg.position, cfg.d_model, max_length, rngs=rngs)
+    self.blocks = nnx.List([block.Block(cfg, cross_attention=cross_attention, rngs=rngs)
+                            for _ in range(cfg.num_layers)])
+    self.final_norm = (norms.NORMS[cfg.norm](cfg.d_model, rngs=rngs)
+                       if cfg.norm_position == 'pre' else None)
+    self.dropout = nnx.Dropout(cfg.dropout)
+
+  def __call__(self, tokens, *, segment_ids=None, positions=None, is_causal=False, context=None,
+               context_segment_ids=None, rngs=None):
+    """Args:
+      tokens: `[B, T]` int.
+      segment_ids: `[B, T]` (0 = padding) or None.
+      positions: `[B, T]` or None for 0..T-1.
+      is_causal, context, context_segment_ids, rngs: see `layers.block.Block`.
+
+    Returns:
+      `[B, T, D]` hidden states.
+    """
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)  # [B, T]
+    x = self.embed(tokens) * math.sqrt(self.d_model)  # [B, T, D]
+    x = self.position.embed(x, positions)
+    x = self.dropout(x, deterministic=rngs is None, rngs=rngs)
+    for layer in self.blocks:
+      x = layer(x, segment_ids=segment_ids, positions=positions, is_causal=is_causal,
+                position=self.position, context=context, context_segment_ids=context_segment_ids,
+                rngs=rngs)
+    if self.final_norm is not None:
+      x = self.final_norm(x)
+    return x
