@@ -13,6 +13,7 @@ import time
 
 from absl import app
 from absl import flags
+from absl import logging
 import jax
 import jax.numpy as jnp
 from ml_collections import config_flags
@@ -26,9 +27,13 @@ from configs import validation
 from data import pipeline
 import models
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py).',
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and logs.')
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """The CLI flags, defined only when run as a program (eval.py imports this module)."""
+  config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py).', lock_config=True)
+  flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and logs.')
 
 
 class NonFiniteLoss(RuntimeError):
@@ -160,8 +165,11 @@ class MetricsWriter:
     self.tb.close()
 
 
-def train_and_evaluate(config, workdir):
-  """Trains `config` in `workdir`, resuming if a checkpoint exists. Returns the last train metrics."""
+def train_and_evaluate(config, workdir, _interrupt_after=None):
+  """Trains `config` in `workdir`, resuming if a checkpoint exists. Returns the last train metrics.
+
+  `_interrupt_after` (tests only) raises KeyboardInterrupt after that step, as a kill would.
+  """
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, 'config.json'), 'w') as f:
     f.write(config.to_json_best_effort(indent=2))
@@ -217,6 +225,8 @@ def train_and_evaluate(config, workdir):
       if step % t.checkpoint_every == 0 or step == t.steps:
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                 data=ocp.args.JsonSave(it.get_state())))
+      if _interrupt_after == step:
+        raise KeyboardInterrupt(f'test interruption after step {step}')
   finally:
     bar.close()
     mngr.wait_until_finished()
@@ -228,22 +238,24 @@ def train_and_evaluate(config, workdir):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
-  if _WORKDIR.value is None:
+  logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
+  if FLAGS.workdir is None:
     print('train: --workdir is required', file=sys.stderr)
     sys.exit(2)
-  config = validation.resolve(_CONFIG.value.unlock())
+  config = validation.resolve(FLAGS.config.unlock())
   try:
     validation.validate(config)
   except validation.ConfigError as e:
     print(f'config error: {e}', file=sys.stderr)
     sys.exit(2)
   try:
-    train_and_evaluate(config, _WORKDIR.value)
+    train_and_evaluate(config, FLAGS.workdir)
   except NonFiniteLoss as e:
     print(str(e), file=sys.stderr)
     sys.exit(1)
 
 
 if __name__ == '__main__':
+  define_flags()
   flags.mark_flags_as_required(['config'])
   app.run(main)

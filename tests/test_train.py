@@ -1,0 +1,126 @@
+"""The training loop: loss falls, resume reproduces the uninterrupted run, bad configs are rejected."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from configs import decoder_only
+from configs import validation
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def quick_config(data_dir, **train_overrides):
+  config = validation.resolve(decoder_only.get_config('quick'))
+  config.data.data_dir = str(data_dir)
+  config.train.update(train_overrides)
+  validation.validate(config)
+  return config
+
+
+def read_metrics(workdir, split='train'):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  return {r['step']: r['loss'] for r in rows if r['split'] == split}
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp('tfds')
+
+
+def test_a_few_steps_lower_the_loss(data_dir, tmp_path):
+  config = quick_config(data_dir, steps=30, log_every=5, learning_rate=3e-3)
+  train.train_and_evaluate(config, str(tmp_path))
+  losses = read_metrics(tmp_path)
+  assert losses[30] < 0.8 * losses[5], losses
+  assert set(os.listdir(tmp_path)) >= {'config.json', 'checkpoints', 'metrics.jsonl'}
+  assert any(name.startswith('events.out.tfevents') for name in os.listdir(tmp_path))
+
+
+def test_resume_reproduces_the_uninterrupted_run(data_dir, tmp_path):
+  config = quick_config(data_dir, steps=16, log_every=1, checkpoint_every=5, eval_every=100)
+  full = tmp_path / 'full'
+  train.train_and_evaluate(config, str(full))
+  # Interrupted: stop after step 13 (checkpoint at 10), then rerun the same config.
+  cut = tmp_path / 'cut'
+  with pytest.raises(KeyboardInterrupt):
+    train.train_and_evaluate(config, str(cut), _interrupt_after=13)
+  assert read_metrics(cut)[13]
+  train.train_and_evaluate(config, str(cut))
+  a, b = read_metrics(full), read_metrics(cut)
+  assert sorted(a) == sorted(b) == list(range(1, 17))
+  for step in a:
+    assert a[step] == pytest.approx(b[step], abs=1e-6), step
+
+
+def test_sigkill_then_rerun_resumes(data_dir, tmp_path):
+  """A real SIGKILL after the first checkpoint: the rerun continues and ends at the same loss."""
+  base = [sys.executable, os.path.join(ROOT, 'train.py'), '--config=' + os.path.join(
+      ROOT, 'configs/decoder_only.py:quick'), f'--config.data.data_dir={data_dir}',
+          '--config.train.steps=40', '--config.train.checkpoint_every=5',
+          '--config.train.log_every=1', '--config.train.eval_every=100']
+  killed = tmp_path / 'killed'
+  proc = subprocess.Popen(base + [f'--workdir={killed}'], cwd=ROOT, stderr=subprocess.DEVNULL)
+  ckpt = killed / 'checkpoints'
+  deadline = time.time() + 120
+  while time.time() < deadline and proc.poll() is None:
+    steps = [int(p) for p in os.listdir(ckpt) if p.isdigit()] if ckpt.exists() else []
+    if steps and max(steps) >= 10:
+      proc.send_signal(signal.SIGKILL)
+      break
+    time.sleep(0.05)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL, 'run finished before it could be killed'
+  subprocess.run(base + [f'--workdir={killed}'], cwd=ROOT, check=True, stderr=subprocess.DEVNULL)
+  config = quick_config(data_dir, steps=40, checkpoint_every=5, log_every=1, eval_every=100)
+  train.train_and_evaluate(config, str(tmp_path / 'clean'))
+  a, b = read_metrics(killed), read_metrics(tmp_path / 'clean')
+  assert sorted(a) == list(range(1, 41))
+  assert a[40] == pytest.approx(b[40], abs=1e-6)
+
+
+@pytest.mark.parametrize('override,field', [
+    ('model.num_heads=7', 'model.num_heads'),
+    ('model.num_kv_heads=3', 'model.num_kv_heads'),
+    ('model.attention=sparse', 'model.attention'),
+    ('model.position=rotary', 'model.position'),
+    ('model.norm=batchnorm', 'model.norm'),
+    ('model.norm_position=middle', 'model.norm_position'),
+    ('model.ffn=tanh', 'model.ffn'),
+    ('model.arch=rnn', 'model.arch'),
+    ('model.d_model=-8', 'model.d_model'),
+    ('train.steps=0', 'train.steps'),
+    ('train.learning_rate=0.0', 'train.learning_rate'),
+    ('train.warmup_steps=5000', 'train.warmup_steps'),
+    ('train.schedule=step', 'train.schedule'),
+    ('train.loss_on=source', 'train.loss_on'),
+    ('data.packing=greedy', 'data.packing'),
+    ('data.task=nosuch', 'data.task'),
+])
+def test_bad_config_names_the_field(override, field):
+  config = validation.resolve(decoder_only.get_config())
+  key, value = override.split('=')
+  section, name = key.split('.')
+  config[section][name] = type(config[section][name])(value)
+  with pytest.raises(validation.ConfigError, match=field.replace('.', r'\.')) as e:
+    validation.validate(config)
+  assert '\n' not in str(e.value)
+
+
+def test_cli_rejects_bad_heads_with_one_line(tmp_path):
+  out = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'train.py'),
+       '--config=' + os.path.join(ROOT, 'configs/decoder_only.py'),
+       '--config.model.num_heads=7', f'--workdir={tmp_path / "w"}'],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and 'model.num_heads=7' in lines[0], out.stderr
+  assert not (tmp_path / 'w').exists()
