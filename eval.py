@@ -15,9 +15,12 @@ from absl import flags
 from absl import logging
 import jax
 import ml_collections
+import numpy as np
+import optax
 from flax import nnx
 
 from data import pipeline
+from layers import positions as positions_lib
 from models import decoding
 import train
 
@@ -25,6 +28,16 @@ _WORKDIR = flags.DEFINE_string('workdir', None, 'A train.py workdir.')
 _SPLIT = flags.DEFINE_list('split', ['validation', 'test'], 'Splits to evaluate.')
 _MAX_EXAMPLES = flags.DEFINE_integer('max_examples', 0,
                                      'Translate at most this many examples per split (0 = all).')
+_TRANSLATE = flags.DEFINE_list('translate', [], 'Extra splits to translate only (e.g. test_long); '
+                               'exact match is reported per source-length bucket.')
+_LENGTHS = flags.DEFINE_list('lengths', [], 'Length extrapolation: evaluation lengths as multiples '
+                             'of the training length, e.g. 1,2,4,8 (empty = skip).')
+_MODES = flags.DEFINE_list('modes', ['non_overlapping', 'sliding'],
+                           'Extrapolation windows: non_overlapping and/or sliding.')
+_STRIDE = flags.DEFINE_float('stride', 0.5, 'Sliding-window stride as a fraction of the window.')
+_STREAM_SPLIT = flags.DEFINE_string('stream_split', 'test', 'Split streamed for extrapolation.')
+_ROPE_SCALING = flags.DEFINE_string('rope_scaling', None, 'Override RoPE scaling at evaluation '
+                                    'only: none, pi:F, ntk:F or yarn:F (F the factor).')
 
 
 def load_run(workdir):
@@ -44,12 +57,17 @@ def load_run(workdir):
   return config, graphdef, state['params'], int(state['step'])
 
 
+LENGTH_BUCKETS = (0, 7, 13, 19, 26, 33)  # source-length bucket starts (words)
+
+
 def translate(config, model, examples, tokenizer):
   """Greedy translation of `examples`; returns exact match, token accuracy and a few samples."""
   prompts = [[tokenizer.bos_id] + e['source_ids'] + [tokenizer.sep_id] for e in examples]
   refs = [e['target_ids'] for e in examples]
-  length = config.data.max_length
   max_new = max(len(r) for r in refs) + 1
+  # Longer test splits need a longer buffer than training (that is the extrapolation).
+  length = max(config.data.max_length, max(len(p) for p in prompts) + max_new)
+  model.decoder.position.check_length(length)
   hyps = decoding.greedy_translate(model, prompts, length=length, max_new=max_new,
                                    eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
   exact = sum(h == r for h, r in zip(hyps, refs))
@@ -61,8 +79,100 @@ def translate(config, model, examples, tokenizer):
     total += len(r_eos)
   samples = [{'source': e['source'], 'reference': e['target'], 'output': tokenizer.decode(h)}
              for e, h in zip(examples[:5], hyps[:5])]
+  buckets = {}
+  for e, h, r in zip(examples, hyps, refs):
+    n = len(e['source_ids'])
+    lo = next(b for b in reversed(LENGTH_BUCKETS) if n >= b)
+    hit, cnt = buckets.get(lo, (0, 0))
+    buckets[lo] = (hit + (h == r), cnt + 1)
+  by_length = [{'source_words': f'{lo}-{hi - 1}', 'exact_match': hit / cnt, 'n': cnt}
+               for lo, hi in zip(LENGTH_BUCKETS, LENGTH_BUCKETS[1:] + (10 ** 6,))
+               if lo in buckets for hit, cnt in [buckets[lo]]]
   return {'exact_match': exact / len(refs), 'token_accuracy': correct / total, 'n': len(refs),
-          'samples': samples}
+          'by_length': by_length, 'samples': samples}
+
+
+def _window_losses(model, tokens, in_target, starts, length, batch_size):
+  """Per-position losses of windows `tokens[start:start + length + 1]`.
+
+  Returns:
+    (ce, target) `[num_windows, length]`: next-token cross-entropy, and 1 where the predicted token
+    is on the target side.
+  """
+  @jax.jit
+  def forward(inputs, targets):
+    logits = model({'inputs': inputs})  # [B, L, V]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # [B, L]
+
+  idx = np.asarray(starts)[:, None] + np.arange(length + 1)[None]  # [W, L + 1]
+  windows, masks = tokens[idx], in_target[idx]
+  ce = []
+  for i in range(0, len(windows), batch_size):
+    chunk = windows[i:i + batch_size]
+    pad = batch_size - len(chunk)  # fixed shapes: one compilation per length
+    chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, 0)]) if pad else chunk
+    ce.append(np.asarray(forward(chunk[:, :-1], chunk[:, 1:]))[:batch_size - pad])
+  return np.concatenate(ce), masks[:, 1:]
+
+
+def extrapolate(config, model, multiples, modes, stride, split):
+  """Loss of a stream at `multiple x max_length` tokens per window (attention across pairs).
+
+  non_overlapping scores every position of disjoint windows; sliding moves the window by
+  `stride x length` and scores only the positions it has not scored before, so each has at least
+  `(1 - stride) x length` tokens of context (except in the first window).
+
+  Returns:
+    (rows for eval.json, {length: mean loss per window position} of the non-overlapping windows).
+  """
+  tokens, in_target = pipeline.stream_tokens(config.data, split)
+  rows, per_position = [], {}
+  for multiple in multiples:
+    length = int(multiple * config.data.max_length)
+    batch_size = max(1, 8192 // length)
+    for mode in modes:
+      if mode == 'non_overlapping':
+        starts = np.arange(0, len(tokens) - length, length)
+        ce, tgt = _window_losses(model, tokens, in_target, starts, length, batch_size)
+        scored = np.ones_like(ce, bool)
+        per_position[length] = ce.mean(0)
+      elif mode == 'sliding':
+        step = max(1, int(stride * length))
+        starts = np.arange(0, len(tokens) - length, step)
+        ce, tgt = _window_losses(model, tokens, in_target, starts, length, batch_size)
+        scored = np.zeros_like(ce, bool)
+        scored[0] = True
+        scored[1:, length - step:] = True
+      else:
+        raise ValueError(f'--modes: {mode!r} unknown; valid: non_overlapping, sliding')
+      loss = float(ce[scored].mean())
+      target_loss = float((ce * tgt)[scored].sum() / max(tgt[scored].sum(), 1.0))
+      rows.append({'multiple': multiple, 'length': length, 'mode': mode, 'loss': loss,
+                   'target_loss': target_loss, 'ppl': math.exp(min(loss, 50.0)),
+                   'windows': int(len(starts))})
+  return rows, per_position
+
+
+def plot_per_position(workdir, per_position, title):
+  """Loss against position in the window, one line per evaluation length (extrapolation.png)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for length, curve in sorted(per_position.items()):
+    k = max(1, length // 64)  # smooth long curves over k positions
+    smooth = np.convolve(curve, np.ones(k) / k, mode='valid')
+    ax.plot(np.arange(len(smooth)) + k // 2, smooth, label=f'L={length}')
+  ax.set_xlabel('position in window')
+  ax.set_ylabel('loss (nats/token)')
+  ax.set_title(title)
+  ax.legend()
+  ax.grid(alpha=0.3)
+  path = os.path.join(workdir, 'extrapolation.png')
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
 
 
 def plot_loss_curve(workdir):
@@ -92,12 +202,36 @@ def plot_loss_curve(workdir):
   return path
 
 
-def evaluate_run(workdir, splits, max_examples=0):
-  """Evaluates the newest checkpoint in `workdir`; returns (and writes) the eval.json dict."""
+def parse_rope_scaling(text):
+  """'ntk:4' -> ('ntk', 4.0); 'none' -> ('none', 1.0)."""
+  name, _, factor = text.partition(':')
+  return name, float(factor) if factor else 1.0
+
+
+def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), lengths=(),
+                 modes=('non_overlapping', 'sliding'), stride=0.5, stream_split='test',
+                 rope_scaling=None):
+  """Evaluates the newest checkpoint in `workdir`; returns (and writes) the eval.json dict.
+
+  Args:
+    workdir: a train.py workdir.
+    splits: splits for loss/perplexity and translation.
+    max_examples: translate at most this many examples per split (0 = all).
+    translate_splits: further splits for translation only (longer sentences).
+    lengths: extrapolation multiples of the training length (empty = none).
+    modes, stride, stream_split: see `extrapolate`.
+    rope_scaling: None or e.g. 'ntk:4', applied at evaluation only.
+  """
   config, graphdef, params, step = load_run(workdir)
   tokenizer = pipeline.get_tokenizer(config.data)
-  eval_fn = jax.jit(functools.partial(train.eval_step, graphdef))
   model = nnx.merge(graphdef, params)
+  if rope_scaling is not None:
+    name, factor = parse_rope_scaling(rope_scaling)
+    positions_lib.with_rope_scaling(model, name, factor)
+    graphdef, params = nnx.split(model)
+  for multiple in lengths:  # before any compilation: a learned table cannot embed longer inputs
+    model.decoder.position.check_length(int(multiple * config.data.max_length))
+  eval_fn = jax.jit(functools.partial(train.eval_step, graphdef))
   result = {'step': step, 'loss': {}, 'perplexity': {}, 'accuracy': {}, 'translation': {}}
   for split in splits:
     m = train.evaluate(eval_fn, params, config, split, 0)
@@ -108,6 +242,18 @@ def evaluate_run(workdir, splits, max_examples=0):
     if max_examples:
       examples = examples[:max_examples]
     result['translation'][split] = translate(config, model, examples, tokenizer)
+  for split in translate_splits:
+    examples = pipeline.load_examples(config.data, split)
+    if max_examples:
+      examples = examples[:max_examples]
+    result['translation'][split] = translate(config, model, examples, tokenizer)
+  if lengths:
+    result['rope_scaling'] = rope_scaling or 'as trained'
+    result['extrapolation'], per_position = extrapolate(config, model, lengths, modes, stride,
+                                                        stream_split)
+    if per_position:
+      result['extrapolation_plot'] = plot_per_position(
+          workdir, per_position, f'{config.model.position}, rope_scaling={rope_scaling}')
   main_split = 'test' if 'test' in splits else splits[-1]
   result['exact_match'] = result['translation'][main_split]['exact_match']
   result['token_accuracy'] = result['translation'][main_split]['token_accuracy']
@@ -125,15 +271,24 @@ def main(argv):
     print('eval: --workdir is required', file=sys.stderr)
     sys.exit(2)
   try:
-    result = evaluate_run(_WORKDIR.value, _SPLIT.value, _MAX_EXAMPLES.value)
+    result = evaluate_run(
+        _WORKDIR.value, _SPLIT.value, _MAX_EXAMPLES.value, translate_splits=_TRANSLATE.value,
+        lengths=[float(x) for x in _LENGTHS.value], modes=_MODES.value, stride=_STRIDE.value,
+        stream_split=_STREAM_SPLIT.value, rope_scaling=_ROPE_SCALING.value)
+  except ValueError as e:
+    print(f'eval: {e}', file=sys.stderr)
+    sys.exit(2)
   except FileNotFoundError as e:
     print(str(e), file=sys.stderr)
     sys.exit(1)
-  for split in _SPLIT.value:
+  for split in _SPLIT.value + _TRANSLATE.value:
     t = result['translation'][split]
-    print(f'{split}: loss {result["loss"][split]:.4f}  ppl {result["perplexity"][split]:.3f}  '
-          f'exact_match {t["exact_match"]:.4f}  token_accuracy {t["token_accuracy"]:.4f}  '
+    loss = result['loss'].get(split, float('nan'))
+    print(f'{split}: loss {loss:.4f}  ppl {math.exp(min(loss, 50)):.3f}  exact_match {t["exact_match"]:.4f}  token_accuracy {t["token_accuracy"]:.4f}  '
           f'(n={t["n"]})')
+  for row in result.get('extrapolation', []):
+    print(f'extrapolation x{row["multiple"]:g} L={row["length"]} {row["mode"]}: loss '
+          f'{row["loss"]:.4f} target_loss {row["target_loss"]:.4f} ppl {row["ppl"]:.3f}')
   print(f'wrote {os.path.join(_WORKDIR.value, "eval.json")} and {result["loss_curve"]}')
 
 

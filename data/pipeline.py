@@ -320,3 +320,17 @@ def make_iterator(data_config, split: str, batch_size: int, *, arch: str = 'deco
   # A background thread builds the next batches while the (GIL-releasing) train step runs.
   batches = grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=2)
   return DataIterator(batches, num_dropped)
+
+
+def stream_tokens(data_config, split: str) -> tuple[np.ndarray, np.ndarray]:
+  """A split as one token stream in file order, as packing='stream' sees it (for evaluation).
+
+  Returns:
+    (tokens, in_target): `[M]` int32 `<bos> src <sep> tgt <eos> <bos> ...` and `[M]` float32, 1 on
+    target-side tokens (target words and their eos).
+  """
+  _check_split(data_config, split)
+  task, data_dir = _task_and_dir(data_config)
+  parts = [_sequence(p['source'], p['target']) for p in _encoded_split(data_dir, task, split)]
+  return (np.concatenate([t for t, _ in parts]).astype(np.int32),
+          np.concatenate([m for _, m in parts]).astype(np.float32))
