@@ -89,12 +89,13 @@ def finalize(sums):
 
 def train_step(graphdef, tx, base_rng, state, batch):
   """One optimisation step, a pure function of the state (jit it with the state donated)."""
-  rng = jax.random.fold_in(base_rng, state['step'])
+  # Fold the step into the key: a resumed run draws the same dropout/masks as an uninterrupted one.
+  dropout_rng, mask_rng = jax.random.split(jax.random.fold_in(base_rng, state['step']))
 
   def loss_fn(params):
     model = nnx.merge(graphdef, params)
-    logits = model(batch, rngs=nnx.Rngs(dropout=rng))
-    sums = compute_metrics(logits, batch['targets'], batch['weights'])
+    logits, targets, weights = model.loss_terms(batch, rngs=nnx.Rngs(dropout=dropout_rng, mask=mask_rng))
+    sums = compute_metrics(logits, targets, weights)
     return sums['loss_sum'] / jnp.maximum(sums['weight_sum'], 1.0), sums
 
   (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
@@ -108,7 +109,7 @@ def train_step(graphdef, tx, base_rng, state, batch):
 def eval_step(graphdef, params, batch):
   """Summed metrics of one batch without dropout."""
   model = nnx.merge(graphdef, params)
-  return compute_metrics(model(batch), batch['targets'], batch['weights'])
+  return compute_metrics(*model.loss_terms(batch))
 
 
 def evaluate(eval_fn, params, config, split, num_batches, length=None):

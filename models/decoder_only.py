@@ -22,3 +22,10 @@ class DecoderOnly(nnx.Module):
     h = self.decoder(batch['inputs'], segment_ids=batch.get('segment_ids'),
                      positions=batch.get('positions'), is_causal=True, rngs=rngs)  # [B, T, D]
     return self.decoder.embed.attend(h).astype('float32')  # [B, T, V]
+
+  def loss_terms(self, batch, *, rngs=None):
+    """(logits `[B, T, V]`, targets `[B, T]`, weights `[B, T]`) for the training loss.
+
+    `rngs` carries the `dropout` stream while training (None: deterministic evaluation).
+    """
+    return self(batch, rngs=rngs), batch['targets'], batch['weights']
