@@ -29,7 +29,7 @@ def get_config(arg=None):
   model.arch = 'decoder_only'  # decoder_only (more in models.ARCHS)
   model.attention = 'dense'  # attention variant, a key of layers.attention.VARIANTS
   model.attention_impl = 'xla'  # exact softmax kernel: xla | blockwise | pallas | cudnn (GPU)
-  model.position = 'sinusoidal'  # sinusoidal | learned | nope (layers.positions.POSITIONS)
+  model.position = 'sinusoidal'  # sinusoidal | learned | rope | alibi | t5_bias | nope
   model.norm = 'layernorm'  # layernorm | rmsnorm
   model.norm_position = 'pre'  # pre (Pre-LN, final norm added) | post (Post-LN, the original)
   model.ffn = 'relu'  # relu | gelu | swiglu | geglu
@@ -41,6 +41,12 @@ def get_config(arg=None):
   model.d_ff = d_ff  # F, feed-forward width; 0 means 4 * d_model
   model.dropout = 0.0  # dropout rate on embeddings and every sublayer output
   model.use_bias = False  # biases in the attention and feed-forward projections
+  model.rope_base = 10000.0  # RoPE base: theta_i = base^(-2i/d) (position=rope)
+  model.rope_fraction = 1.0  # share of each head's dims RoPE rotates (1.0 = all; rest unrotated)
+  model.rope_scaling = 'none'  # RoPE context scaling: none | pi | ntk | yarn (eval.py can override)
+  model.rope_scaling_factor = 1.0  # its factor s = L_eval / L_train (1.0 = no scaling)
+  model.t5_num_buckets = 32  # T5 relative-position buckets (position=t5_bias), shared by the layers
+  model.t5_max_distance = 128  # T5: distances beyond this share the last bucket
 
   config.train = train = ml_collections.ConfigDict()
   train.steps = 2000  # optimisation steps

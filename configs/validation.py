@@ -6,6 +6,7 @@ from layers import block
 from layers import feed_forward
 from layers import norms
 from layers import positions
+from layers import rope
 
 SCHEDULES = ('cosine', 'linear', 'constant')
 LOSS_ON = ('target', 'all')
@@ -60,6 +61,24 @@ def validate(config):
     divisors = [k for k in range(1, m.num_heads + 1) if m.num_heads % k == 0]
     raise ConfigError(f'model.num_kv_heads={m.num_kv_heads} must divide model.num_heads='
                       f'{m.num_heads}; valid values: {", ".join(map(str, divisors))}')
+  _positive('model.rope_base', m.rope_base)
+  if m.rope_base <= 1:
+    raise ConfigError(f'model.rope_base={m.rope_base!r} must be > 1')
+  if not isinstance(m.rope_fraction, (int, float)) or not 0.0 < m.rope_fraction <= 1.0:
+    raise ConfigError(f'model.rope_fraction={m.rope_fraction!r} must be in (0, 1]')
+  if m.position == 'rope' and rope.rotary_dims(m.d_model // m.num_heads, m.rope_fraction) < 2:
+    raise ConfigError(f'model.rope_fraction={m.rope_fraction!r} rotates no pair of the '
+                      f'{m.d_model // m.num_heads} head dimensions; raise it')
+  _choice('model.rope_scaling', m.rope_scaling, rope.SCALINGS)
+  _positive('model.rope_scaling_factor', m.rope_scaling_factor)
+  if m.rope_scaling != 'none' and m.rope_scaling_factor < 1:
+    raise ConfigError(f'model.rope_scaling_factor={m.rope_scaling_factor!r} must be >= 1 (it is '
+                      'L_eval / L_train)')
+  if (not isinstance(m.t5_num_buckets, int) or m.t5_num_buckets < 4 or m.t5_num_buckets % 2):
+    raise ConfigError(f'model.t5_num_buckets={m.t5_num_buckets!r} must be an even integer >= 4')
+  if not isinstance(m.t5_max_distance, int) or m.t5_max_distance <= m.t5_num_buckets // 2:
+    raise ConfigError(f'model.t5_max_distance={m.t5_max_distance!r} must be an integer > '
+                      f'model.t5_num_buckets // 2 = {m.t5_num_buckets // 2}')
   if not 0.0 <= m.dropout < 1.0:
     raise ConfigError(f'model.dropout={m.dropout!r} must be in [0, 1)')
   if m.attention_impl == 'cudnn':

@@ -3,11 +3,18 @@
 A position object has two hooks: `embed(x, positions)` for absolute methods that add a vector to the
 token embeddings, and `in_attention(q, k, q_pos, k_pos, is_causal=...)` for methods that act on the
 scores (RoPE rotates q and k; ALiBi and T5 add a bias). Each method implements the one it needs.
+One object is built per stack and shared by its layers (one T5 table per stack, as in T5).
 """
+
+import math
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from layers import rope
+
+rope_inv_freq = rope.rope_inv_freq  # re-exported: the RoPE frequencies under a scaling
 
 
 class Position(nnx.Module):
@@ -71,23 +78,157 @@ class Learned(Position):
     return x + self.table(positions).astype(x.dtype)  # [B, T, D]
 
 
-def no_position(d_model, max_length, *, rngs):
-  del d_model, max_length, rngs
-  return Position()
+def alibi_slopes(num_heads):
+  """ALiBi's per-head slopes (Press et al. 2022; `get_slopes` of the reference code).
+
+  For h a power of two: 2^(-8/h), 2^(-16/h), ..., 2^(-8). Otherwise the slopes of the closest
+  smaller power of two, then every other slope of the sequence for twice that many heads.
+
+  Returns:
+    float64 numpy array `[N]`.
+  """
+  def power_of_two(n):
+    start = 2.0 ** (-8.0 / n)
+    return [start ** (i + 1) for i in range(n)]
+
+  if num_heads <= 0:
+    raise ValueError(f'num_heads must be positive, got {num_heads}')
+  if math.log2(num_heads).is_integer():
+    return np.array(power_of_two(num_heads))
+  closest = 2 ** math.floor(math.log2(num_heads))
+  extra = alibi_slopes(2 * closest)[0::2][:num_heads - closest]
+  return np.concatenate([power_of_two(closest), extra])
 
 
+class ALiBi(Position):
+  """A fixed per-head linear penalty -slope * |i - j| on the scores (no parameters).
+
+  The kernels compute |i - j| from array indices, in place: right for every packing here (the
+  positions of a row are 0..T-1, or restart per contiguous segment whose cross-segment scores are
+  masked anyway). It is the paper's causal form in decoders and the symmetric form in encoders.
+  """
+
+  def __init__(self, num_heads):
+    self.num_heads = num_heads
+
+  def in_attention(self, q, k, q_pos, k_pos, *, is_causal):
+    del q_pos, k_pos, is_causal
+    return q, k, {'alibi_slopes': jnp.asarray(alibi_slopes(self.num_heads), jnp.float32)}
+
+
+def t5_relative_position_bucket(relative_position, *, bidirectional, num_buckets=32,
+                                max_distance=128):
+  """T5's bucket of relative position j - i (transformers' `_relative_position_bucket`).
+
+  Bidirectional: half the buckets for j > i, half for j <= i. Within a half, distances below
+  half of its buckets get one bucket each; the rest are log-spaced up to `max_distance`, beyond
+  which everything shares the last bucket. Unidirectional (causal): only j <= i, all buckets for it.
+
+  Args:
+    relative_position: int array, key position minus query position.
+    bidirectional: encoders True, causal decoders False.
+    num_buckets, max_distance: as in T5 (32, 128).
+
+  Returns:
+    int32 array of the same shape, in [0, num_buckets).
+  """
+  rel = jnp.asarray(relative_position, jnp.int32)
+  buckets = jnp.zeros_like(rel)
+  if bidirectional:
+    num_buckets //= 2
+    buckets = buckets + (rel > 0).astype(jnp.int32) * num_buckets
+    dist = jnp.abs(rel)
+  else:
+    dist = -jnp.minimum(rel, 0)
+  max_exact = num_buckets // 2
+  # Clamped to >= 1 before the log so that the (unused) small branch never computes log(0).
+  large = max_exact + (jnp.log(jnp.maximum(dist, 1).astype(jnp.float32) / max_exact)
+                       / math.log(max_distance / max_exact)
+                       * (num_buckets - max_exact)).astype(jnp.int32)
+  large = jnp.minimum(large, num_buckets - 1)
+  return buckets + jnp.where(dist < max_exact, dist, large)
+
+
+class T5Bias(Position):
+  """A learned scalar per (relative-position bucket, head) added to the scores (Raffel et al.)."""
+
+  def __init__(self, num_heads, d_model, *, num_buckets=32, max_distance=128, rngs):
+    self.num_buckets, self.max_distance = num_buckets, max_distance
+    # transformers' T5 init: normal with stddev d_model^-0.5.
+    self.table = nnx.Embed(num_buckets, num_heads, rngs=rngs,
+                           embedding_init=nnx.initializers.normal(stddev=d_model ** -0.5))
+
+  def in_attention(self, q, k, q_pos, k_pos, *, is_causal):
+    if q_pos is None:
+      q_pos = jnp.arange(q.shape[1])[None]  # [1, T]
+    if k_pos is None:
+      k_pos = jnp.arange(k.shape[1])[None]  # [1, S]
+    rel = k_pos[:, None, :] - q_pos[:, :, None]  # [B, T, S]
+    buckets = t5_relative_position_bucket(rel, bidirectional=not is_causal,
+                                          num_buckets=self.num_buckets,
+                                          max_distance=self.max_distance)  # [B, T, S]
+    bias = self.table(buckets).transpose(0, 3, 1, 2)  # [B, N, T, S]
+    return q, k, {'bias': bias}
+
+
+def _rope(cfg, max_length, *, rngs):
+  del rngs
+  return rope.RoPE(cfg.d_model // cfg.num_heads, fraction=cfg.rope_fraction, base=cfg.rope_base,
+                   scaling=cfg.rope_scaling, factor=cfg.rope_scaling_factor,
+                   original_max_length=max_length)
+
+
+# Factories `(config.model, max_length, *, rngs) -> position object`, keyed by
+# `config.model.position`.
 POSITIONS = {
-    'nope': no_position,
-    'sinusoidal': Sinusoidal,
-    'learned': Learned,
+    'nope': lambda cfg, max_length, *, rngs: Position(),
+    'sinusoidal': lambda cfg, max_length, *, rngs: Sinusoidal(cfg.d_model, max_length, rngs=rngs),
+    'learned': lambda cfg, max_length, *, rngs: Learned(cfg.d_model, max_length, rngs=rngs),
+    'rope': _rope,
+    'alibi': lambda cfg, max_length, *, rngs: ALiBi(cfg.num_heads),
+    't5_bias': lambda cfg, max_length, *, rngs: T5Bias(
+        cfg.num_heads, cfg.d_model, num_buckets=cfg.t5_num_buckets,
+        max_distance=cfg.t5_max_distance, rngs=rngs),
 }
 
 
-def make(name, d_model, max_length, *, rngs):
-  """Builds the position method `name` (a key of POSITIONS)."""
-  if name not in POSITIONS:
-    raise ValueError(f'position {name!r} unknown; valid: {sorted(POSITIONS)}')
-  return POSITIONS[name](d_model, max_length, rngs=rngs)
+def make(cfg, max_length, *, rngs):
+  """Builds the position method `cfg.position` (a key of POSITIONS).
+
+  Args:
+    cfg: `config.model` (position, d_model, num_heads, and rope_* / t5_* for those methods).
+    max_length: the training length (learned tables; YaRN's original context).
+    rngs: parameter initialisation.
+  """
+  if cfg.position not in POSITIONS:
+    raise ValueError(f'position {cfg.position!r} unknown; valid: {sorted(POSITIONS)}')
+  return POSITIONS[cfg.position](cfg, max_length, rngs=rngs)
+
+
+def with_rope_scaling(model, scaling, factor):
+  """Sets the RoPE context scaling of every RoPE object in a built NNX model, in place.
+
+  No parameter changes, so it applies to a restored checkpoint (eval.py's `--rope_scaling`). The
+  scaling lives in the graph definition: split the model (or re-split) after calling this.
+
+  Args:
+    model: an NNX module.
+    scaling: 'none' | 'pi' | 'ntk' | 'yarn'.
+    factor: the scaling factor.
+
+  Returns:
+    `model`.
+
+  Raises:
+    ValueError: the model has no RoPE position, or the scaling is invalid.
+  """
+  found = [node for _, node in nnx.iter_graph(model) if isinstance(node, rope.RoPE)]
+  if not found:
+    raise ValueError('with_rope_scaling: the model has no RoPE position (config.model.position '
+                     "must be 'rope')")
+  for node in found:
+    node.set_scaling(scaling, factor)
+  return model
 
 
 def shift_matrix(delta, d_model, base=10000.0):

@@ -27,7 +27,7 @@ class Stack(nnx.Module):
     self.embed = embed if embed is not None else nnx.Embed(
         vocab_size, cfg.d_model, rngs=rngs,
         embedding_init=nnx.initializers.normal(stddev=1.0 / math.sqrt(cfg.d_model)))
-    self.position = positions_lib.make(cfg.position, cfg.d_model, max_length, rngs=rngs)
+    self.position = positions_lib.make(cfg, max_length, rngs=rngs)
     self.blocks = nnx.List([block.Block(cfg, cross_attention=cross_attention, rngs=rngs)
                             for _ in range(cfg.num_layers)])
     self.final_norm = (norms.NORMS[cfg.norm](cfg.d_model, rngs=rngs)

@@ -84,7 +84,8 @@ def test_sinusoidal_shift_is_a_fixed_linear_map():
 
 
 def test_learned_positions_reject_longer_inputs():
-  pos = positions.make('learned', 8, 16, rngs=nnx.Rngs(0))
+  pos = positions.make(model_config(position='learned', d_model=8, num_heads=2), 16,
+                       rngs=nnx.Rngs(0))
   pos.embed(jnp.zeros((1, 16, 8)), jnp.arange(16)[None])
   with pytest.raises(ValueError, match='max_length=16'):
     pos.embed(jnp.zeros((1, 17, 8)), jnp.arange(17)[None])

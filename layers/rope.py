@@ -1,0 +1,164 @@
+"""Rotary position embedding (RoPE, Su et al. 2021) with PI, NTK and YaRN context scaling."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# Context-window scalings, keyed by `config.model.rope_scaling` (and eval.py's `--rope_scaling`).
+SCALINGS = ('none', 'pi', 'ntk', 'yarn')
+
+# YaRN's ramp bounds (Peng et al. 2023, sec. 3.2: alpha = 1, beta = 32 rotations over the original
+# context), named as in transformers' `_compute_yarn_parameters` (beta_slow, beta_fast).
+YARN_BETA_SLOW = 1.0
+YARN_BETA_FAST = 32.0
+
+
+def rotary_dims(head_dim, fraction):
+  """Rotated dimensions of a head: `fraction` of H rounded down to an even number (pairs rotate)."""
+  return 2 * int(head_dim * fraction // 2)
+
+
+def _yarn_correction_dim(num_rotations, dim, base, original_max_length):
+  """The frequency index i whose wavelength 2*pi*base^(2i/d) fits `num_rotations` times into L."""
+  return dim * math.log(original_max_length / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def rope_inv_freq(head_dim_rotary, base=10000.0, scaling='none', factor=1.0,
+                  original_max_length=None):
+  """Inverse frequencies theta_i = base^(-2i/d), i < d/2, after a context scaling.
+
+  Args:
+    head_dim_rotary: d, the rotated dimensions (even).
+    base: RoPE base (10000 in Su et al.).
+    scaling: 'none' | 'pi' (Chen et al. 2023: positions x 1/factor, i.e. theta_i / factor) |
+      'ntk' (bloc97's NTK-aware rule: base x factor^(d/(d-2)), so the lowest frequency is
+      interpolated by `factor` and the highest is kept) | 'yarn' (Peng et al. 2023, below).
+    factor: s = L_eval / L_train (1.0 = no scaling).
+    original_max_length: L, the training context (used by 'yarn' only).
+
+  Returns:
+    float64 numpy array `[d/2]`.
+  """
+  d = head_dim_rotary
+  if d < 2 or d % 2:
+    raise ValueError(f'rotary dimensions must be even and >= 2, got {d}')
+  if scaling not in SCALINGS:
+    raise ValueError(f'rope_scaling {scaling!r} unknown; valid: {list(SCALINGS)}')
+  if factor <= 0:
+    raise ValueError(f'rope_scaling_factor must be positive, got {factor}')
+  if scaling == 'ntk':
+    base = base * factor ** (d / (d - 2))
+  inv_freq = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)  # [d/2]
+  if scaling == 'pi':
+    return inv_freq / factor
+  if scaling == 'yarn':
+    if original_max_length is None:
+      raise ValueError("rope_scaling='yarn' needs the original training length")
+    # "NTK-by-parts" as in transformers' `_compute_yarn_parameters` (modeling_rope_utils.py,
+    # truncate=True) and the paper's reference code (jquesnelle/yarn): frequencies that turn fewer
+    # than beta_slow times over L are interpolated (theta / s), those turning more than beta_fast
+    # times are kept (extrapolated), and between them a ramp blends the two. The ramp is linear in
+    # the index i between the rounded bounds (the code's rule; eq. 18 writes it linear in r).
+    low = math.floor(_yarn_correction_dim(YARN_BETA_FAST, d, base, original_max_length))
+    high = math.ceil(_yarn_correction_dim(YARN_BETA_SLOW, d, base, original_max_length))
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+      high += 0.001  # as transformers: avoid a zero-width ramp
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)  # [d/2]
+    extrapolate = 1.0 - ramp  # 1 for high frequencies (i < low), 0 for low ones (i > high)
+    return inv_freq / factor * (1.0 - extrapolate) + inv_freq * extrapolate
+  return inv_freq
+
+
+def attention_factor(scaling, factor):
+  """YaRN's temperature: q and k are each multiplied by 0.1 ln(s) + 1 (1 for other scalings).
+
+  Peng et al. 2023 eq. 22 write softmax(q.k / (t sqrt(d))) with sqrt(1/t) = 0.1 ln(s) + 1, so the
+  logits are scaled by (0.1 ln s + 1)^2, i.e. q and k by 0.1 ln s + 1 each; transformers'
+  `_compute_yarn_parameters` returns that `attention_factor` and multiplies cos and sin by it.
+  """
+  if scaling != 'yarn' or factor <= 1.0:
+    return 1.0
+  return 0.1 * math.log(factor) + 1.0
+
+
+def apply_rope(x, positions, inv_freq, scale=1.0):
+  """Rotates the first 2*len(inv_freq) dimensions of each head by position * theta_i.
+
+  Pairs are (x_i, x_{i + d/2}) ("rotate half", as GPT-NeoX, gemma and transformers); the remaining
+  dimensions (partial rotary) pass through.
+
+  Args:
+    x: `[B, T, N, H]`.
+    positions: `[B, T]` (or `[1, T]`) int positions, absolute within each sequence.
+    inv_freq: `[d/2]` float32 inverse frequencies.
+    scale: multiplies the whole result (YaRN's temperature; 1.0 otherwise).
+
+  Returns:
+    `[B, T, N, H]` in x's dtype.
+  """
+  d = 2 * inv_freq.shape[0]
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, d/2]
+  cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, d/2]
+  sin = jnp.sin(angles)[:, :, None, :]  # [B, T, 1, d/2]
+  xf = x.astype(jnp.float32)
+  x1, x2 = xf[..., :d // 2], xf[..., d // 2:d]  # [B, T, N, d/2] each
+  rest = xf[..., d:]  # [B, T, N, H - d], not rotated
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)  # [B, T, N, H]
+  if scale != 1.0:
+    # On every dimension, so that the logits get the paper's temperature even with partial rotary
+    # (transformers scales only the rotated dimensions; identical when the fraction is 1).
+    out = out * scale
+  return out.astype(x.dtype)
+
+
+class RoPE(nnx.Module):
+  """Rotates q and k by their positions: <R(i) q, R(j) k> depends on j - i only.
+
+  The scaling is plain Python attributes (static in NNX's graph definition, not parameters), so
+  `layers.positions.with_rope_scaling` can change it on a built or restored model at evaluation.
+  """
+
+  def __init__(self, head_dim, *, fraction=1.0, base=10000.0, scaling='none', factor=1.0,
+               original_max_length=None):
+    """Args:
+      head_dim: H.
+      fraction: part of H that is rotated (1.0 = all; the rest carries no position).
+      base: RoPE base.
+      scaling, factor: see `rope_inv_freq`.
+      original_max_length: the training length L (YaRN's ramp).
+    """
+    self.head_dim = head_dim
+    self.rotary_dims = rotary_dims(head_dim, fraction)
+    self.base = float(base)
+    self.original_max_length = original_max_length
+    self.set_scaling(scaling, factor)
+
+  def set_scaling(self, scaling, factor):
+    """Sets the context scaling ('none' | 'pi' | 'ntk' | 'yarn') and its factor."""
+    rope_inv_freq(self.rotary_dims, self.base, scaling, factor, self.original_max_length)  # checks
+    self.scaling, self.factor = scaling, float(factor)
+
+  def inv_freq(self):
+    """`[d/2]` float64 numpy inverse frequencies under the current scaling."""
+    return rope_inv_freq(self.rotary_dims, self.base, self.scaling, self.factor,
+                         self.original_max_length)
+
+  def embed(self, x, positions):
+    del positions
+    return x
+
+  def check_length(self, length):
+    del length
+
+  def in_attention(self, q, k, q_pos, k_pos, *, is_causal):
+    del is_causal
+    if q_pos is None:
+      q_pos = jnp.arange(q.shape[1])[None]  # [1, T]
+    if k_pos is None:
+      k_pos = jnp.arange(k.shape[1])[None]  # [1, S]
+    inv_freq = jnp.asarray(self.inv_freq(), jnp.float32)  # [d/2]
+    scale = attention_factor(self.scaling, self.factor)
+    return apply_rope(q, q_pos, inv_freq, scale), apply_rope(k, k_pos, inv_freq, scale), {}
