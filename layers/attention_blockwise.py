@@ -1,0 +1,301 @@
+"""Blockwise (FlashAttention-2) exact attention in pure JAX: online softmax over key blocks, O(T) memory.
+
+The forward pass visits query blocks one after another and, for each, only the band of key blocks that
+`is_causal`/`window` leave visible, carrying the running max, denominator and un-normalised output.
+A `jax.custom_vjp` keeps only the output and the per-row logsumexp as residuals and recomputes the
+probabilities block by block in the backward pass; autodiff through the loops would instead store
+every block's probabilities and make memory quadratic again.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from layers import masks
+
+# Measured on a 2-core CPU (benchmarks/attention.py): 512x512 blocks keep the per-block matmuls large
+# enough to run at matmul speed while the [B, N, bq, bk] probability tile stays in cache-sized memory.
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
+
+
+class Config(NamedTuple):
+  """Static (hashable) settings of one kernel call."""
+  scale: float
+  is_causal: bool
+  window: tuple | None
+  q_len: int  # T before padding
+  kv_len: int  # S before padding
+  block_q: int
+  block_k: int
+
+
+def _floor_div(x, d):
+  """x // d for x >= 0, as `lax.div` (also lowers where `//` on a program id does not, e.g. Triton)."""
+  return lax.div(x, jnp.asarray(d, x.dtype))
+
+
+def key_block_band(i, cfg, num_k_blocks):
+  """[lo, hi) of the key blocks that may hold a key visible from query block i (i: int32 scalar).
+
+  Blocks outside the band are hidden by causality or the window, so they are never computed.
+  """
+  i = jnp.asarray(i, jnp.int32)
+  q_first = i * cfg.block_q
+  q_last = q_first + (cfg.block_q - 1)
+  lo, hi = jnp.int32(0), jnp.int32(num_k_blocks)
+  if cfg.window is not None:
+    left, right = cfg.window
+    lo = _floor_div(jnp.maximum(q_first - left, 0), cfg.block_k)
+    # ceil((q_last + right + 1) / bk): one past the block of the last key in reach (0 if none).
+    hi = jnp.minimum(hi, _floor_div(jnp.maximum(q_last + right + cfg.block_k, 0), cfg.block_k))
+  if cfg.is_causal:
+    hi = jnp.minimum(hi, _floor_div(q_last, cfg.block_k) + 1)
+  return lo, hi
+
+
+def query_block_band(j, cfg, num_q_blocks):
+  """[lo, hi) of the query blocks that may see a key of key block j (the transpose of the band)."""
+  j = jnp.asarray(j, jnp.int32)
+  k_first = j * cfg.block_k
+  k_last = k_first + (cfg.block_k - 1)
+  lo, hi = jnp.int32(0), jnp.int32(num_q_blocks)
+  if cfg.window is not None:
+    left, right = cfg.window
+    lo = _floor_div(jnp.maximum(k_first - right, 0), cfg.block_q)
+    hi = jnp.minimum(hi, _floor_div(jnp.maximum(k_last + left + cfg.block_q, 0), cfg.block_q))
+  if cfg.is_causal:
+    lo = jnp.maximum(lo, _floor_div(k_first, cfg.block_q))
+  return lo, hi
+
+
+def block_logits(q, k, i, j, cfg, *, bias=None, mask=None, slopes=None, q_seg=None, kv_seg=None):
+  """Scaled, biased scores of query block i against key block j, -inf where hidden.
+
+  Args:
+    q: `[B, K, G, bq, H]`; k: `[B, K, bk, H]`.
+    i, j: block indices (traced).
+    bias: None or `[b, K|1, G|1, bq|1, bk|1]` float32 (already sliced to the block).
+    mask: None or boolean, shaped like `bias`.
+    slopes: None or `[N]` ALiBi slopes.
+    q_seg, kv_seg: None or `[B, bq]`, `[B, bk]`.
+
+  Returns:
+    `[B, K, G, bq, bk]` float32.
+  """
+  b, kh, g, bq, _ = q.shape
+  bk = k.shape[2]
+  s = jnp.einsum('BKGTH,BKSH->BKGTS', q, k, preferred_element_type=jnp.float32) * cfg.scale
+  q_pos = i * cfg.block_q + jnp.arange(bq)[:, None]  # [bq, 1]
+  k_pos = j * cfg.block_k + jnp.arange(bk)[None, :]  # [1, bk]
+  if bias is not None:
+    s = s + bias
+  if slopes is not None:
+    # From the block's positions: the [N, T, S] bias is never formed.
+    s = s + masks.alibi_bias(slopes, q_pos, k_pos).reshape(kh, g, bq, bk)
+  vis = masks.visible(q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
+                      q_seg=None if q_seg is None else q_seg[:, :, None],
+                      k_seg=None if kv_seg is None else kv_seg[:, None, :])
+  # Keys past S are padding of the last block.
+  if cfg.kv_len % cfg.block_k:
+    in_range = k_pos < cfg.kv_len  # [1, bk]
+    vis = in_range if vis is None else vis & in_range
+  if vis is None and mask is None:
+    return s
+  if vis is not None and vis.ndim == 3:
+    vis = vis[:, None, None]  # [B, 1, 1, bq, bk]
+  if mask is not None:
+    vis = mask if vis is None else vis & mask
+  # -inf (not a large finite value): exp gives exact zeros, and the running max of a row that has seen
+  # no visible key stays -inf, which `_safe` below turns into a finite shift.
+  return jnp.where(vis, s, -jnp.inf)
+
+
+def _safe(m):
+  """A row max usable as an exp shift: -inf (no visible key yet) becomes 0, so exp(-inf - 0) = 0."""
+  return jnp.where(jnp.isneginf(m), 0.0, m)
+
+
+def _slice_bt(x, i, j, cfg):
+  """Block (i, j) of a `[b, K|1, G|1, Tp|1, Sp|1]` bias or mask; size-1 axes stay broadcast."""
+  if x is None:
+    return None
+  if x.shape[3] != 1:
+    x = lax.dynamic_slice_in_dim(x, i * cfg.block_q, cfg.block_q, axis=3)
+  if x.shape[4] != 1:
+    x = lax.dynamic_slice_in_dim(x, j * cfg.block_k, cfg.block_k, axis=4)
+  return x
+
+
+def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg):
+  """Online-softmax forward over blocked inputs.
+
+  Args:
+    q: `[nq, B, K, G, bq, H]`; k, v: `[nk, B, K, bk, H]`; bias/mask: see `_slice_bt`;
+    q_seg: `[nq, B, bq]`; kv_seg: `[nk, B, bk]`.
+
+  Returns:
+    out `[nq, B, K, G, bq, H]` float32 and logsumexp `[nq, B, K, G, bq]` (+inf on empty rows).
+  """
+  nq, nk = q.shape[0], k.shape[0]
+
+  def one_query_block(_, xs):
+    i, qb, qs = xs
+    shape = qb.shape[:-1]  # [B, K, G, bq]
+
+    def body(j, carry):
+      m, l, acc = carry
+      s = block_logits(qb, k[j], i, j, cfg, bias=_slice_bt(bias, i, j, cfg),
+                       mask=_slice_bt(mask, i, j, cfg), slopes=slopes, q_seg=qs,
+                       kv_seg=None if kv_seg is None else kv_seg[j])  # [B, K, G, bq, bk]
+      m_new = jnp.maximum(m, s.max(-1))
+      shift = _safe(m_new)
+      p = jnp.exp(s - shift[..., None])  # [B, K, G, bq, bk]
+      # The max grew: earlier blocks' sums were taken against a smaller shift, rescale them.
+      alpha = jnp.exp(m - shift)
+      l = alpha * l + p.sum(-1)
+      pv = jnp.einsum('BKGTS,BKSH->BKGTH', p.astype(v.dtype), v[j],
+                      preferred_element_type=jnp.float32)
+      return m_new, l, alpha[..., None] * acc + pv
+
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(qb.shape, jnp.float32))
+    lo, hi = key_block_band(i, cfg, nk)
+    m, l, acc = lax.fori_loop(lo, hi, body, init)
+    empty = l == 0.0
+    out = acc / jnp.where(empty, 1.0, l)[..., None]  # [B, K, G, bq, H], zeros on empty rows
+    # +inf on rows without a visible key makes every recomputed probability exp(s - inf) = 0.
+    lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    return None, (out, lse)
+
+  _, (out, lse) = lax.scan(one_query_block, None, (jnp.arange(nq), q, q_seg))
+  return out, lse
+
+
+def _backward(cfg, res, d_out):
+  """FlashAttention-2 backward: per key block, sweep its query band, recomputing probabilities."""
+  q, k, v, bias, mask, slopes, q_seg, kv_seg, out, lse = res
+  nq, nk = q.shape[0], k.shape[0]
+  do = d_out.astype(jnp.float32)
+  delta = jnp.sum(do * out, axis=-1)  # [nq, B, K, G, bq]: rowsum(dO * O) = sum_j P_ij dP_ij
+  do = d_out.astype(q.dtype)
+
+  def one_key_block(carry, xs):
+    j, kb, vb, ks = xs
+
+    def body(i, carry):
+      dk, dv, dq, dbias = carry
+      bias_ij = _slice_bt(bias, i, j, cfg)
+      s = block_logits(q[i], kb, i, j, cfg, bias=bias_ij, mask=_slice_bt(mask, i, j, cfg),
+                       slopes=slopes, q_seg=None if q_seg is None else q_seg[i], kv_seg=ks)
+      p = jnp.exp(s - lse[i][..., None])  # [B, K, G, bq, bk]
+      dv = dv + jnp.einsum('BKGTS,BKGTH->BKSH', p.astype(do.dtype), do[i],
+                           preferred_element_type=jnp.float32)
+      dp = jnp.einsum('BKGTH,BKSH->BKGTS', do[i], vb, preferred_element_type=jnp.float32)
+      ds = p * (dp - delta[i][..., None])  # d loss / d scaled-and-biased score
+      dk = dk + cfg.scale * jnp.einsum('BKGTS,BKGTH->BKSH', ds.astype(q.dtype), q[i],
+                                       preferred_element_type=jnp.float32)
+      dq_i = cfg.scale * jnp.einsum('BKGTS,BKSH->BKGTH', ds.astype(kb.dtype), kb,
+                                    preferred_element_type=jnp.float32)
+      dq = dq.at[i].add(dq_i)
+      if dbias is not None:
+        # Sum over the axes the bias broadcasts along, then add into its block.
+        axes = tuple(a for a in range(5) if bias.shape[a] == 1 and ds.shape[a] != 1)
+        db = jnp.sum(ds, axis=axes, keepdims=True)
+        start = (0, 0, 0, 0 if bias.shape[3] == 1 else i * cfg.block_q,
+                 0 if bias.shape[4] == 1 else j * cfg.block_k)
+        dbias = lax.dynamic_update_slice(
+            dbias, lax.dynamic_slice(dbias, start, db.shape) + db, start)
+      return dk, dv, dq, dbias
+
+    dq, dbias = carry
+    init = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32), dq, dbias)
+    lo, hi = query_block_band(j, cfg, nq)
+    dk, dv, dq, dbias = lax.fori_loop(lo, hi, body, init)
+    return (dq, dbias), (dk, dv)
+
+  dbias0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+  (dq, dbias), (dk, dv) = lax.scan(one_key_block, (jnp.zeros(q.shape, jnp.float32), dbias0),
+                                   (jnp.arange(nk), k, v, kv_seg))
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+          None if bias is None else dbias.astype(bias.dtype), None, None, None, None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg):
+  return _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg)[0]
+
+
+def _flash_fwd(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg):
+  out, lse = _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg)
+  # Only O(T) residuals: inputs, output and one logsumexp per row.
+  return out, (q, k, v, bias, mask, slopes, q_seg, kv_seg, out, lse)
+
+
+_flash.defvjp(_flash_fwd, _backward)
+
+
+def _pad_axis(x, axis, size, value=0):
+  pad = size - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _blocked_bt(x, n, k, t_pad, s_pad):
+  """A bias/mask broadcastable to `[B, N, T, S]` as `[b, K|1, G|1, Tp|1, Sp|1]`, padded."""
+  if x is None:
+    return None
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  if x.shape[2] != 1:
+    x = _pad_axis(x, 2, t_pad, False if x.dtype == jnp.bool_ else 0)
+  if x.shape[3] != 1:
+    x = _pad_axis(x, 3, s_pad, False if x.dtype == jnp.bool_ else 0)
+  heads = (k, n // k) if x.shape[1] == n else (1, 1)
+  return x.reshape(x.shape[:1] + heads + x.shape[2:])
+
+
+def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
+              alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None,
+              block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
+  """Exact attention in `[block_q, block_k]` tiles; the arguments are those of `attention_xla`.
+
+  Args:
+    query: `[B, T, N, H]`.
+    key, value: `[B, S, K, H]`, N a multiple of K (query heads n share key/value head n // G).
+    bias: None or broadcastable to `[B, N, T, S]` (receives a gradient).
+    mask: None or boolean broadcastable to `[B, N, T, S]`, True where visible.
+    scale, is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids: see `attention_xla`.
+    block_q, block_k: tile sizes (clipped to T and S); T and S need not be multiples of them.
+
+  Returns:
+    `[B, T, N, H]` in the query's dtype; rows with no visible key are zeros.
+  """
+  b, t, n, h = query.shape
+  s, kh = key.shape[1], key.shape[2]
+  g = n // kh
+  bq, bk = min(block_q, t), min(block_k, s)
+  nq, nk = -(-t // bq), -(-s // bk)
+  tp, sp = nq * bq, nk * bk
+  cfg = Config(float(scale), bool(is_causal), None if window is None else tuple(window), t, s, bq, bk)
+
+  # Block-major layouts, so that a block is one contiguous leading-axis slice.
+  q = _pad_axis(query, 1, tp).reshape(b, nq, bq, kh, g, h).transpose(1, 0, 3, 4, 2, 5)
+  k = _pad_axis(key, 1, sp).reshape(b, nk, bk, kh, h).transpose(1, 0, 3, 2, 4)  # [nk, B, K, bk, H]
+  v = _pad_axis(value, 1, sp).reshape(b, nk, bk, kh, -1).transpose(1, 0, 3, 2, 4)
+  q_seg = kv_seg = None
+  if q_segment_ids is not None:
+    q_seg = _pad_axis(q_segment_ids, 1, tp).reshape(b, nq, bq).transpose(1, 0, 2)  # [nq, B, bq]
+    kv_seg = _pad_axis(kv_segment_ids, 1, sp).reshape(b, nk, bk).transpose(1, 0, 2)  # [nk, B, bk]
+  bias5 = _blocked_bt(None if bias is None else bias.astype(jnp.float32), n, kh, tp, sp)
+  mask5 = _blocked_bt(None if mask is None else mask.astype(jnp.bool_), n, kh, tp, sp)
+  slopes = None if alibi_slopes is None else lax.stop_gradient(alibi_slopes)
+
+  out = _flash(cfg, q, k, v, bias5, mask5, slopes, q_seg, kv_seg)  # [nq, B, K, G, bq, H]
+  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, n, -1)[:, :t]  # [B, T, N, H]
+  return out.astype(query.dtype)

@@ -1,0 +1,357 @@
+"""FlashAttention-2 as Pallas kernels (forward, dQ, dK/dV); interpreted on CPU, Triton on GPU.
+
+The algorithm and the visible-block bands are those of `layers.attention_blockwise`; masks and the
+ALiBi bias come from `layers.masks` evaluated on each tile's positions. One program handles one
+(batch, head, block) tile; loops over the other sequence run inside the kernel over the band only.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from layers import attention_blockwise as blockwise
+from layers import masks
+
+# Tile sizes (powers of two for the GPU lowering, which wants power-of-two tensor shapes).
+DEFAULT_BLOCK_Q = 64
+DEFAULT_BLOCK_K = 64
+
+
+def _tile_logits(q, k, i, j, cfg, *, bias=None, mask=None, slope=None, q_seg=None, kv_seg=None):
+  """Scaled, biased scores `[bq, bk]` (float32) of query tile i and key tile j, -inf where hidden.
+
+  q `[bq, H]`, k `[bk, H]`; bias `[bq, bk]`; mask int8 `[bq, bk]`; slope `[1]`; segs `[bq]`, `[bk]`.
+  """
+  bq, bk = q.shape[0], k.shape[0]
+  s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * cfg.scale  # [bq, bk]
+  q_pos = i * cfg.block_q + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)  # [bq, 1]
+  k_pos = j * cfg.block_k + lax.broadcasted_iota(jnp.int32, (1, bk), 1)  # [1, bk]
+  if bias is not None:
+    s = s + bias.astype(jnp.float32)
+  if slope is not None:
+    s = s + masks.alibi_bias(slope, q_pos, k_pos)[0]
+  vis = masks.visible(q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
+                      q_seg=None if q_seg is None else q_seg[:, None],
+                      k_seg=None if kv_seg is None else kv_seg[None, :])
+  in_range = k_pos < cfg.kv_len  # keys past S pad the last tile
+  vis = in_range if vis is None else vis & in_range
+  if mask is not None:
+    vis = vis & (mask != 0)
+  # -inf gives exact zeros after exp; see `attention_blockwise.block_logits`.
+  return jnp.where(vis, s, -jnp.inf)
+
+
+def _safe(m):
+  return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def _unpack(refs, flags):
+  """Splits the kernel's refs into named optional inputs (absent ones are None) and the rest."""
+  refs = list(refs)
+  named = {}
+  for name in ('bias', 'mask', 'slopes', 'q_seg', 'kv_seg'):
+    named[name] = refs.pop(0) if flags[name] else None
+  return named, refs
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg, flags, num_k_blocks):
+  opt, (o_ref, lse_ref) = _unpack(refs, flags)
+  i = pl.program_id(2)
+  q = q_ref[...]  # [bq, H]
+  q_seg = None if opt['q_seg'] is None else opt['q_seg'][...]
+  slope = None if opt['slopes'] is None else opt['slopes'][...]
+  bk = cfg.block_k
+
+  def body(j, carry):
+    m, l, acc = carry
+    cols = pl.ds(j * bk, bk)
+    s = _tile_logits(
+        q, k_ref[cols, :], i, j, cfg,
+        bias=None if opt['bias'] is None else opt['bias'][:, cols],
+        mask=None if opt['mask'] is None else opt['mask'][:, cols], slope=slope, q_seg=q_seg,
+        kv_seg=None if opt['kv_seg'] is None else opt['kv_seg'][cols])  # [bq, bk]
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    shift = _safe(m_new)
+    p = jnp.exp(s - shift[:, None])
+    alpha = jnp.exp(m - shift)  # rescales earlier tiles when the running max grows
+    v = v_ref[cols, :]
+    acc = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, alpha * l + p.sum(axis=-1), acc
+
+  bq, h = q.shape
+  init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
+          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32))
+  lo, hi = blockwise.key_block_band(i, cfg, num_k_blocks)
+  m, l, acc = lax.fori_loop(lo, hi, body, init)
+  empty = l == 0.0
+  o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, flags, num_k_blocks):
+  opt, (dq_ref,) = _unpack(refs, flags)
+  i = pl.program_id(2)
+  q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+  q_seg = None if opt['q_seg'] is None else opt['q_seg'][...]
+  slope = None if opt['slopes'] is None else opt['slopes'][...]
+  bk = cfg.block_k
+
+  def body(j, dq):
+    cols = pl.ds(j * bk, bk)
+    k = k_ref[cols, :]
+    s = _tile_logits(
+        q, k, i, j, cfg, bias=None if opt['bias'] is None else opt['bias'][:, cols],
+        mask=None if opt['mask'] is None else opt['mask'][:, cols], slope=slope, q_seg=q_seg,
+        kv_seg=None if opt['kv_seg'] is None else opt['kv_seg'][cols])
+    p = jnp.exp(s - lse[:, None])  # lse = +inf on empty rows: p = 0
+    dp = jnp.dot(do, v_ref[cols, :].T, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[:, None])
+    return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+  lo, hi = blockwise.key_block_band(i, cfg, num_k_blocks)
+  dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = (cfg.scale * dq).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, flags, num_q_blocks,
+                groups, bias_per_head):
+  """dK, dV of one key tile of kv head kk: sums over its G query heads and their query band."""
+  opt, out_refs = _unpack(refs, flags)
+  dk_ref, dv_ref = out_refs[:2]
+  dbias_ref = out_refs[2] if flags['bias'] else None
+  j = pl.program_id(2)
+  k, v = k_ref[...], v_ref[...]  # [bk, H]
+  kv_seg = None if opt['kv_seg'] is None else opt['kv_seg'][...]
+  bq = cfg.block_q
+  if dbias_ref is not None:
+    # Tiles outside the band get no visit; their bias gradient is zero.
+    dbias_ref[...] = jnp.zeros(dbias_ref.shape, dbias_ref.dtype)
+  lo, hi = blockwise.query_block_band(j, cfg, num_q_blocks)
+  dk = jnp.zeros(k.shape, jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+  for g in range(groups):  # static: G query heads share this kv head
+
+    def body(i, carry, g=g):
+      dk, dv = carry
+      rows = pl.ds(i * bq, bq)
+      q = q_ref[g, rows, :]
+      do = do_ref[g, rows, :]
+      bias = None
+      if opt['bias'] is not None:
+        bias = opt['bias'][g, rows, :] if bias_per_head else opt['bias'][rows, :]
+      mask = None
+      if opt['mask'] is not None:
+        mask = opt['mask'][g, rows, :] if bias_per_head else opt['mask'][rows, :]
+      s = _tile_logits(
+          q, k, i, j, cfg, bias=bias, mask=mask,
+          slope=None if opt['slopes'] is None else opt['slopes'][pl.ds(g, 1)],
+          q_seg=None if opt['q_seg'] is None else opt['q_seg'][rows], kv_seg=kv_seg)
+      p = jnp.exp(s - lse_ref[g, rows][:, None])  # [bq, bk]
+      dv = dv + jnp.dot(p.astype(do.dtype).T, do, preferred_element_type=jnp.float32)
+      dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+      ds = p * (dp - delta_ref[g, rows][:, None])
+      if dbias_ref is not None:
+        dbias_ref[g, rows, :] = ds
+      dk = dk + jnp.dot(ds.astype(q.dtype).T, q, preferred_element_type=jnp.float32)
+      return dk, dv
+
+    dk, dv = lax.fori_loop(lo, hi, body, (dk, dv))
+  dk_ref[...] = (cfg.scale * dk).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, name):
+  interpret = jax.default_backend() == 'cpu'
+  params = None
+  if jax.default_backend() == 'gpu':
+    from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
+    params = plgpu.CompilerParams(num_warps=4, num_stages=2)
+  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                        out_shape=out_shape, interpret=interpret, compiler_params=params,
+                        name=name)
+
+
+def _optional_specs(opt, g, bq, bk, per_q_tile):
+  """BlockSpecs of the optional inputs for a grid (b, n, i) over query tiles or (b, kk, j) key tiles.
+
+  `per_q_tile`: the forward/dQ grid (one query tile, all keys) versus dK/dV (one key tile, all
+  queries of the G heads of kv head kk).
+  """
+  specs = []
+  for name in ('bias', 'mask'):
+    x = opt[name]
+    if x is None:
+      continue
+    b1, n1, tp, sp = x.shape
+    bsel = (lambda b: b) if b1 > 1 else (lambda b: 0)
+    if per_q_tile:
+      nsel = (lambda n: n) if n1 > 1 else (lambda n: 0)
+      specs.append(pl.BlockSpec((None, None, bq, sp),
+                                lambda b, n, i, bsel=bsel, nsel=nsel: (bsel(b), nsel(n), i, 0)))
+    elif n1 > 1:
+      specs.append(pl.BlockSpec((None, g, tp, bk),
+                                lambda b, kk, j, bsel=bsel: (bsel(b), kk, 0, j)))
+    else:
+      specs.append(pl.BlockSpec((None, None, tp, bk),
+                                lambda b, kk, j, bsel=bsel: (bsel(b), 0, 0, j)))
+  if opt['slopes'] is not None:
+    if per_q_tile:
+      specs.append(pl.BlockSpec((1,), lambda b, n, i: (n,)))
+    else:
+      specs.append(pl.BlockSpec((g,), lambda b, kk, j: (kk,)))
+  if opt['q_seg'] is not None:
+    tp, sp = opt['q_seg'].shape[1], opt['kv_seg'].shape[1]
+    if per_q_tile:
+      specs += [pl.BlockSpec((None, bq), lambda b, n, i: (b, i)),
+                pl.BlockSpec((None, sp), lambda b, n, i: (b, 0))]
+    else:
+      specs += [pl.BlockSpec((None, tp), lambda b, kk, j: (b, 0)),
+                pl.BlockSpec((None, bk), lambda b, kk, j: (b, j))]
+  return specs
+
+
+def _opt_args(opt):
+  args = [opt[name] for name in ('bias', 'mask', 'slopes') if opt[name] is not None]
+  if opt['q_seg'] is not None:
+    args += [opt['q_seg'], opt['kv_seg']]
+  return args
+
+
+def _flags(opt):
+  return {name: opt[name] is not None for name in ('bias', 'mask', 'slopes', 'q_seg', 'kv_seg')}
+
+
+def _forward(cfg, q, k, v, opt):
+  """q `[B, N, Tp, H]`, k/v `[B, K, Sp, H]` -> out `[B, N, Tp, H]` float32, lse `[B, N, Tp]`."""
+  b, n, tp, h = q.shape
+  kh, sp = k.shape[1], k.shape[2]
+  g, bq = n // kh, cfg.block_q
+  kv_spec = pl.BlockSpec((None, None, sp, h), lambda bb, nn, i: (bb, lax.div(nn, g), 0, 0))
+  q_spec = pl.BlockSpec((None, None, bq, h), lambda bb, nn, i: (bb, nn, i, 0))
+  kernel = functools.partial(_fwd_kernel, cfg=cfg, flags=_flags(opt), num_k_blocks=sp // cfg.block_k)
+  return _call(
+      kernel, (b, n, tp // bq),
+      [q_spec, kv_spec, kv_spec] + _optional_specs(opt, g, bq, cfg.block_k, True),
+      [q_spec, pl.BlockSpec((None, None, bq), lambda bb, nn, i: (bb, nn, i))],
+      [jax.ShapeDtypeStruct((b, n, tp, v.shape[-1]), jnp.float32),
+       jax.ShapeDtypeStruct((b, n, tp), jnp.float32)], 'flash_forward',
+  )(q, k, v, *_opt_args(opt))
+
+
+def _backward(cfg, q, k, v, opt, out, lse, d_out):
+  b, n, tp, h = q.shape
+  kh, sp = k.shape[1], k.shape[2]
+  g, bq, bk = n // kh, cfg.block_q, cfg.block_k
+  delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)  # [B, N, Tp]: rowsum(dO * O)
+  do = d_out.astype(q.dtype)
+  flags = _flags(opt)
+
+  q_spec = pl.BlockSpec((None, None, bq, h), lambda bb, nn, i: (bb, nn, i, 0))
+  row_spec = pl.BlockSpec((None, None, bq), lambda bb, nn, i: (bb, nn, i))
+  kv_spec = pl.BlockSpec((None, None, sp, h), lambda bb, nn, i: (bb, lax.div(nn, g), 0, 0))
+  dq = _call(
+      functools.partial(_dq_kernel, cfg=cfg, flags=flags, num_k_blocks=sp // bk),
+      (b, n, tp // bq),
+      [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + _optional_specs(opt, g, bq, cfg.block_k, True),
+      q_spec, jax.ShapeDtypeStruct(q.shape, jnp.float32), 'flash_dq',
+  )(q, k, v, do, lse, delta, *_opt_args(opt))
+
+  # The G query heads of kv head kk are the kk-th group of G consecutive heads.
+  qg_spec = pl.BlockSpec((None, g, tp, h), lambda bb, kk, j: (bb, kk, 0, 0))
+  rowg_spec = pl.BlockSpec((None, g, tp), lambda bb, kk, j: (bb, kk, 0))
+  kt_spec = pl.BlockSpec((None, None, bk, h), lambda bb, kk, j: (bb, kk, j, 0))
+  out_specs = [kt_spec, kt_spec]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32)]
+  if flags['bias']:
+    # ds of every (head, query, key): the bias is dense in T and S, so is its gradient.
+    out_specs.append(pl.BlockSpec((None, g, tp, bk), lambda bb, kk, j: (bb, kk, 0, j)))
+    out_shape.append(jax.ShapeDtypeStruct((b, n, tp, sp), jnp.float32))
+  bias_per_head = opt['bias'] is not None and opt['bias'].shape[1] > 1
+  if opt['mask'] is not None:
+    bias_per_head = opt['mask'].shape[1] > 1
+  if opt['bias'] is not None and opt['mask'] is not None:
+    assert opt['bias'].shape[1] == opt['mask'].shape[1]
+  res = _call(
+      functools.partial(_dkv_kernel, cfg=cfg, flags=flags, num_q_blocks=tp // bq, groups=g,
+                        bias_per_head=bias_per_head),
+      (b, kh, sp // bk),
+      [qg_spec, kt_spec, kt_spec, qg_spec, rowg_spec, rowg_spec] + _optional_specs(opt, g, bq, bk, False),
+      out_specs, out_shape, 'flash_dkv',
+  )(q, k, v, do, lse, delta, *_opt_args(opt))
+  dk, dv = res[0], res[1]
+  dbias = None
+  if flags['bias']:
+    b1, n1 = opt['bias'].shape[:2]
+    dbias = res[2]
+    dbias = dbias if b1 > 1 else dbias.sum(0, keepdims=True)
+    dbias = dbias if n1 > 1 else dbias.sum(1, keepdims=True)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg, q, k, v, opt):
+  return _forward(cfg, q, k, v, opt)[0]
+
+
+def _flash_fwd(cfg, q, k, v, opt):
+  out, lse = _forward(cfg, q, k, v, opt)
+  return out, (q, k, v, opt, out, lse)  # O(T) residuals besides the inputs
+
+
+def _flash_bwd(cfg, res, d_out):
+  q, k, v, opt, out, lse = res
+  dq, dk, dv, dbias = _backward(cfg, q, k, v, opt, out, lse, d_out)
+  d_opt = {name: None for name in opt}
+  d_opt['bias'] = dbias
+  return dq, dk, dv, d_opt
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
+              alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None,
+              block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
+  """Pallas FlashAttention-2; the arguments are those of `attention_blockwise.attention`.
+
+  Returns:
+    `[B, T, N, H]` in the query's dtype; rows with no visible key are zeros.
+  """
+  b, t, n, h = query.shape
+  s, kh = key.shape[1], key.shape[2]
+  bq, bk = min(block_q, t), min(block_k, s)
+  tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
+  cfg = blockwise.Config(float(scale), bool(is_causal), None if window is None else tuple(window),
+                         t, s, bq, bk)
+  pad_t = lambda x, axis, size: blockwise._pad_axis(x, axis, size)  # pylint: disable=protected-access
+  q = pad_t(query, 1, tp).transpose(0, 2, 1, 3)  # [B, N, Tp, H]
+  k = pad_t(key, 1, sp).transpose(0, 2, 1, 3)  # [B, K, Sp, H]
+  v = pad_t(value, 1, sp).transpose(0, 2, 1, 3)  # [B, K, Sp, H]
+
+  def dense_bt(x, dtype):
+    # [b, N|1, Tp, Sp]: batch and head axes stay broadcast (index maps pick block 0), the sequence
+    # axes are materialised so that every tile has the same static shape.
+    if x is None:
+      return None
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape).astype(dtype)
+    x = jnp.broadcast_to(x, x.shape[:2] + (t, s))
+    return pad_t(pad_t(x, 2, tp), 3, sp)
+
+  n1 = max([1] + [x.reshape((1,) * (4 - x.ndim) + x.shape).shape[1]
+                  for x in (bias, mask) if x is not None])
+  widen = lambda x: None if x is None else jnp.broadcast_to(
+      x.reshape((1,) * (4 - x.ndim) + x.shape),
+      (x.reshape((1,) * (4 - x.ndim) + x.shape).shape[0], n1) + x.shape[-2:])
+  opt = {
+      'bias': dense_bt(widen(bias), jnp.float32),
+      'mask': dense_bt(widen(mask), jnp.int8),  # int8: boolean refs do not lower everywhere
+      'slopes': None if alibi_slopes is None else lax.stop_gradient(
+          alibi_slopes.astype(jnp.float32)),
+      'q_seg': None if q_segment_ids is None else pad_t(q_segment_ids.astype(jnp.int32), 1, tp),
+      'kv_seg': None if kv_segment_ids is None else pad_t(kv_segment_ids.astype(jnp.int32), 1, sp),
+  }
+  out = _flash(cfg, q, k, v, opt)  # [B, N, Tp, H]
+  return out[:, :, :t].transpose(0, 2, 1, 3).astype(query.dtype)
