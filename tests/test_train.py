@@ -124,3 +124,15 @@ def test_cli_rejects_bad_heads_with_one_line(tmp_path):
   lines = out.stderr.strip().splitlines()
   assert len(lines) == 1 and 'model.num_heads=7' in lines[0], out.stderr
   assert not (tmp_path / 'w').exists()
+
+
+def test_blockwise_training_curve_equals_xla(data_dir, tmp_path):
+  """The flash kernel changes nothing in training: same losses step by step (float32)."""
+  curves = {}
+  for impl in ('xla', 'blockwise'):
+    config = quick_config(data_dir, steps=8, log_every=1, eval_every=100)
+    config.model.attention_impl = impl
+    train.train_and_evaluate(config, str(tmp_path / impl))
+    curves[impl] = read_metrics(tmp_path / impl)
+  for step, loss in curves['xla'].items():
+    assert curves['blockwise'][step] == pytest.approx(loss, abs=1e-5), step
