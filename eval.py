@@ -38,6 +38,17 @@ _STRIDE = flags.DEFINE_float('stride', 0.5, 'Sliding-window stride as a fraction
 _STREAM_SPLIT = flags.DEFINE_string('stream_split', 'test', 'Split streamed for extrapolation.')
 _ROPE_SCALING = flags.DEFINE_string('rope_scaling', None, 'Override RoPE scaling at evaluation '
                                     'only: none, pi:F, ntk:F or yarn:F (F the factor).')
+# Comparing runs (configs/compare.py): overlaid loss curves of workdirs or sweep directories.
+_COMPARE = flags.DEFINE_list('compare', [], 'Workdirs and/or sweep directories to compare '
+                             '(instead of evaluating --workdir); writes --out and prints a table.')
+_SMOOTH = flags.DEFINE_string('smooth', None, 'With --compare: train-curve smoothing, ema:BETA '
+                              '(or BETA), ma:K, or none.')
+_LOGY = flags.DEFINE_bool('logy', False, 'With --compare: log-scale loss axis.')
+_LOGX = flags.DEFINE_bool('logx', False, 'With --compare: log-scale step axis.')
+_TARGET_LOSS = flags.DEFINE_float('target_loss', None, 'With --compare: report the first step '
+                                  'whose validation loss is at most this.')
+_OUT = flags.DEFINE_string('out', None, 'With --compare: the PNG to write (default '
+                           'DIR/compare.png for the first DIR).')
 
 
 def load_run(workdir):
@@ -267,6 +278,18 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
+  if _COMPARE.value:
+    from configs import compare  # pylint: disable=g-import-not-at-top
+    out = _OUT.value or os.path.join(_COMPARE.value[0], 'compare.png')
+    try:
+      table = compare.compare(_COMPARE.value, out, smoothing=_SMOOTH.value, logy=_LOGY.value,
+                              logx=_LOGX.value, target_loss=_TARGET_LOSS.value)
+    except (FileNotFoundError, ValueError) as e:
+      print(str(e), file=sys.stderr)
+      sys.exit(2)
+    print(table)
+    print(f'\nwrote {out}')
+    return
   if not _WORKDIR.value:
     print('eval: --workdir is required', file=sys.stderr)
     sys.exit(2)

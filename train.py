@@ -4,6 +4,7 @@ Resumes from the newest checkpoint in DIR (parameters, optimiser and data positi
 rerun with the same command continues with exactly the batches it would have seen.
 """
 
+import contextlib
 import functools
 import json
 import math
@@ -25,6 +26,8 @@ import tqdm
 
 from configs import validation
 from data import pipeline
+from layers import block as block_lib
+from layers import masks
 import models
 
 FLAGS = flags.FLAGS
@@ -34,6 +37,16 @@ def define_flags():
   """The CLI flags, defined only when run as a program (eval.py imports this module)."""
   config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py).', lock_config=True)
   flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and logs.')
+  # Sweeps (configs/sweep.py): every cell of a configs/ablations/*.py grid in its own workdir.
+  flags.DEFINE_string('sweep', None, 'A sweep file (configs/ablations/NAME.py[:ARG]); runs every '
+                      'cell into --sweep_dir/<cell name> instead of training --config.')
+  flags.DEFINE_string('sweep_dir', None, 'Directory of the sweep: one workdir per cell.')
+  flags.DEFINE_bool('dry_run', False, 'With --sweep: print the train.py (and eval.py) command of '
+                    'every cell and run nothing (for launching cells on a cluster).')
+  flags.DEFINE_list('seeds', None, 'With --sweep: seeds to run (default: the sweep file\'s).')
+  flags.DEFINE_integer('parallel', 1, 'With --sweep: cells run side by side, each on one thread.')
+  flags.DEFINE_bool('sweep_eval', False, 'With --sweep: run the sweep file\'s eval.py flags on '
+                    'each finished cell.')
 
 
 class NonFiniteLoss(RuntimeError):
@@ -87,8 +100,65 @@ def finalize(sums):
   return out
 
 
-def train_step(graphdef, tx, base_rng, state, batch):
-  """One optimisation step, a pure function of the state (jit it with the state donated)."""
+def param_group(path):
+  """The diagnostics group of a parameter path: one per Transformer block, else its owner module.
+
+  ('decoder', 'blocks', 3, 'ffn', 'wi', 'kernel') -> 'decoder/blocks/3';
+  ('decoder', 'embed', 'embedding') -> 'decoder/embed'; ('decoder', 'final_norm', 'scale') ->
+  'decoder/final_norm'. Every parameter is in exactly one group, so the groups' squared norms sum
+  to the global squared norm.
+  """
+  keys = [str(k) for k in path]
+  if 'blocks' in keys[:-1]:
+    i = keys.index('blocks')
+    return '/'.join(keys[:i + 2])
+  return '/'.join(keys[:-1][:2]) or keys[0]
+
+
+def _path_keys(path):
+  """A jax key path of an nnx.State leaf -> its plain keys, without the trailing `.value`."""
+  keys = [getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k))) for k in path]
+  return tuple(keys[:-1] if keys and keys[-1] == 'value' else keys)
+
+
+def _group_sort_key(name):
+  return tuple((0, int(p), '') if p.isdigit() else (1, 0, p) for p in name.split('/'))
+
+
+def param_groups(params):
+  """(group names in order, the group index of every leaf of `params`, parameters per group)."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  leaf_names = [param_group(_path_keys(path)) for path, _ in leaves]
+  names = sorted(set(leaf_names), key=_group_sort_key)
+  index = {n: i for i, n in enumerate(names)}
+  sizes = {n: 0 for n in names}
+  for name, (_, leaf) in zip(leaf_names, leaves):
+    sizes[name] += int(np.prod(leaf.shape))
+  return names, tuple(index[n] for n in leaf_names), sizes
+
+
+def group_sq_norms(tree, leaf_groups, num_groups):
+  """`[num_groups]` float32: the sum of squares of the leaves of each group."""
+  sq = [jnp.zeros((), jnp.float32)] * num_groups
+  for leaf, g in zip(jax.tree.leaves(tree), leaf_groups):
+    sq[g] = sq[g] + jnp.sum(jnp.square(leaf.astype(jnp.float32)))
+  return jnp.stack(sq)
+
+
+def count_tokens(batch):
+  """Real (non-padding) tokens of a batch, source and target sides together."""
+  groups = [k for k in ('segment_ids', 'src_segment_ids', 'tgt_segment_ids') if k in batch]
+  if not groups:
+    return int(np.sum(batch['weights'] > 0))
+  return int(sum(np.sum(batch[k] > 0) for k in groups))
+
+
+def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None):
+  """One optimisation step, a pure function of the state (jit it with the state donated).
+
+  With `leaf_groups` (from `param_groups`), `sums['diag']` holds `[G]` squared norms per group of
+  the gradient, the update and the parameters before the update (a few reductions: cheap).
+  """
   # Fold the step into the key: a resumed run draws the same dropout/masks as an uninterrupted one.
   dropout_rng, mask_rng = jax.random.split(jax.random.fold_in(base_rng, state['step']))
 
@@ -103,7 +173,129 @@ def train_step(graphdef, tx, base_rng, state, batch):
   params = optax.apply_updates(state['params'], updates)
   sums['grad_norm'] = optax.global_norm(grads)
   sums['param_norm'] = optax.global_norm(params)
+  if leaf_groups is not None:
+    g = max(leaf_groups) + 1
+    sums['diag'] = {'grad_sq': group_sq_norms(grads, leaf_groups, g),
+                    'update_sq': group_sq_norms(updates, leaf_groups, g),
+                    'param_sq': group_sq_norms(state['params'], leaf_groups, g)}
   return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, sums
+
+
+@contextlib.contextmanager
+def _capture_blocks(records):
+  """While active, every `Block.__call__` appends (block, input, kwargs, output) to `records`.
+
+  Used only while tracing `diagnostic_pass`: the blocks are captured from the model's own forward
+  pass (any architecture), without a hook in the layers or a slower train step.
+  """
+  original = block_lib.Block.__call__
+
+  def capture(self, x, **kwargs):
+    y = original(self, x, **kwargs)
+    records.append((self, x, kwargs, y))
+    return y
+
+  block_lib.Block.__call__ = capture
+  try:
+    yield
+  finally:
+    block_lib.Block.__call__ = original
+
+
+def block_stats(blk, x, kwargs, y):
+  """One block's diagnostics: output activation RMS, self-attention max logit and mean entropy.
+
+  The logits are the scaled scores plus the position terms (ALiBi, T5 bias) at visible keys, as the
+  softmax sees them; the entropy (nats) is averaged over heads and real query tokens. Attention
+  variants without q/k projections report the RMS only.
+  """
+  seg = kwargs.get('segment_ids')
+  real = (jnp.ones(y.shape[:2], jnp.float32) if seg is None
+          else (seg > 0).astype(jnp.float32))  # [B, T]
+  count = jnp.maximum(jnp.sum(real), 1.0)
+  out = {'act_rms': jnp.sqrt(jnp.sum(jnp.mean(jnp.square(y.astype(jnp.float32)), -1) * real) /
+                             count)}
+  attn = blk.self_attention
+  if not all(hasattr(attn, a) for a in ('project', 'scale', 'local_window_size')):
+    return out
+  h = blk.self_norm(x) if blk.pre else x
+  q, k, _ = attn.project(h)  # [B, T, N, H], [B, T, K, H]
+  positions, position = kwargs.get('positions'), kwargs.get('position')
+  is_causal = kwargs.get('is_causal', False)
+  extra = {}
+  if position is not None:
+    q, k, extra = position.in_attention(q, k, positions, positions, is_causal=is_causal)
+  if set(extra) - {'bias', 'alibi_slopes'}:
+    return out
+  k = jnp.repeat(k, q.shape[2] // k.shape[2], axis=2)  # [B, S, N, H]: head n reads K-head n // G
+  scale = attn.scale if attn.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+  logits = jnp.einsum('BTNH,BSNH->BNTS', q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+  t = q.shape[1]
+  q_pos, k_pos = jnp.arange(t)[:, None], jnp.arange(t)[None, :]  # [T, 1], [1, S]
+  if 'bias' in extra:
+    logits = logits + extra['bias'].astype(jnp.float32)
+  if 'alibi_slopes' in extra:
+    logits = logits + masks.alibi_bias(extra['alibi_slopes'], q_pos, k_pos)[None]
+  vis = masks.visible(q_pos, k_pos, is_causal=is_causal,
+                      window=masks.normalize_window(attn.local_window_size),
+                      q_seg=None if seg is None else seg[:, :, None],
+                      k_seg=None if seg is None else seg[:, None, :])
+  vis = jnp.ones(logits.shape, bool) if vis is None else jnp.broadcast_to(
+      vis[:, None] if vis.ndim == 3 else vis, logits.shape)  # [B, N, T, S]
+  rows = real[:, None, :] * jnp.any(vis, -1)  # [B, N, T]: real queries that see some key
+  neg = jnp.finfo(jnp.float32).min
+  out['attn_max_logit'] = jnp.max(jnp.where(vis & (rows[..., None] > 0), logits, neg))
+  logp = jax.nn.log_softmax(jnp.where(vis, logits, neg), -1)  # [B, N, T, S]
+  entropy = -jnp.sum(jnp.where(vis, jnp.exp(logp) * logp, 0.0), -1)  # [B, N, T]
+  out['attn_entropy'] = jnp.sum(entropy * rows) / jnp.maximum(jnp.sum(rows), 1.0)
+  return out
+
+
+def diagnostic_pass(graphdef, params, batch):
+  """Per-block activation RMS and attention max logit/entropy on `batch` (no dropout; jit it).
+
+  Returns:
+    {'act_rms/decoder/blocks/0': scalar, 'attn_max_logit/...', 'attn_entropy/...', ...}.
+  """
+  model = nnx.merge(graphdef, params)
+  names = {id(m): '/'.join(map(str, path)) for path, m in nnx.iter_modules(model)
+           if isinstance(m, block_lib.Block)}
+  records = []
+  with _capture_blocks(records):
+    model.loss_terms(batch)
+  out = {}
+  for blk, x, kwargs, y in records:
+    for key, value in block_stats(blk, x, kwargs, y).items():
+      out[f'{key}/{names[id(blk)]}'] = value
+  return out
+
+
+def diagnostic_metrics(groups, diag):
+  """Host-side: per-group gradient norm and update/parameter norm ratio, and the global ratio."""
+  diag = jax.device_get(diag)
+  grad, upd, par = (np.sqrt(np.asarray(diag[k], np.float64))
+                    for k in ('grad_sq', 'update_sq', 'param_sq'))
+  out = {'update_ratio': float(np.sqrt(np.sum(np.square(upd))) /
+                               max(np.sqrt(np.sum(np.square(par))), 1e-30))}
+  for i, name in enumerate(groups):
+    out[f'grad_norm/{name}'] = float(grad[i])
+    out[f'update_ratio/{name}'] = float(upd[i] / par[i]) if par[i] > 0 else 0.0
+  return out
+
+
+def unigram_entropy(batch):
+  """Entropy (nats) of the weighted target tokens of one batch: the loss of a unigram model."""
+  targets = np.asarray(batch['targets']).ravel()
+  weights = np.asarray(batch['weights'], np.float64).ravel()
+  counts = np.bincount(targets, weights=weights)
+  p = counts[counts > 0] / counts.sum()
+  return float(-np.sum(p * np.log(p)))
+
+
+def _write_json(path, obj):
+  with open(path + '.tmp', 'w') as f:
+    json.dump(obj, f, indent=2)
+  os.replace(path + '.tmp', path)
 
 
 def eval_step(graphdef, params, batch):
@@ -114,7 +306,8 @@ def eval_step(graphdef, params, batch):
 
 def evaluate(eval_fn, params, config, split, num_batches, length=None):
   """Mean loss/accuracy over the first `num_batches` batches (0 = all) of `split`, in order."""
-  it = pipeline.make_iterator(config.data, split, config.train.batch_size, arch=config.model.arch,
+  it = pipeline.make_iterator(config.data, split, config.train.batch_size,
+                              arch=models.batch_format(config.model.arch),
                               loss_on=config.train.loss_on, shuffle=False, repeat=False,
                               drop_remainder=False, length=length)
   total = None
@@ -177,8 +370,9 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
   t = config.train
   tokenizer = pipeline.get_tokenizer(config.data)
   graphdef, tx, state = create_state(config, tokenizer.vocab_size)
-  it = pipeline.make_iterator(config.data, 'train', t.batch_size, arch=config.model.arch,
-                              loss_on=t.loss_on, seed=t.seed)
+  it = pipeline.make_iterator(config.data, 'train', t.batch_size,
+                              arch=models.batch_format(config.model.arch), loss_on=t.loss_on,
+                              seed=t.seed)
   mngr = checkpoint_manager(workdir, config)
   start = 0
   if mngr.latest_step() is not None:
@@ -188,8 +382,21 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
     print(f'train: resumed from step {start} in {workdir}', file=sys.stderr)
   writer = MetricsWriter(workdir, start)
 
+  # The parameter count per group goes to run_info.json (metrics.jsonl rows all carry a loss).
+  groups, leaf_groups, group_sizes = param_groups(state['params'])
+  info_path = os.path.join(workdir, 'run_info.json')
+  info = {}
+  if os.path.exists(info_path):
+    with open(info_path) as f:
+      info = json.load(f)
+  info.update(num_params=sum(group_sizes.values()), params_by_group=group_sizes)
+  _write_json(info_path, info)
+
   base_rng = jax.random.key(t.seed)
-  step_fn = jax.jit(functools.partial(train_step, graphdef, tx, base_rng), donate_argnums=(0,))
+  step_fn = jax.jit(functools.partial(train_step, graphdef, tx, base_rng,
+                                      leaf_groups=leaf_groups if t.diagnostics else None),
+                    donate_argnums=(0,))
+  diag_fn = jax.jit(functools.partial(diagnostic_pass, graphdef))
   eval_fn = jax.jit(functools.partial(eval_step, graphdef))
   schedule = make_schedule(t)
   window, window_steps, window_tokens, window_start = None, 0, 0, time.perf_counter()
@@ -200,15 +407,27 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
     for step in range(start + 1, t.steps + 1):
       batch = next(it)
       state, sums = step_fn(state, batch)
+      diag = sums.pop('diag', None)  # per-group [G] norms, read at log steps only
       # Read the loss every step: a non-finite value must stop the run before it is checkpointed.
       loss = float(sums['loss_sum']) / max(float(sums['weight_sum']), 1.0)
       if not math.isfinite(loss):
+        writer.write(step, 'train', {'loss': loss})  # so that sweep comparisons see the divergence
         raise NonFiniteLoss(f'train: non-finite loss ({loss}) at step {step}; stopping. The last '
                             f'good checkpoint is step {mngr.latest_step()} in {workdir}')
+      if step == 1 and diag is not None:
+        # Step 1's gradient is taken at the initial parameters (Xiong et al. 2020, Figure 3).
+        grad = np.sqrt(np.asarray(jax.device_get(diag['grad_sq']), np.float64))
+        _write_json(os.path.join(workdir, 'init_grad_norms.json'), {
+            'grad_norm': float(np.sqrt(np.sum(np.square(grad)))),
+            'groups': dict(zip(groups, map(float, grad))),
+            'blocks': [float(v) for n, v in zip(groups, grad) if '/blocks/' in f'/{n}'],
+            'norm_position': config.model.norm_position, 'num_layers': config.model.num_layers})
+      if 'unigram_entropy' not in info:
+        info['unigram_entropy'] = unigram_entropy(batch)  # the level compare's plateau rule uses
+        _write_json(info_path, info)
       window = sums if window is None else jax.tree.map(jnp.add, window, sums)
       window_steps += 1
-      window_tokens += int(np.sum(batch['weights'] > 0) if 'segment_ids' not in batch
-                           else np.sum(batch['segment_ids'] > 0))
+      window_tokens += count_tokens(batch)
       bar.update(1)
       if step % t.log_every == 0 or step == t.steps:
         elapsed = time.perf_counter() - window_start
@@ -217,6 +436,11 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
         last['param_norm'] = float(sums['param_norm'])
         last['learning_rate'] = float(schedule(step - 1))
         last['tokens_per_sec'] = window_tokens / elapsed
+        if diag is not None:  # the log step's values (not window means)
+          last.update(diagnostic_metrics(groups, diag))
+          rows = t.diagnostics_batch or t.batch_size
+          last.update({k: float(v) for k, v in diag_fn(
+              state['params'], jax.tree.map(lambda a: a[:rows], batch)).items()})
         writer.write(step, 'train', last)
         bar.set_postfix(loss=f'{last["loss"]:.3f}', tok_s=f'{last["tokens_per_sec"]:.0f}')
         window, window_steps, window_tokens, window_start = None, 0, 0, time.perf_counter()
@@ -240,8 +464,23 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
-  if FLAGS.workdir is None:
-    print('train: --workdir is required', file=sys.stderr)
+  if FLAGS.sweep:
+    from configs import sweep  # pylint: disable=g-import-not-at-top
+    if not FLAGS.sweep_dir:
+      print('train: --sweep needs --sweep_dir', file=sys.stderr)
+      sys.exit(2)
+    try:
+      results = sweep.run_sweep(FLAGS.sweep, FLAGS.sweep_dir, seeds=FLAGS.seeds,
+                                dry_run=FLAGS.dry_run, parallel=FLAGS.parallel,
+                                run_eval=FLAGS.sweep_eval)
+    except sweep.SweepError as e:
+      print(f'sweep error: {e}', file=sys.stderr)
+      sys.exit(2)
+    sys.exit(0 if all(r in ('done', 'skipped', 'diverged', 'dry_run')
+                      for r in results.values()) else 1)
+  if FLAGS.config is None or FLAGS.workdir is None:
+    print('train: --config and --workdir are required (or --sweep and --sweep_dir)',
+          file=sys.stderr)
     sys.exit(2)
   config = validation.resolve(FLAGS.config.unlock())
   try:
@@ -258,5 +497,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  flags.mark_flags_as_required(['config'])
   app.run(main)

@@ -26,7 +26,7 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
 
   config.model = model = ml_collections.ConfigDict()
-  model.arch = 'decoder_only'  # decoder_only (more in models.ARCHS)
+  model.arch = 'decoder_only'  # decoder_only | encoder_only | encoder_decoder | rnn_seq2seq
   model.attention = 'dense'  # attention variant, a key of layers.attention.VARIANTS
   model.attention_impl = 'xla'  # exact softmax kernel: xla | blockwise | pallas | cudnn (GPU)
   model.position = 'sinusoidal'  # sinusoidal | learned | rope | alibi | t5_bias | nope
@@ -47,6 +47,29 @@ def get_config(arg=None):
   model.rope_scaling_factor = 1.0  # its factor s = L_eval / L_train (1.0 = no scaling)
   model.t5_num_buckets = 32  # T5 relative-position buckets (position=t5_bias), shared by the layers
   model.t5_max_distance = 128  # T5: distances beyond this share the last bucket
+  # attention variants (layers/sparse_attention.py, layers/linear_attention.py)
+  model.unscaled = False  # scores q·k without the 1/sqrt(d_k) scale (the scaling ablation)
+  model.window = 16  # sliding_window/longformer: w; encoders see |i - j| <= w, decoders i - w <= j <= i
+  model.global_tokens = (0,)  # longformer/bigbird: positions that see and are seen by every position
+  model.bigbird_block = 16  # bigbird: block size (block-local = own block and both neighbours)
+  model.bigbird_random_blocks = 2  # bigbird: random key blocks per query block (fixed per seed)
+  model.attention_seed = 0  # bigbird random blocks and performer features are drawn from this seed
+  model.linformer_k = 32  # linformer: keys/values projected to this many rows
+  model.linformer_length = 0  # linformer: length of E, F (longest input); 0 = data.max_length
+  model.performer_features = 64  # performer: number of random features M
+  model.performer_redraw = 0  # performer: 0 = fixed features (redraw every R steps: not wired yet)
+  # encoder_decoder
+  model.share_embeddings = True  # one token embedding for encoder, decoder and output (else two)
+  # encoder_only (masked-token prediction, BERT): which tokens are predicted and how they are hidden
+  model.mlm_rate = 0.15  # share of real non-special tokens chosen for prediction
+  model.mlm_mask_prob = 0.8  # of the chosen: replaced by <mask>
+  model.mlm_random_prob = 0.1  # of the chosen: replaced by a random word (the rest kept as is)
+  model.mlm_target_rate = 0.0  # share of rows whose whole target side is <mask>ed instead
+  #                              (trains non-autoregressive translation; 0 = plain BERT)
+  # rnn_seq2seq (hidden size = d_model; one layer each side)
+  model.rnn_cell = 'lstm'  # lstm | gru
+  model.rnn_attention = 'bahdanau'  # bahdanau (additive) | luong (multiplicative) | none (bottleneck)
+  model.rnn_luong_scale = True  # luong: divide the scores by sqrt(d_model)
 
   config.train = train = ml_collections.ConfigDict()
   train.steps = 2000  # optimisation steps
@@ -65,6 +88,11 @@ def get_config(arg=None):
   train.eval_every = 500  # steps between validation passes
   train.eval_batches = 8  # validation batches per pass (0 = the whole split)
   train.log_every = 50  # steps between train-metric lines in metrics.jsonl
+  # Training diagnostics (cheap): per-layer gradient norm and update/parameter norm ratio in every
+  # step, and every log_every steps a forward pass on `diagnostics_batch` rows for the per-layer
+  # attention max logit and entropy and activation RMS; at step 1, DIR/init_grad_norms.json.
+  train.diagnostics = True
+  train.diagnostics_batch = 8  # rows of the batch the attention/activation pass reads (0 = all)
 
   config.data = data = ml_collections.ConfigDict()
   data.task = 'base'  # the toy translation builder config

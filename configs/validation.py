@@ -6,7 +6,9 @@ from layers import block
 from layers import feed_forward
 from layers import norms
 from layers import positions
+from layers import rnn_attention
 from layers import rope
+from models import rnn_seq2seq
 
 SCHEDULES = ('cosine', 'linear', 'constant')
 LOSS_ON = ('target', 'all')
@@ -36,6 +38,8 @@ def resolve(config):
     m.num_kv_heads = m.num_heads
   if m.d_ff == 0:
     m.d_ff = 4 * m.d_model
+  if m.get('linformer_length', None) == 0:
+    m.linformer_length = config.data.max_length
   return config
 
 
@@ -79,6 +83,27 @@ def validate(config):
   if not isinstance(m.t5_max_distance, int) or m.t5_max_distance <= m.t5_num_buckets // 2:
     raise ConfigError(f'model.t5_max_distance={m.t5_max_distance!r} must be an integer > '
                       f'model.t5_num_buckets // 2 = {m.t5_num_buckets // 2}')
+  if not isinstance(m.share_embeddings, bool):
+    raise ConfigError(f'model.share_embeddings={m.share_embeddings!r} must be True or False')
+  for name in ('mlm_rate', 'mlm_mask_prob', 'mlm_random_prob', 'mlm_target_rate'):
+    if not isinstance(m[name], (int, float)) or not 0.0 <= m[name] <= 1.0:
+      raise ConfigError(f'model.{name}={m[name]!r} must be in [0, 1]')
+  if m.arch == 'encoder_only' and m.mlm_rate == 0 and m.mlm_target_rate == 0:
+    raise ConfigError('model.mlm_rate=0 with model.mlm_target_rate=0 masks nothing to predict')
+  if m.mlm_mask_prob + m.mlm_random_prob > 1.0:
+    raise ConfigError(f'model.mlm_random_prob={m.mlm_random_prob!r} plus model.mlm_mask_prob='
+                      f'{m.mlm_mask_prob!r} must be at most 1')
+  _choice('model.rnn_cell', m.rnn_cell, rnn_seq2seq.CELLS)
+  _choice('model.rnn_attention', m.rnn_attention, rnn_attention.RNN_ATTENTIONS)
+  if not isinstance(m.rnn_luong_scale, bool):
+    raise ConfigError(f'model.rnn_luong_scale={m.rnn_luong_scale!r} must be True or False')
+  if m.arch == 'rnn_seq2seq' and config.data.packing != 'none':
+    raise ConfigError(f"data.packing={config.data.packing!r} is not valid for model.arch="
+                      "'rnn_seq2seq' (a recurrence reads one pair per row); valid values: none")
+  if m.arch in ('encoder_decoder', 'rnn_seq2seq') and config.data.packing == 'stream':
+    raise ConfigError(f"data.packing='stream' is not valid for model.arch={m.arch!r}; valid "
+                      'values: none, segments')
+  _validate_attention_variant(config)
   if not 0.0 <= m.dropout < 1.0:
     raise ConfigError(f'model.dropout={m.dropout!r} must be in [0, 1)')
   if m.attention_impl == 'cudnn':
@@ -101,6 +126,12 @@ def validate(config):
   for name in ('b1', 'b2'):
     if not 0.0 <= t[name] < 1.0:
       raise ConfigError(f'train.{name}={t[name]!r} must be in [0, 1)')
+  if not isinstance(t.diagnostics, bool):
+    raise ConfigError(f'train.diagnostics={t.diagnostics!r} must be True or False')
+  if not isinstance(t.diagnostics_batch, int) or isinstance(t.diagnostics_batch, bool) or (
+      t.diagnostics_batch < 0):
+    raise ConfigError(f'train.diagnostics_batch={t.diagnostics_batch!r} must be an integer >= 0 '
+                      '(0 = the whole batch)')
   _choice('train.schedule', t.schedule, SCHEDULES)
   _choice('train.loss_on', t.loss_on, LOSS_ON)
 
@@ -110,3 +141,51 @@ def validate(config):
   from data import toy_translation  # pylint: disable=g-import-not-at-top
   tasks = [c.name for c in toy_translation.ToyTranslation.BUILDER_CONFIGS]
   _choice('data.task', d.task, tasks)
+
+
+def _validate_attention_variant(config):
+  """The options of `model.attention` (layers/sparse_attention.py, layers/linear_attention.py)."""
+  m, length = config.model, config.data.max_length
+  if not isinstance(m.unscaled, bool):
+    raise ConfigError(f'model.unscaled={m.unscaled!r} must be True or False')
+  if m.attention == 'dense':
+    return
+  if m.position in ('alibi', 't5_bias'):
+    raise ConfigError(f'model.position={m.position!r} adds a score term that model.attention='
+                      f'{m.attention!r} does not take; valid values: learned, nope, rope, sinusoidal')
+  if m.attention in ('sliding_window', 'longformer') and (
+      not isinstance(m.window, int) or isinstance(m.window, bool) or m.window < 0):
+    raise ConfigError(f'model.window={m.window!r} must be an integer >= 0')
+  if m.attention in ('longformer', 'bigbird'):
+    glob = tuple(m.global_tokens)
+    if any(not isinstance(p, int) or p < 0 for p in glob):
+      raise ConfigError(f'model.global_tokens={glob!r} must be positions >= 0')
+    if len(set(glob)) > length or any(p >= length for p in glob):
+      raise ConfigError(f'model.global_tokens={glob!r} must be fewer than data.max_length='
+                        f'{length} positions, each < {length}')
+  if m.attention == 'bigbird':
+    if not isinstance(m.bigbird_block, int) or m.bigbird_block <= 0:
+      raise ConfigError(f'model.bigbird_block={m.bigbird_block!r} must be a positive integer')
+    if not isinstance(m.bigbird_random_blocks, int) or m.bigbird_random_blocks < 0:
+      raise ConfigError(f'model.bigbird_random_blocks={m.bigbird_random_blocks!r} must be an '
+                        'integer >= 0')
+  if m.attention == 'linformer':
+    if m.arch in ('decoder_only', 'encoder_decoder'):
+      raise ConfigError(f"model.attention='linformer' is not causal and model.arch={m.arch!r} "
+                        'needs causal self-attention; valid archs: encoder_only')
+    if not isinstance(m.linformer_k, int) or m.linformer_k <= 0:
+      raise ConfigError(f'model.linformer_k={m.linformer_k!r} must be a positive integer')
+    if not isinstance(m.linformer_length, int) or m.linformer_length < length:
+      raise ConfigError(f'model.linformer_length={m.linformer_length!r} must be >= data.max_length'
+                        f'={length} (0 = data.max_length)')
+  if m.attention == 'performer':
+    if not isinstance(m.performer_features, int) or m.performer_features <= 0:
+      raise ConfigError(f'model.performer_features={m.performer_features!r} must be a positive '
+                        'integer')
+    if m.performer_redraw != 0:
+      raise ConfigError(f'model.performer_redraw={m.performer_redraw!r}: redrawing needs the '
+                        'training step in the attention call, which train.py does not pass yet; '
+                        'valid values: 0 (fixed features)')
+  if m.attention in ('linformer', 'performer', 'linear') and config.data.packing == 'segments':
+    raise ConfigError(f"data.packing='segments' is not valid for model.attention={m.attention!r} "
+                      '(it hides padding only, not other segments); valid values: none, stream')

@@ -1,0 +1,345 @@
+"""Sweeps: expand a configs/ablations/*.py grid into named cells and run each with train.py.
+
+A sweep file defines `get_config(arg=None)`, the base config of every cell, and `get_sweep()` (or
+`get_sweep(arg=None)`, given the same `:ARG` as get_config, e.g. to shorten a `quick` sweep):
+
+    {'grid': {'model.norm_position': ['pre', 'post'], 'train.warmup_steps': [0, 100]},
+     'cells': [{'model.num_layers': 6}, {'model.num_layers': 12, 'train.learning_rate': 1e-3}],
+     'seeds': [0, 1, 2],
+     'eval_flags': ['--lengths=1,2,4'],
+     'eval_variants': {'model.position=rope': ['--rope_scaling=ntk:4']}}
+
+Every key is optional. `grid` is a full Cartesian product; `cells` an explicit list of override
+dicts (for grids that are not full); with both, every cell is crossed with the grid. Overrides are
+dotted config fields -> values. `seeds` set `train.seed` (default [0]). `eval_flags` are eval.py
+flags for every cell (run with `--sweep_eval`, printed by `--dry_run`); `eval_variants` maps a cell
+selector (`field=value[,field=value]`, matched against the cell's overrides) to further eval.py
+runs of the same checkpoint, one per flag string.
+
+A cell's name lists its overrides sorted by field, then its seed:
+`model.norm_position=post,train.warmup_steps=0,seed=1`; names are stable (independent of the order
+the file lists fields in) and filesystem-safe. Each cell trains in `SWEEP_DIR/<name>` with
+`train.py --config=<sweep file> --config.FIELD=VALUE ...`.
+"""
+
+import concurrent.futures
+import hashlib
+import importlib.util
+import inspect
+import itertools
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+from configs import validation
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SWEEP_KEYS = ('grid', 'cells', 'seeds', 'eval_flags', 'eval_variants')
+_UNSAFE = re.compile(r'[^A-Za-z0-9._=,+-]')
+MAX_NAME = 200  # characters; longer names are cut and end in a hash of the full name
+
+
+class SweepError(ValueError):
+  """A sweep file that cannot be expanded; the message names the problem."""
+
+
+def split_spec(spec):
+  """'configs/ablations/x.py:quick' -> ('configs/ablations/x.py', 'quick')."""
+  path, _, arg = spec.partition(':')
+  return path, arg or None
+
+
+def load_sweep_module(path):
+  """Imports a sweep file by path (the repository root must be importable, as for train.py)."""
+  if not os.path.exists(path):
+    raise SweepError(f'sweep file {path} does not exist')
+  if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+  name = 'sweep_' + re.sub(r'\W', '_', os.path.splitext(os.path.basename(path))[0])
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  for fn in ('get_config', 'get_sweep'):
+    if not callable(getattr(module, fn, None)):
+      raise SweepError(f'{path} must define {fn}()')
+  return module
+
+
+def get_sweep(module, arg=None):
+  """`module.get_sweep(arg)`, or `get_sweep()` for files whose grid does not depend on the arg."""
+  try:
+    params = inspect.signature(module.get_sweep).parameters
+  except (TypeError, ValueError):
+    params = {}
+  return module.get_sweep(arg) if params else module.get_sweep()
+
+
+def format_value(value):
+  """The text of an override value, for a cell name and for `--config.FIELD=VALUE`."""
+  if isinstance(value, bool):
+    return str(value).lower()
+  if isinstance(value, float):
+    return repr(value)  # shortest round-trip text: 0.002, 1e-05
+  return str(value)
+
+
+def cell_name(overrides, seed):
+  """'field=value,...,seed=N' with fields sorted; filesystem-safe, at most MAX_NAME characters."""
+  items = [f'{k}={format_value(v)}' for k, v in sorted(overrides.items())] + [f'seed={seed}']
+  name = _UNSAFE.sub('_', ','.join(items))
+  if len(name) > MAX_NAME:
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    name = f'{name[:MAX_NAME - 11]}~{digest}'
+  return name
+
+
+def expand(sweep, seeds=None):
+  """Sweep dict -> list of cells {'name', 'overrides', 'seed'} (cells x grid x seeds, in order).
+
+  Args:
+    sweep: the dict `get_sweep()` returns.
+    seeds: overrides the sweep's seeds (e.g. from `--seeds`).
+
+  Raises:
+    SweepError: on unknown keys, a `train.seed` override, or two cells with the same name.
+  """
+  unknown = set(sweep) - set(SWEEP_KEYS)
+  if unknown:
+    raise SweepError(f'unknown sweep keys {sorted(unknown)}; valid: {", ".join(SWEEP_KEYS)}')
+  grid = sweep.get('grid') or {}
+  for field, values in grid.items():
+    if not isinstance(values, (list, tuple)) or not values:
+      raise SweepError(f'grid[{field!r}] must be a non-empty list of values')
+  product = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
+  base_cells = sweep.get('cells') or [{}]
+  seeds = list(sweep.get('seeds') or [0]) if seeds is None else [int(s) for s in seeds]
+  cells, seen = [], {}
+  for cell in base_cells:
+    for point in product:
+      overlap = set(cell) & set(point)
+      if overlap:
+        raise SweepError(f'fields {sorted(overlap)} are both in a cell and in the grid')
+      overrides = {**cell, **point}
+      if 'train.seed' in overrides:
+        raise SweepError("set seeds with the sweep's 'seeds' (or --seeds), not 'train.seed'")
+      for seed in seeds:
+        name = cell_name(overrides, seed)
+        if name in seen:
+          raise SweepError(f'two cells are both named {name}')
+        seen[name] = True
+        cells.append({'name': name, 'overrides': overrides, 'seed': seed})
+  return cells
+
+
+def cell_config(module, arg, cell):
+  """The resolved, validated config of a cell (raises SweepError naming the field)."""
+  config = module.get_config(arg)
+  for field, value in list(cell['overrides'].items()) + [('train.seed', cell['seed'])]:
+    *parents, leaf = field.split('.')
+    node = config
+    try:
+      for p in parents:
+        node = node[p]
+      if leaf not in node:
+        raise KeyError(leaf)
+      node[leaf] = value
+    except (KeyError, AttributeError):
+      raise SweepError(f'cell {cell["name"]}: no config field {field!r}') from None
+    except TypeError as e:
+      raise SweepError(f'cell {cell["name"]}: {field}={value!r}: {e}') from None
+  config = validation.resolve(config)
+  try:
+    validation.validate(config)
+  except validation.ConfigError as e:
+    raise SweepError(f'cell {cell["name"]}: {e}') from None
+  return config
+
+
+def train_command(spec, sweep_dir, cell, python='python', train_py='train.py'):
+  """The train.py argv of a cell."""
+  return ([python, train_py, f'--config={spec}', f'--workdir={os.path.join(sweep_dir, cell["name"])}']
+          + [f'--config.{k}={format_value(v)}' for k, v in cell['overrides'].items()]
+          + [f'--config.train.seed={cell["seed"]}'])
+
+
+def _selected(selector, cell):
+  """Whether `field=value[,field=value]` matches the cell's overrides (and seed)."""
+  items = {**{k: format_value(v) for k, v in cell['overrides'].items()}, 'seed': str(cell['seed'])}
+  for part in filter(None, selector.split(',')):
+    field, _, value = part.partition('=')
+    if items.get(field.strip()) != value.strip():
+      return False
+  return True
+
+
+def eval_commands(sweep, sweep_dir, cell, python='python', eval_py='eval.py'):
+  """[(suffix, argv)] of a cell's eval.py runs: '' for eval_flags, then one per variant."""
+  workdir = os.path.join(sweep_dir, cell['name'])
+  base = list(sweep.get('eval_flags') or [])
+  runs = [('', [python, eval_py, f'--workdir={workdir}'] + base)] if 'eval_flags' in sweep else []
+  for selector, variants in (sweep.get('eval_variants') or {}).items():
+    if _selected(selector, cell):
+      for flag in variants:
+        runs.append((_UNSAFE.sub('_', flag.lstrip('-')),
+                     [python, eval_py, f'--workdir={workdir}'] + base + [flag]))
+  return runs
+
+
+def cell_status(workdir, steps):
+  """'done' (final-step checkpoint present), 'diverged' (stopped on a non-finite loss), 'partial'
+  (some checkpoint: train.py resumes it) or 'new'; with the newest checkpoint step (or None)."""
+  ckpt = os.path.join(workdir, 'checkpoints')
+  saved = sorted(int(d) for d in (os.listdir(ckpt) if os.path.isdir(ckpt) else []) if d.isdigit())
+  latest = saved[-1] if saved else None
+  if latest is not None and latest >= steps:
+    return 'done', latest
+  if _last_train_loss_nonfinite(os.path.join(workdir, 'metrics.jsonl')):
+    return 'diverged', latest
+  return ('partial' if latest is not None else 'new'), latest
+
+
+def _last_train_loss_nonfinite(path):
+  if not os.path.exists(path):
+    return False
+  last = None
+  with open(path) as f:
+    for line in f:
+      if line.strip():
+        row = json.loads(line)
+        if row.get('split') == 'train':
+          last = row.get('loss')
+  return last is not None and not math.isfinite(last)
+
+
+def _single_thread_env():
+  """Environment for a cell that shares the machine with others: one XLA/OpenMP thread."""
+  env = dict(os.environ)
+  xla = env.get('XLA_FLAGS', '')
+  env['XLA_FLAGS'] = (xla + ' --xla_cpu_multi_thread_eigen=false '
+                      'intra_op_parallelism_threads=1').strip()
+  for var in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'OPENBLAS_NUM_THREADS'):
+    env[var] = '1'
+  return env
+
+
+def _launch(argv, log_path, env):
+  """Runs argv from the repository root, appending its output to log_path; returns the exit code."""
+  with open(log_path, 'a') as log:
+    log.write(f'\n$ {shlex.join(argv)}\n')
+    log.flush()
+    return subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def _final_loss(workdir):
+  path = os.path.join(workdir, 'metrics.jsonl')
+  valid = train = None
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        if line.strip():
+          row = json.loads(line)
+          if row.get('split') == 'valid':
+            valid = row['loss']
+          elif row.get('split') == 'train':
+            train = row['loss']
+  return train, valid
+
+
+def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eval=False,
+              launch=_launch, out=sys.stdout):
+  """Runs (or with `dry_run` prints) every cell of the sweep file `spec` ('path[:arg]').
+
+  Cells already finished (final-step checkpoint) are skipped, and so are cells that stopped on a
+  non-finite loss (rerunning would diverge again at the same step; delete the workdir to retry);
+  interrupted cells resume from their newest checkpoint (train.py does that). Each cell's output
+  goes to `<cell>/train.log`; one progress line per cell goes to `out`.
+
+  Args:
+    spec: the sweep file, optionally with `:ARG` for its get_config.
+    sweep_dir: the sweep's directory (one workdir per cell).
+    seeds: None (the file's seeds) or a list overriding them.
+    dry_run: print the commands and run nothing.
+    parallel: cells run side by side as subprocesses, each with one XLA/OpenMP thread.
+    run_eval: after a cell trains, run its eval.py commands (`eval_flags`, `eval_variants`).
+    launch: `launch(argv, log_path, env) -> exit code` (tests replace it).
+
+  Returns:
+    {cell name: status}, status one of done | skipped | diverged | failed (rc N) | dry_run.
+  """
+  path, arg = split_spec(spec)
+  module = load_sweep_module(path)
+  sweep = get_sweep(module, arg)
+  cells = expand(sweep, seeds)
+  # Validate every cell before the first one runs: a typo in the last cell should not surface
+  # after hours of the others.
+  configs = {c['name']: cell_config(module, arg, c) for c in cells}
+  n = len(cells)
+  if dry_run:
+    for c in cells:
+      print(shlex.join(train_command(spec, sweep_dir, c)), file=out)
+      for _, argv in eval_commands(sweep, sweep_dir, c):
+        print(shlex.join(argv), file=out)
+    return {c['name']: 'dry_run' for c in cells}
+
+  os.makedirs(sweep_dir, exist_ok=True)
+  # Cells run from the repository root: give them absolute paths.
+  sweep_dir = os.path.abspath(sweep_dir)
+  spec = os.path.abspath(path) + (f':{arg}' if arg else '')
+  env = _single_thread_env() if parallel > 1 else dict(os.environ)
+  train_py, eval_py = os.path.join(ROOT, 'train.py'), os.path.join(ROOT, 'eval.py')
+  results = {}
+
+  def run_cell(i, c):
+    workdir = os.path.join(sweep_dir, c['name'])
+    status, latest = cell_status(workdir, configs[c['name']].train.steps)
+    if status in ('done', 'diverged'):
+      return i, c, ('skipped' if status == 'done' else 'diverged'), f'{status} already', 0.0
+    os.makedirs(workdir, exist_ok=True)
+    how = f'resuming from step {latest}' if status == 'partial' else 'new'
+    start = time.perf_counter()
+    rc = launch(train_command(spec, sweep_dir, c, sys.executable, train_py),
+                os.path.join(workdir, 'train.log'), env)
+    status, _ = cell_status(workdir, configs[c['name']].train.steps)
+    if rc == 0 and status == 'done' and run_eval:
+      for suffix, argv in eval_commands(sweep, sweep_dir, c, sys.executable, eval_py):
+        erc = launch(argv, os.path.join(workdir, 'eval.log'), env)
+        if erc == 0 and suffix:  # eval.py writes eval.json: keep each variant's copy
+          os.replace(os.path.join(workdir, 'eval.json'),
+                     os.path.join(workdir, f'eval_{suffix}.json'))
+        elif erc:
+          how += f'; eval failed (rc {erc}, see eval.log)'
+    if status == 'diverged':
+      result = 'diverged'
+    elif rc == 0 and status == 'done':
+      result = 'done'
+    else:
+      result = f'failed (rc {rc})'
+    return i, c, result, how, time.perf_counter() - start
+
+  def report(i, c, result, how, seconds):
+    results[c['name']] = result
+    train_loss, valid_loss = _final_loss(os.path.join(sweep_dir, c['name']))
+    losses = ''
+    if result in ('done', 'skipped', 'diverged') and train_loss is not None:
+      losses = f'  train {train_loss:.4f}' + (f'  valid {valid_loss:.4f}' if valid_loss else '')
+    where = '' if result in ('done', 'skipped') else f'  (log: {c["name"]}/train.log)'
+    print(f'[{i + 1}/{n}] {c["name"]}: {result} ({how}, {seconds:.0f}s){losses}{where}',
+          file=out, flush=True)
+
+  if parallel <= 1:
+    for i, c in enumerate(cells):
+      report(*run_cell(i, c))
+  else:
+    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+      futures = [pool.submit(run_cell, i, c) for i, c in enumerate(cells)]
+      for future in concurrent.futures.as_completed(futures):
+        report(*future.result())
+  done = sum(r in ('done', 'skipped') for r in results.values())
+  print(f'sweep: {done}/{n} cells finished in {sweep_dir}; compare with: python eval.py '
+        f'--compare={sweep_dir} --out={os.path.join(sweep_dir, "compare.png")}', file=out)
+  return results

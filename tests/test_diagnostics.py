@@ -1,0 +1,155 @@
+"""Training diagnostics (train.py): per-layer gradient norms and update ratios, attention max logit
+and entropy, activation RMS, and the files a run writes (init_grad_norms.json, run_info.json)."""
+
+import functools
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import decoder_only
+from configs import validation
+import train
+
+VOCAB, B, T = 50, 4, 16
+
+
+def tiny_config(**model):
+  config = validation.resolve(decoder_only.get_config('quick'))
+  config.model.update(num_layers=3, d_model=32, num_heads=4, d_ff=64, **model)
+  return validation.resolve(config)
+
+
+def batch(seed=0, segments=False):
+  rng = np.random.default_rng(seed)
+  out = {'inputs': rng.integers(0, VOCAB, (B, T)), 'targets': rng.integers(0, VOCAB, (B, T)),
+         'weights': np.ones((B, T), np.float32)}
+  if segments:  # two packed pairs per row, and padding at the end of row 0
+    seg = np.where(np.arange(T) < T // 2, 1, 2)[None].repeat(B, 0)
+    seg[0, -3:] = 0
+    out['segment_ids'] = seg.astype(np.int32)
+    out['positions'] = np.where(np.arange(T) < T // 2, np.arange(T), np.arange(T) - T // 2)[
+        None].repeat(B, 0)
+    out['weights'] = (seg > 0).astype(np.float32)
+  return out
+
+
+def test_parameter_groups_are_the_blocks_plus_the_rest():
+  graphdef, _, state = train.create_state(tiny_config(), VOCAB)
+  groups, leaf_groups, sizes = train.param_groups(state['params'])
+  assert groups == ['decoder/blocks/0', 'decoder/blocks/1', 'decoder/blocks/2', 'decoder/embed',
+                    'decoder/final_norm']
+  assert len(leaf_groups) == len(jax.tree.leaves(state['params']))
+  assert sum(sizes.values()) == sum(x.size for x in jax.tree.leaves(state['params']))
+  # 4·D² attention + 2·D·F feed-forward + two LayerNorms (scale and bias) per block.
+  assert sizes['decoder/blocks/0'] == 4 * 32 ** 2 + 2 * 32 * 64 + 4 * 32
+  assert sizes['decoder/embed'] == VOCAB * 32
+  assert train.param_group(('encoder', 'blocks', 11, 'ffn', 'wi', 'kernel')) == 'encoder/blocks/11'
+  # Ordered by block number, not as text (10 after 9).
+  assert train._group_sort_key('decoder/blocks/10') > train._group_sort_key('decoder/blocks/9')
+
+
+def test_group_norms_add_up_to_the_global_norms():
+  config = tiny_config(norm_position='post')
+  config.train.warmup_steps = 0  # the first update is not zero
+  graphdef, tx, state = train.create_state(config, VOCAB)
+  groups, leaf_groups, _ = train.param_groups(state['params'])
+  before = jax.tree.map(np.asarray, state['params'])
+  state, sums = jax.jit(functools.partial(train.train_step, graphdef, tx, jax.random.key(0),
+                                          leaf_groups=leaf_groups))(state, batch())
+  diag = jax.device_get(sums['diag'])
+  assert diag['grad_sq'].shape == (len(groups),)
+  np.testing.assert_allclose(np.sqrt(diag['grad_sq'].sum()), sums['grad_norm'], rtol=1e-5)
+  np.testing.assert_allclose(np.sqrt(diag['param_sq'].sum()), train.optax.global_norm(before),
+                             rtol=1e-5)
+  # The update group norms are those of the parameter change of each block.
+  after = jax.tree.map(np.asarray, state['params'])
+  delta = jax.tree.map(lambda a, b: (a - b).astype(np.float64), after, before)
+  manual = np.zeros(len(groups))
+  for leaf, g in zip(jax.tree.leaves(delta), leaf_groups):
+    manual[g] += np.sum(leaf ** 2)
+  np.testing.assert_allclose(diag['update_sq'], manual, rtol=1e-3)
+  metrics = train.diagnostic_metrics(groups, sums['diag'])
+  assert set(metrics) == {'update_ratio'} | {f'{k}/{g}' for g in groups
+                                              for k in ('grad_norm', 'update_ratio')}
+  assert 0 < metrics['update_ratio'] < 0.1
+  np.testing.assert_allclose(metrics['update_ratio/decoder/blocks/1'],
+                             math.sqrt(manual[1] / diag['param_sq'][1]), rtol=1e-3)
+  assert 'decoder/final_norm' not in groups  # Post-LN has no final norm
+
+
+@pytest.mark.parametrize('segments', [False, True])
+def test_attention_entropy_matches_the_attention_maps(segments):
+  config = tiny_config(position='alibi')
+  graphdef, _, state = train.create_state(config, VOCAB)
+  x = batch(1, segments)
+  diag = jax.jit(functools.partial(train.diagnostic_pass, graphdef))(state['params'], x)
+  keys = {f'{k}/decoder/blocks/{i}' for i in range(3)
+          for k in ('act_rms', 'attn_max_logit', 'attn_entropy')}
+  assert set(diag) == keys
+  model = nnx.merge(graphdef, state['params'])
+  maps = model.decoder.attention_weights(jnp.asarray(x['inputs']),
+                                         segment_ids=x.get('segment_ids'),
+                                         positions=x.get('positions'), is_causal=True)
+  real = np.ones((B, T)) if not segments else (x['segment_ids'] > 0).astype(float)
+  for i, m in enumerate(maps):
+    p = np.asarray(m['self'], np.float64)  # [B, N, T, S]
+    ent = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0), -1)  # [B, N, T]
+    w = np.broadcast_to(real[:, None, :], ent.shape)
+    np.testing.assert_allclose(diag[f'attn_entropy/decoder/blocks/{i}'],
+                               np.sum(ent * w) / np.sum(w), rtol=1e-4)
+    assert 0 < float(diag[f'attn_entropy/decoder/blocks/{i}']) < math.log(T)
+
+
+def test_golden_values_zero_queries_and_post_ln_rms():
+  """Zero query kernels: every logit is 0, so the max logit is 0 and each causal row's entropy is
+  log(i + 1); Post-LN's block outputs are LayerNorm outputs (unit scale at init): RMS 1."""
+  config = tiny_config(norm_position='post', position='sinusoidal')
+  graphdef, _, state = train.create_state(config, VOCAB)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, v: jnp.zeros_like(v) if 'query' in jax.tree_util.keystr(path) else v,
+      state['params'])
+  diag = jax.jit(functools.partial(train.diagnostic_pass, graphdef))(params, batch())
+  expected = np.mean(np.log(np.arange(1, T + 1)))
+  for i in range(3):
+    assert float(diag[f'attn_max_logit/decoder/blocks/{i}']) == 0.0
+    np.testing.assert_allclose(diag[f'attn_entropy/decoder/blocks/{i}'], expected, rtol=1e-5)
+    np.testing.assert_allclose(diag[f'act_rms/decoder/blocks/{i}'], 1.0, atol=1e-3)
+
+
+def test_a_run_logs_diagnostics_and_writes_its_reports(tmp_path):
+  config = tiny_config()
+  config.data.data_dir = str(tmp_path / 'tfds')
+  config.train.update(steps=2, log_every=1, eval_every=100, checkpoint_every=100, warmup_steps=0)
+  train.train_and_evaluate(config, str(tmp_path / 'run'))
+  with open(tmp_path / 'run' / 'metrics.jsonl') as f:
+    rows = [json.loads(line) for line in f]
+  train_rows = [r for r in rows if r['split'] == 'train']
+  assert [r['step'] for r in train_rows] == [1, 2]
+  for key in ('grad_norm/decoder/blocks/2', 'update_ratio/decoder/embed', 'update_ratio',
+              'attn_max_logit/decoder/blocks/0', 'attn_entropy/decoder/blocks/1',
+              'act_rms/decoder/blocks/2'):
+    assert math.isfinite(train_rows[0][key]), key
+  with open(tmp_path / 'run' / 'init_grad_norms.json') as f:
+    init = json.load(f)
+  assert len(init['blocks']) == 3 and init['norm_position'] == 'pre'
+  assert init['blocks'][0] == pytest.approx(train_rows[0]['grad_norm/decoder/blocks/0'])
+  assert init['grad_norm'] == pytest.approx(train_rows[0]['grad_norm'], rel=1e-5)
+  with open(tmp_path / 'run' / 'run_info.json') as f:
+    info = json.load(f)
+  assert info['num_params'] == sum(info['params_by_group'].values())
+  assert 0 < info['unigram_entropy'] < 10
+
+
+def test_diagnostics_config_is_validated():
+  config = tiny_config()
+  config.train.diagnostics = False
+  validation.validate(config)
+  config.train.diagnostics_batch = -1
+  with pytest.raises(validation.ConfigError, match='diagnostics_batch'):
+    validation.validate(config)
