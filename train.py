@@ -9,7 +9,9 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 
 from absl import app
@@ -50,7 +52,60 @@ def define_flags():
 
 
 class NonFiniteLoss(RuntimeError):
-  """The loss became NaN or inf."""
+  """The loss or the gradient became NaN or inf."""
+
+
+class Stopped(Exception):
+  """SIGTERM/SIGINT: the run saved a checkpoint at the current step and stopped."""
+
+  def __init__(self, signum, step):
+    super().__init__(f'train: stopped by {signal.Signals(signum).name} after step {step}; '
+                     'checkpoint saved, rerun the same command to resume')
+    self.signum = signum
+
+
+class IncompatibleResume(ValueError):
+  """The workdir's checkpoint was written by a config whose model or data differ."""
+
+
+# Fields that may change between a run and its resumption (noted, not refused).
+SAFE_TO_CHANGE = ('train.steps', 'train.checkpoint_every', 'train.eval_every', 'train.log_every',
+                  'train.keep_checkpoints', 'train.eval_batches', 'train.diagnostics',
+                  'train.diagnostics_batch', 'train.skip_nonfinite', 'train.learning_rate',
+                  'train.warmup_steps', 'train.schedule', 'train.grad_clip_norm',
+                  'train.weight_decay', 'model.attention_impl', 'model.dropout', 'data.data_dir')
+
+
+def _flatten(d, prefix=''):
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f'{prefix}{k}.'))
+    else:
+      out[f'{prefix}{k}'] = v
+  return out
+
+
+def check_resume_config(workdir, config):
+  """Compares `config` with the config.json of an existing run in `workdir`.
+
+  Returns the list of safe fields that changed (to note); raises IncompatibleResume naming the
+  fields that cannot change under a checkpoint (model shape, data stream, seed, batch size).
+  """
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    old = _flatten(json.load(f))
+  new = _flatten(json.loads(config.to_json_best_effort()))
+  changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+  bad = [k for k in changed if k not in SAFE_TO_CHANGE]
+  if bad:
+    raise IncompatibleResume(
+        f'cannot resume {workdir}: its checkpoint was trained with different ' + ', '.join(
+            f'{k} ({old.get(k)!r} -> {new.get(k)!r})' for k in bad) +
+        '; use a new --workdir or the original values')
+  return [f'{k} ({old.get(k)!r} -> {new.get(k)!r})' for k in changed]
 
 
 def make_schedule(t):
@@ -80,7 +135,8 @@ def create_state(config, vocab_size):
                        rngs=nnx.Rngs(params=config.train.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   tx = make_optimizer(config.train)
-  state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params)}
+  state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params),
+           'skipped': jnp.zeros((), jnp.int32)}
   return graphdef, tx, state
 
 
@@ -153,8 +209,12 @@ def count_tokens(batch):
   return int(sum(np.sum(batch[k] > 0) for k in groups))
 
 
-def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None):
+def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonfinite=False):
   """One optimisation step, a pure function of the state (jit it with the state donated).
+
+  With `skip_nonfinite`, a step whose loss or gradient norm is not finite leaves the parameters and
+  optimiser state unchanged (the data and the step counter still advance) and counts in
+  `state['skipped']`.
 
   With `leaf_groups` (from `param_groups`), `sums['diag']` holds `[G]` squared norms per group of
   the gradient, the update and the parameters before the update (a few reductions: cheap).
@@ -178,7 +238,18 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None):
     sums['diag'] = {'grad_sq': group_sq_norms(grads, leaf_groups, g),
                     'update_sq': group_sq_norms(updates, leaf_groups, g),
                     'param_sq': group_sq_norms(state['params'], leaf_groups, g)}
-  return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, sums
+  new = {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state,
+         'skipped': state['skipped']}
+  if skip_nonfinite:
+    ok = jnp.isfinite(sums['loss_sum']) & jnp.isfinite(sums['grad_norm'])
+    new['params'], new['opt_state'] = jax.tree.map(
+        lambda a, b: jnp.where(ok, a, b), (params, opt_state),
+        (state['params'], state['opt_state']))
+    new['skipped'] = state['skipped'] + (~ok).astype(jnp.int32)
+    # Report the skipped step's values as zeros so that window sums stay finite.
+    for k in ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'param_norm'):
+      sums[k] = jnp.where(ok, sums[k], 0.0)
+  return new, sums
 
 
 @contextlib.contextmanager
@@ -285,8 +356,9 @@ def diagnostic_metrics(groups, diag):
 
 def unigram_entropy(batch):
   """Entropy (nats) of the weighted target tokens of one batch: the loss of a unigram model."""
-  targets = np.asarray(batch['targets']).ravel()
-  weights = np.asarray(batch['weights'], np.float64).ravel()
+  prefix = 'tgt_' if 'tgt_targets' in batch else ''  # encoder-decoder batches
+  targets = np.asarray(batch[f'{prefix}targets']).ravel()
+  weights = np.asarray(batch[f'{prefix}weights'], np.float64).ravel()
   counts = np.bincount(targets, weights=weights)
   p = counts[counts > 0] / counts.sum()
   return float(-np.sum(p * np.log(p)))
@@ -334,6 +406,28 @@ def restore_state(mngr, state, step=None):
   return restored['state'], restored['data']
 
 
+def restore_newest_good(mngr, state, workdir):
+  """Restores the newest readable checkpoint; unreadable ones are reported and moved aside.
+
+  Orbax commits a checkpoint atomically (a temporary directory renamed when complete), so a crash
+  mid-save leaves no half-written step; this guards against damage after the commit (files
+  truncated or missing). Returns (state, data state, step) or None when no checkpoint is readable.
+  """
+  for step in sorted(mngr.all_steps(), reverse=True):
+    try:
+      restored, data_state = restore_state(mngr, state, step)
+      return restored, data_state, step
+    except Exception as e:  # pylint: disable=broad-except  # orbax/tensorstore raise many kinds
+      path = os.path.join(mngr.directory, str(step))
+      aside = os.path.join(mngr.directory, f'corrupt-{step}-{int(time.time())}')
+      reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+      print(f'train: checkpoint step {step} in {workdir} is unreadable ({reason}); moved to '
+            f'{aside}, trying the previous one', file=sys.stderr)
+      os.rename(path, aside)
+      mngr.reload()
+  return None
+
+
 class MetricsWriter:
   """Appends metrics to metrics.jsonl and TensorBoard; on resume, drops rows after the restart step."""
 
@@ -365,6 +459,8 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
   `_interrupt_after` (tests only) raises KeyboardInterrupt after that step, as a kill would.
   """
   os.makedirs(workdir, exist_ok=True)
+  for change in check_resume_config(workdir, config):
+    print(f'train: resuming with changed {change}', file=sys.stderr)
   with open(os.path.join(workdir, 'config.json'), 'w') as f:
     f.write(config.to_json_best_effort(indent=2))
   t = config.train
@@ -375,8 +471,9 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
                               seed=t.seed)
   mngr = checkpoint_manager(workdir, config)
   start = 0
-  if mngr.latest_step() is not None:
-    state, data_state = restore_state(mngr, state)
+  restored = restore_newest_good(mngr, state, workdir) if mngr.all_steps() else None
+  if restored is not None:
+    state, data_state, _ = restored
     it.set_state(data_state)
     start = int(state['step'])
     print(f'train: resumed from step {start} in {workdir}', file=sys.stderr)
@@ -394,7 +491,8 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
 
   base_rng = jax.random.key(t.seed)
   step_fn = jax.jit(functools.partial(train_step, graphdef, tx, base_rng,
-                                      leaf_groups=leaf_groups if t.diagnostics else None),
+                                      leaf_groups=leaf_groups if t.diagnostics else None,
+                                      skip_nonfinite=t.skip_nonfinite),
                     donate_argnums=(0,))
   diag_fn = jax.jit(functools.partial(diagnostic_pass, graphdef))
   eval_fn = jax.jit(functools.partial(eval_step, graphdef))
@@ -403,6 +501,17 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
   last = {}
   bar = tqdm.tqdm(total=t.steps, initial=start, desc='train', mininterval=1.0, file=sys.stderr,
                   dynamic_ncols=True)
+
+  def save(step):
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                            data=ocp.args.JsonSave(it.get_state())))
+
+  # SIGTERM (preemption) and SIGINT finish the current step, save, and stop (see Stopped).
+  received = []
+  handlers = {}
+  if threading.current_thread() is threading.main_thread():
+    for signum in (signal.SIGTERM, signal.SIGINT):
+      handlers[signum] = signal.signal(signum, lambda signum, _: received.append(signum))
   try:
     for step in range(start + 1, t.steps + 1):
       batch = next(it)
@@ -410,10 +519,13 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
       diag = sums.pop('diag', None)  # per-group [G] norms, read at log steps only
       # Read the loss every step: a non-finite value must stop the run before it is checkpointed.
       loss = float(sums['loss_sum']) / max(float(sums['weight_sum']), 1.0)
-      if not math.isfinite(loss):
+      grad_norm = float(sums['grad_norm'])
+      if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         writer.write(step, 'train', {'loss': loss})  # so that sweep comparisons see the divergence
-        raise NonFiniteLoss(f'train: non-finite loss ({loss}) at step {step}; stopping. The last '
-                            f'good checkpoint is step {mngr.latest_step()} in {workdir}')
+        name, value = ('loss', loss) if not math.isfinite(loss) else ('grad_norm', grad_norm)
+        raise NonFiniteLoss(f'train: non-finite {name} ({value}) at step {step}; stopping. The '
+                            f'last good checkpoint is step {mngr.latest_step()} in {workdir} '
+                            '(train.skip_nonfinite=True skips such steps instead)')
       if step == 1 and diag is not None:
         # Step 1's gradient is taken at the initial parameters (Xiong et al. 2020, Figure 3).
         grad = np.sqrt(np.asarray(jax.device_get(diag['grad_sq']), np.float64))
@@ -436,6 +548,8 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
         last['param_norm'] = float(sums['param_norm'])
         last['learning_rate'] = float(schedule(step - 1))
         last['tokens_per_sec'] = window_tokens / elapsed
+        if t.skip_nonfinite:
+          last['skipped_steps'] = int(state['skipped'])
         if diag is not None:  # the log step's values (not window means)
           last.update(diagnostic_metrics(groups, diag))
           rows = t.diagnostics_batch or t.batch_size
@@ -447,12 +561,15 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
       if step % t.eval_every == 0 or step == t.steps:
         writer.write(step, 'valid', evaluate(eval_fn, state['params'], config, 'validation',
                                              t.eval_batches))
-      if step % t.checkpoint_every == 0 or step == t.steps:
-        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                data=ocp.args.JsonSave(it.get_state())))
+      if step % t.checkpoint_every == 0 or step == t.steps or received:
+        save(step)
+      if received:
+        raise Stopped(received[0], step)
       if _interrupt_after == step:
         raise KeyboardInterrupt(f'test interruption after step {step}')
   finally:
+    for signum, handler in handlers.items():
+      signal.signal(signum, handler)
     bar.close()
     mngr.wait_until_finished()
     mngr.close()
@@ -485,14 +602,22 @@ def main(argv):
   config = validation.resolve(FLAGS.config.unlock())
   try:
     validation.validate(config)
+    validation.check_writable('workdir', FLAGS.workdir)
+    validation.check_writable('data.data_dir', config.data.data_dir)
   except validation.ConfigError as e:
     print(f'config error: {e}', file=sys.stderr)
     sys.exit(2)
   try:
     train_and_evaluate(config, FLAGS.workdir)
+  except IncompatibleResume as e:
+    print(f'train: {e}', file=sys.stderr)
+    sys.exit(2)
   except NonFiniteLoss as e:
     print(str(e), file=sys.stderr)
     sys.exit(1)
+  except Stopped as e:
+    print(str(e), file=sys.stderr)
+    sys.exit(128 + e.signum)  # the shell's convention for "ended by this signal"
 
 
 if __name__ == '__main__':

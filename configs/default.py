@@ -85,6 +85,8 @@ def get_config(arg=None):
   train.loss_on = 'target'  # decoder-only loss: target (translation) | all (every token, LM)
   train.checkpoint_every = 500  # steps between checkpoints (and one at the end)
   train.keep_checkpoints = 3  # newest checkpoints kept on disk
+  train.skip_nonfinite = False  # skip (and count) a step whose loss or gradient is NaN/inf instead
+  #                               of stopping the run
   train.eval_every = 500  # steps between validation passes
   train.eval_batches = 8  # validation batches per pass (0 = the whole split)
   train.log_every = 50  # steps between train-metric lines in metrics.jsonl

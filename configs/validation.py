@@ -132,6 +132,8 @@ def validate(config):
       t.diagnostics_batch < 0):
     raise ConfigError(f'train.diagnostics_batch={t.diagnostics_batch!r} must be an integer >= 0 '
                       '(0 = the whole batch)')
+  if not isinstance(t.skip_nonfinite, bool):
+    raise ConfigError(f'train.skip_nonfinite={t.skip_nonfinite!r} must be True or False')
   _choice('train.schedule', t.schedule, SCHEDULES)
   _choice('train.loss_on', t.loss_on, LOSS_ON)
 
@@ -189,3 +191,17 @@ def _validate_attention_variant(config):
   if m.attention in ('linformer', 'performer', 'linear') and config.data.packing == 'segments':
     raise ConfigError(f"data.packing='segments' is not valid for model.attention={m.attention!r} "
                       '(it hides padding only, not other segments); valid values: none, stream')
+
+
+def check_writable(name, path):
+  """Raises ConfigError unless `path` is (or can be created as) a writable directory."""
+  import os  # pylint: disable=g-import-not-at-top
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ConfigError(f'{name}={path!r} is a file; it must be a directory (or not exist yet)')
+  parent = os.path.abspath(path)
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise ConfigError(f'{name}={path!r} cannot be created: {parent!r} is a file')
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise ConfigError(f'{name}={path!r} cannot be written (no write permission on {parent!r})')
