@@ -14,6 +14,7 @@ from absl import app
 from absl import flags
 from absl import logging
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -36,6 +37,15 @@ _MODES = flags.DEFINE_list('modes', ['non_overlapping', 'sliding'],
                            'Extrapolation windows: non_overlapping and/or sliding.')
 _STRIDE = flags.DEFINE_float('stride', 0.5, 'Sliding-window stride as a fraction of the window.')
 _STREAM_SPLIT = flags.DEFINE_string('stream_split', 'test', 'Split streamed for extrapolation.')
+_DECODE = flags.DEFINE_enum('decode', 'greedy', ['greedy', 'beam', 'sample'],
+                            'Translation decoding (KV cache): greedy, beam or sample.')
+_NUM_BEAMS = flags.DEFINE_integer('num_beams', 4, 'Beam width (--decode=beam).')
+_LENGTH_PENALTY = flags.DEFINE_float('length_penalty', 0.6, 'GNMT length penalty alpha (beam).')
+_TEMPERATURE = flags.DEFINE_float('temperature', 1.0, 'Sampling temperature (--decode=sample).')
+_TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample from the k most likely tokens (0 = all).')
+_TOP_P = flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass (1.0 = off).')
+_PLOT_ATTENTION = flags.DEFINE_integer('plot_attention', 0, 'Draw attention heat maps (one panel '
+                                       'per head) of this many test sentences (0 = none).')
 _ROPE_SCALING = flags.DEFINE_string('rope_scaling', None, 'Override RoPE scaling at evaluation '
                                     'only: none, pi:F, ntk:F or yarn:F (F the factor).')
 # Comparing runs (configs/compare.py): overlaid loss curves of workdirs or sweep directories.
@@ -71,16 +81,77 @@ def load_run(workdir):
 LENGTH_BUCKETS = (0, 7, 13, 19, 26, 33)  # source-length bucket starts (words)
 
 
-def translate(config, model, examples, tokenizer):
-  """Greedy translation of `examples`; returns exact match, token accuracy and a few samples."""
-  prompts = [[tokenizer.bos_id] + e['source_ids'] + [tokenizer.sep_id] for e in examples]
+def _fill_masks(model, examples, tokenizer, batch_size=64):
+  """Encoder-only, non-autoregressive: every target token (the reference's length, an oracle) is
+  `<mask>`; all are predicted in one pass. Returns the predicted target token lists."""
+  graphdef, params = nnx.split(model)
+
+  @jax.jit
+  def predict(params, inputs, segment_ids):
+    logits = nnx.merge(graphdef, params)({'inputs': inputs, 'segment_ids': segment_ids})
+    return jnp.argmax(logits, axis=-1)  # [B, L]
+
+  rows = [[tokenizer.bos_id] + e['source_ids'] + [tokenizer.sep_id]
+          + [tokenizer.mask_id] * len(e['target_ids']) + [tokenizer.eos_id] for e in examples]
+  length = max(len(r) for r in rows)
+  model.encoder.position.check_length(length)
+  hyps = []
+  for start in range(0, len(rows), batch_size):
+    chunk = rows[start:start + batch_size]
+    chunk = chunk + [chunk[-1]] * (batch_size - len(chunk))
+    inputs = np.zeros((batch_size, length), np.int32)
+    for i, r in enumerate(chunk):
+      inputs[i, :len(r)] = r
+    pred = np.asarray(predict(params, inputs, (inputs > 0).astype(np.int32)))
+    for i, e in enumerate(examples[start:start + batch_size]):
+      first = len(e['source_ids']) + 2
+      hyps.append(pred[i, first:first + len(e['target_ids'])].tolist())
+  return hyps
+
+
+def generate_translations(config, model, examples, tokenizer, *, method='greedy', **decode_kwargs):
+  """Translations of `examples` by the run's architecture.
+
+  decoder_only continues `<bos> source <sep>`; encoder_decoder and rnn_seq2seq decode from `<bos>`
+  over the encoded `source <eos>` (all with the KV cache / recurrent state, `models.decoding`);
+  encoder_only fills a fully masked target of the reference length in one pass (an oracle length:
+  a non-autoregressive score, not comparable one to one with the others).
+  """
+  arch = config.model.arch
+  if arch == 'encoder_only':
+    return _fill_masks(model, examples, tokenizer)
   refs = [e['target_ids'] for e in examples]
   max_new = max(len(r) for r in refs) + 1
-  # Longer test splits need a longer buffer than training (that is the extrapolation).
-  length = max(config.data.max_length, max(len(p) for p in prompts) + max_new)
-  model.decoder.position.check_length(length)
-  hyps = decoding.greedy_translate(model, prompts, length=length, max_new=max_new,
-                                   eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+  kwargs = dict(max_new=max_new, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, method=method,
+                **decode_kwargs)
+  if arch == 'decoder_only':
+    prompts = [[tokenizer.bos_id] + e['source_ids'] + [tokenizer.sep_id] for e in examples]
+    # Longer test splits need a longer buffer than training (that is the extrapolation).
+    length = max(config.data.max_length, max(len(p) for p in prompts) + max_new)
+    model.decoder.position.check_length(length)
+    if method == 'greedy' and not decode_kwargs:
+      return decoding.greedy_translate(model, prompts, length=length, max_new=max_new,
+                                       eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    return decoding.generate(model, prompts, length=length, **kwargs)
+  sources = [e['source_ids'] + [tokenizer.eos_id] for e in examples]
+  if hasattr(model, 'encoder') and hasattr(model.encoder, 'position'):
+    model.encoder.position.check_length(max(len(x) for x in sources))
+    model.decoder.position.check_length(max_new + 1)
+  return decoding.generate(model, [[tokenizer.bos_id]] * len(examples), sources=sources, **kwargs)
+
+
+def bleu(hyps, refs, tokenizer):
+  """Corpus BLEU (sacrebleu, 0-100) of token lists against one reference each."""
+  import sacrebleu  # pylint: disable=g-import-not-at-top
+  return float(sacrebleu.corpus_bleu([tokenizer.decode(h) for h in hyps],
+                                     [[tokenizer.decode(r) for r in refs]]).score)
+
+
+def translate(config, model, examples, tokenizer, *, method='greedy', **decode_kwargs):
+  """Translates `examples`; returns exact match, token accuracy, BLEU and a few samples."""
+  refs = [e['target_ids'] for e in examples]
+  hyps = generate_translations(config, model, examples, tokenizer, method=method,
+                               **decode_kwargs)
   exact = sum(h == r for h, r in zip(hyps, refs))
   # Token accuracy: reference positions (and the final eos) predicted correctly at the same index.
   correct = total = 0
@@ -99,8 +170,9 @@ def translate(config, model, examples, tokenizer):
   by_length = [{'source_words': f'{lo}-{hi - 1}', 'exact_match': hit / cnt, 'n': cnt}
                for lo, hi in zip(LENGTH_BUCKETS, LENGTH_BUCKETS[1:] + (10 ** 6,))
                if lo in buckets for hit, cnt in [buckets[lo]]]
-  return {'exact_match': exact / len(refs), 'token_accuracy': correct / total, 'n': len(refs),
-          'by_length': by_length, 'samples': samples}
+  return {'exact_match': exact / len(refs), 'token_accuracy': correct / total,
+          'bleu': bleu(hyps, refs, tokenizer), 'n': len(refs), 'by_length': by_length,
+          'samples': samples, 'decoding': method}
 
 
 def _window_losses(model, tokens, in_target, starts, length, batch_size):
@@ -186,6 +258,67 @@ def plot_per_position(workdir, per_position, title):
   return path
 
 
+def attention_batch(config, example, tokenizer):
+  """The teacher-forced one-row batch of `example` for the run's arch, and the axis labels.
+
+  Returns:
+    (batch, query words, key words for 'self', key words for 'cross').
+  """
+  words = lambda ids: [tokenizer.tokens[i] for i in ids]  # noqa: E731
+  src, tgt = example['source_ids'], example['target_ids']
+  arr = lambda ids: np.asarray([ids], np.int32)  # noqa: E731
+  if config.model.arch in ('encoder_decoder', 'rnn_seq2seq'):
+    src_in, tgt_in = src + [tokenizer.eos_id], [tokenizer.bos_id] + tgt
+    batch = {'src_inputs': arr(src_in), 'tgt_inputs': arr(tgt_in)}
+    return batch, words(tgt_in), words(tgt_in), words(src_in)
+  seq = [tokenizer.bos_id] + src + [tokenizer.sep_id] + tgt + [tokenizer.eos_id]
+  if config.model.arch == 'decoder_only':
+    seq = seq[:-1]
+  return {'inputs': arr(seq)}, words(seq), words(seq), None
+
+
+def plot_attention_maps(workdir, config, model, examples, tokenizer, layer=-1):
+  """Heat maps of the last layer's attention for a few sentences, one panel per head.
+
+  Self-attention (queries down, keys across) and, for encoder-decoder and RNN, cross-attention
+  (target words down, source words across); for decoder-only also the target-rows x source-columns
+  block of its self-attention, its alignment. Probabilities come from
+  `layers.attention_xla.attention_weights` on the layer's own q/k. Writes attention_<i>_<kind>.png.
+
+  Returns:
+    The written paths.
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  paths = []
+  for i, example in enumerate(examples):
+    batch, q_words, self_words, cross_words = attention_batch(config, example, tokenizer)
+    maps = dict(model.attention_weights(batch)[layer])
+    panels = {kind: (np.asarray(w[0]), q_words, self_words if kind == 'self' else cross_words)
+              for kind, w in maps.items()}
+    if config.model.arch == 'decoder_only':
+      sep = q_words.index(tokenizer.tokens[tokenizer.sep_id])
+      panels['target_to_source'] = (np.asarray(maps['self'][0])[:, sep:, 1:sep],
+                                    q_words[sep:], q_words[1:sep])
+    for kind, (w, rows, cols) in panels.items():
+      heads = w.shape[0]
+      fig, axes = plt.subplots(1, heads, figsize=(0.35 * len(cols) * heads + 2,
+                                                  0.35 * len(rows) + 1.5), squeeze=False)
+      for h, ax in enumerate(axes[0]):
+        ax.imshow(w[h], cmap='viridis', vmin=0.0, vmax=1.0, aspect='auto')
+        ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(rows)), rows if h == 0 else [''] * len(rows), fontsize=7)
+        ax.set_title(f'head {h}', fontsize=8)
+      fig.suptitle(f'{config.model.arch} layer {layer} {kind}: {example["source"]}', fontsize=8)
+      fig.tight_layout()
+      path = os.path.join(workdir, f'attention_{i}_{kind}.png')
+      fig.savefig(path, dpi=100)
+      plt.close(fig)
+      paths.append(path)
+  return paths
+
+
 def plot_loss_curve(workdir):
   """Draws train and validation loss against step from metrics.jsonl into loss_curve.png."""
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -221,7 +354,7 @@ def parse_rope_scaling(text):
 
 def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), lengths=(),
                  modes=('non_overlapping', 'sliding'), stride=0.5, stream_split='test',
-                 rope_scaling=None):
+                 rope_scaling=None, decode=None, plot_attention=0):
   """Evaluates the newest checkpoint in `workdir`; returns (and writes) the eval.json dict.
 
   Args:
@@ -232,6 +365,9 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     lengths: extrapolation multiples of the training length (empty = none).
     modes, stride, stream_split: see `extrapolate`.
     rope_scaling: None or e.g. 'ntk:4', applied at evaluation only.
+    decode: None (greedy) or a dict of `models.decoding.generate` options, e.g.
+      {'method': 'beam', 'num_beams': 4, 'length_penalty': 0.6}.
+    plot_attention: draw the attention maps of this many test sentences (0 = none).
   """
   config, graphdef, params, step = load_run(workdir)
   tokenizer = pipeline.get_tokenizer(config.data)
@@ -240,8 +376,12 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     name, factor = parse_rope_scaling(rope_scaling)
     positions_lib.with_rope_scaling(model, name, factor)
     graphdef, params = nnx.split(model)
+  if lengths and config.model.arch != 'decoder_only':
+    raise ValueError(f'--lengths (stream extrapolation) needs a decoder_only run, not '
+                     f'{config.model.arch!r}')
   for multiple in lengths:  # before any compilation: a learned table cannot embed longer inputs
     model.decoder.position.check_length(int(multiple * config.data.max_length))
+  decode = dict(decode or {})
   eval_fn = jax.jit(functools.partial(train.eval_step, graphdef))
   result = {'step': step, 'loss': {}, 'perplexity': {}, 'accuracy': {}, 'translation': {}}
   for split in splits:
@@ -252,12 +392,12 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     examples = pipeline.load_examples(config.data, split)
     if max_examples:
       examples = examples[:max_examples]
-    result['translation'][split] = translate(config, model, examples, tokenizer)
+    result['translation'][split] = translate(config, model, examples, tokenizer, **decode)
   for split in translate_splits:
     examples = pipeline.load_examples(config.data, split)
     if max_examples:
       examples = examples[:max_examples]
-    result['translation'][split] = translate(config, model, examples, tokenizer)
+    result['translation'][split] = translate(config, model, examples, tokenizer, **decode)
   if lengths:
     result['rope_scaling'] = rope_scaling or 'as trained'
     result['extrapolation'], per_position = extrapolate(config, model, lengths, modes, stride,
@@ -270,8 +410,23 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
   result['token_accuracy'] = result['translation'][main_split]['token_accuracy']
   with open(os.path.join(workdir, 'eval.json'), 'w') as f:
     json.dump(result, f, indent=2)
+  if plot_attention:
+    examples = pipeline.load_examples(config.data, 'test' if 'test' in splits else splits[-1])
+    result['attention_plots'] = plot_attention_maps(workdir, config, model,
+                                                    examples[:plot_attention], tokenizer)
   result['loss_curve'] = plot_loss_curve(workdir)
   return result
+
+
+def _decode_options():
+  """The --decode flags as `models.decoding.generate` options (None = plain greedy)."""
+  if _DECODE.value == 'greedy':
+    return None
+  if _DECODE.value == 'beam':
+    return {'method': 'beam', 'num_beams': _NUM_BEAMS.value,
+            'length_penalty': _LENGTH_PENALTY.value}
+  return {'method': 'sample', 'temperature': _TEMPERATURE.value, 'top_k': _TOP_K.value,
+          'top_p': _TOP_P.value}
 
 
 def main(argv):
@@ -297,7 +452,8 @@ def main(argv):
     result = evaluate_run(
         _WORKDIR.value, _SPLIT.value, _MAX_EXAMPLES.value, translate_splits=_TRANSLATE.value,
         lengths=[float(x) for x in _LENGTHS.value], modes=_MODES.value, stride=_STRIDE.value,
-        stream_split=_STREAM_SPLIT.value, rope_scaling=_ROPE_SCALING.value)
+        stream_split=_STREAM_SPLIT.value, rope_scaling=_ROPE_SCALING.value,
+        decode=_decode_options(), plot_attention=_PLOT_ATTENTION.value)
   except ValueError as e:
     print(f'eval: {e}', file=sys.stderr)
     sys.exit(2)
@@ -307,7 +463,7 @@ def main(argv):
   for split in _SPLIT.value + _TRANSLATE.value:
     t = result['translation'][split]
     loss = result['loss'].get(split, float('nan'))
-    print(f'{split}: loss {loss:.4f}  ppl {math.exp(min(loss, 50)):.3f}  exact_match {t["exact_match"]:.4f}  token_accuracy {t["token_accuracy"]:.4f}  '
+    print(f'{split}: loss {loss:.4f}  ppl {math.exp(min(loss, 50)):.3f}  exact_match {t["exact_match"]:.4f}  token_accuracy {t["token_accuracy"]:.4f}  bleu {t["bleu"]:.2f}  '
           f'(n={t["n"]})')
   for row in result.get('extrapolation', []):
     print(f'extrapolation x{row["multiple"]:g} L={row["length"]} {row["mode"]}: loss '

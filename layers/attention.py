@@ -113,6 +113,13 @@ class Attention(nnx.Module):
     self.out = nnx.LinearGeneral((num_heads, head_dim), d_model, axis=(-2, -1), use_bias=use_bias,
                                  kernel_init=init, rngs=rngs)
 
+  @classmethod
+  def from_config(cls, cfg, *, rngs):
+    """From `config.model`: sizes, use_bias, attention_impl, unscaled (scale 1 instead of 1/sqrt(H))."""
+    return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, use_bias=cfg.use_bias,
+               implementation=cfg.attention_impl,
+               scale=1.0 if cfg.get('unscaled', False) else None, rngs=rngs)
+
   def project(self, x, context=None):
     """q `[B, T, N, H]`, k and v `[B, S, K, H]`."""
     context = x if context is None else context
@@ -148,7 +155,124 @@ class Attention(nnx.Module):
     return self.out(out)  # [B, T, D]
 
 
-# Attention variants, keyed by `config.model.attention`.
+  # --- KV cache path (autoregressive decoding) -------------------------------------------------
+
+  def init_cache(self, batch_size, max_length, dtype=jnp.float32):
+    """An empty self-attention cache of `num_kv_heads` heads only (GQA/MQA shrink it by N/K).
+
+    Returns:
+      {'k': `[B, S_max, K, H]`, 'v': `[B, S_max, K, H]`} zeros.
+    """
+    shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
+    return {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}
+
+  def context_cache(self, context):
+    """Cross-attention keys/values of an encoder output, computed once per source: {'k', 'v'}."""
+    return {'k': self.key(context), 'v': self.value(context)}  # [B, S, K, H] each
+
+  def decode(self, x, cache, index, *, position=None):
+    """Causal self-attention of one new token per row against the cache, which it extends.
+
+    Args:
+      x: `[B, 1, D]` the new tokens' input.
+      cache: {'k', 'v'} `[B, S_max, K, H]`; slots `< index` hold the row's earlier tokens.
+      index: `[B]` int (or a scalar), each row's absolute position; its k/v go into that slot.
+      position: None or the `layers.positions` object (absolute positions go to its hooks).
+
+    Returns:
+      (`[B, 1, D]`, the updated cache).
+    """
+    if type(self).__call__ is not Attention.__call__:
+      # A variant with its own attention pattern needs its own cached step, not this dense one.
+      raise NotImplementedError(f'{type(self).__name__} has no KV-cache decode path; decode with '
+                                "model.attention='dense' (or add one to the variant)")
+    b, s_max = x.shape[0], cache['k'].shape[1]
+    index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))  # [B]
+    q, k, v = self.project(x)  # [B, 1, N, H], [B, 1, K, H], [B, 1, K, H]
+    q_pos = index[:, None]  # [B, 1]
+    k_pos = jnp.broadcast_to(jnp.arange(s_max, dtype=jnp.int32), (b, s_max))  # [B, S_max]
+    kwargs = {}
+    if position is not None:
+      # The new key is rotated (RoPE) at its own absolute position before it is stored.
+      q_in = q
+      q, k, kwargs = position.in_attention(q, k, q_pos, q_pos, is_causal=True)
+      if 'bias' in kwargs:
+        # A score term over key positions (T5): recompute it against every cached slot; only the
+        # kwargs of this call are used, so a method that also rotates q/k is not applied twice.
+        _, _, kwargs = position.in_attention(q_in, cache['k'], q_pos, k_pos, is_causal=True)
+    rows = jnp.arange(b)
+    cache = {'k': cache['k'].at[rows, index].set(k[:, 0].astype(cache['k'].dtype)),
+             'v': cache['v'].at[rows, index].set(v[:, 0].astype(cache['v'].dtype))}
+    bias = kwargs.pop('bias', None)
+    slopes = kwargs.pop('alibi_slopes', None)
+    if kwargs:
+      raise ValueError(f'decode: unsupported in_attention kwargs {sorted(kwargs)}')
+    if slopes is not None:
+      # The kernels compute ALiBi from array indices (0 for the single query row here): use the
+      # absolute positions instead.
+      alibi = jax.vmap(lambda qp, kp: masks.alibi_bias(slopes, qp[:, None], kp[None]))(
+          q_pos, k_pos)  # [B, N, 1, S_max]
+      bias = alibi if bias is None else bias + alibi
+    # Slots after the row's position are empty (or stale): the causal mask on absolute positions.
+    vis = masks.visible(q_pos[:, :, None], k_pos[:, None, :], is_causal=True,
+                        window=masks.normalize_window(self.local_window_size))  # [B, 1, S_max]
+    # One query row gains nothing from a flash kernel: the dense reference serves every config.
+    out = dot_product_attention(q, cache['k'], cache['v'], bias=bias, mask=vis[:, None],
+                                scale=self.scale, implementation='xla')  # [B, 1, N, H]
+    return self.out(out), cache  # [B, 1, D]
+
+  def decode_context(self, x, context_cache, context_mask=None):
+    """Cross-attention of `x` `[B, 1, D]` to cached encoder keys/values; mask `[B, S]` True = real.
+
+    Returns:
+      `[B, 1, D]`.
+    """
+    q = self.query(x)  # [B, 1, N, H]
+    mask = None if context_mask is None else context_mask[:, None, None, :]  # [B, 1, 1, S]
+    out = dot_product_attention(q, context_cache['k'], context_cache['v'], mask=mask,
+                                scale=self.scale, implementation='xla')  # [B, 1, N, H]
+    return self.out(out)
+
+  def weights(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
+              is_causal=False, positions=None, context_positions=None, position=None):
+    """The `[B, N, T, S]` attention probabilities of `__call__` with the same arguments (plots)."""
+    q, k, _ = self.project(x, context)
+    if context is None:
+      context_segment_ids = segment_ids if context_segment_ids is None else context_segment_ids
+      context_positions = positions if context_positions is None else context_positions
+    kwargs = {}
+    if position is not None:
+      q, k, kwargs = position.in_attention(q, k, positions, context_positions, is_causal=is_causal)
+    scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return attention_xla.attention_weights(
+        q, k, scale=scale, is_causal=is_causal,
+        window=masks.normalize_window(self.local_window_size),
+        q_segment_ids=segment_ids, kv_segment_ids=context_segment_ids, **kwargs)
+
+
+class _LazyVariant:
+  """A variant class imported on first use (its module subclasses `Attention`, so it imports this one)."""
+
+  def __init__(self, module, name):
+    self.module, self.name = module, name
+
+  def resolve(self):
+    return getattr(importlib.import_module(self.module), self.name)
+
+  def from_config(self, cfg, *, rngs):
+    return self.resolve().from_config(cfg, rngs=rngs)
+
+  def __call__(self, *args, **kwargs):
+    return self.resolve()(*args, **kwargs)
+
+
+# Attention variants, keyed by `config.model.attention`; each has `from_config(config.model, rngs=)`.
 VARIANTS = {
     'dense': Attention,
+    'sliding_window': _LazyVariant('layers.sparse_attention', 'SlidingWindowAttention'),
+    'longformer': _LazyVariant('layers.sparse_attention', 'LongformerAttention'),
+    'bigbird': _LazyVariant('layers.sparse_attention', 'BigBirdAttention'),
+    'linformer': _LazyVariant('layers.linear_attention', 'LinformerAttention'),
+    'performer': _LazyVariant('layers.linear_attention', 'PerformerAttention'),
+    'linear': _LazyVariant('layers.linear_attention', 'LinearAttention'),
 }

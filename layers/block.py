@@ -34,14 +34,12 @@ class Block(nnx.Module):
     self.pre = cfg.norm_position == 'pre'
     make_norm = norms.NORMS[cfg.norm]
 
-    def make_attention():
-      return attention.VARIANTS[cfg.attention](
-          cfg.d_model, cfg.num_heads, cfg.num_kv_heads, use_bias=cfg.use_bias,
-          implementation=cfg.attention_impl, rngs=rngs)
-
-    self.self_attention = make_attention()
+    # Each variant reads its own options from `cfg`. Cross-attention stays dense, as in Longformer
+    # and BigBird's encoder-decoders: the sparse patterns are defined on one sequence's positions.
+    self.self_attention = attention.VARIANTS[cfg.attention].from_config(cfg, rngs=rngs)
     self.self_norm = make_norm(cfg.d_model, rngs=rngs)
-    self.cross_attention = make_attention() if cross_attention else None
+    self.cross_attention = (attention.Attention.from_config(cfg, rngs=rngs) if cross_attention
+                            else None)
     self.cross_norm = make_norm(cfg.d_model, rngs=rngs) if cross_attention else None
     self.ffn = feed_forward.make(cfg.ffn, cfg.d_model, cfg.d_ff, use_bias=cfg.use_bias, rngs=rngs)
     self.ffn_norm = make_norm(cfg.d_model, rngs=rngs)
@@ -74,3 +72,53 @@ class Block(nnx.Module):
       x = self._sublayer(x, self.cross_norm, lambda h: self.cross_attention(
           h, context, segment_ids=segment_ids, context_segment_ids=context_segment_ids), rngs)
     return self._sublayer(x, self.ffn_norm, self.ffn, rngs)
+
+  # --- KV cache path and attention maps (additive; `__call__` is unchanged) ----------------------
+
+  def init_cache(self, batch_size, max_length, dtype):
+    """This layer's self-attention cache {'k', 'v'} `[B, S_max, K, H]`."""
+    return self.self_attention.init_cache(batch_size, max_length, dtype)
+
+  def decode(self, x, cache, index, *, position=None, context_cache=None, context_mask=None):
+    """One decoding step (no dropout) of `x` `[B, 1, D]` at absolute positions `index` `[B]`.
+
+    Args:
+      x: `[B, 1, D]`.
+      cache: this layer's self-attention cache.
+      index: `[B]` or scalar absolute positions.
+      position: the `layers.positions` object.
+      context_cache: this layer's cross-attention {'k', 'v'} of the encoder output (or None).
+      context_mask: `[B, S]` True on real source tokens.
+
+    Returns:
+      (`[B, 1, D]`, the updated cache).
+    """
+    new = {}
+
+    def self_attend(h):
+      out, new['cache'] = self.self_attention.decode(h, cache, index, position=position)
+      return out
+
+    x = self._sublayer(x, self.self_norm, self_attend, None)
+    if self.cross_attention is not None:
+      x = self._sublayer(x, self.cross_norm, lambda h: self.cross_attention.decode_context(
+          h, context_cache, context_mask), None)
+    return self._sublayer(x, self.ffn_norm, self.ffn, None), new['cache']
+
+  def attention_weights(self, x, *, segment_ids=None, positions=None, is_causal=False,
+                        position=None, context=None, context_segment_ids=None):
+    """Returns ({'self': `[B, N, T, T]`, 'cross': `[B, N, T, S]` (if any)}, the layer's output)."""
+    maps = {}
+    h = self.self_norm(x) if self.pre else x
+    maps['self'] = self.self_attention.weights(h, segment_ids=segment_ids, positions=positions,
+                                               is_causal=is_causal, position=position)
+    x = self._sublayer(x, self.self_norm, lambda h: self.self_attention(
+        h, segment_ids=segment_ids, positions=positions, is_causal=is_causal,
+        position=position), None)
+    if self.cross_attention is not None:
+      h = self.cross_norm(x) if self.pre else x
+      maps['cross'] = self.cross_attention.weights(h, context, segment_ids=segment_ids,
+                                                   context_segment_ids=context_segment_ids)
+      x = self._sublayer(x, self.cross_norm, lambda h: self.cross_attention(
+          h, context, segment_ids=segment_ids, context_segment_ids=context_segment_ids), None)
+    return maps, self._sublayer(x, self.ffn_norm, self.ffn, None)

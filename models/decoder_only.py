@@ -1,5 +1,7 @@
 """Decoder-only (GPT-style) language model over `<bos> source <sep> target <eos>`."""
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from models import stack
@@ -29,3 +31,24 @@ class DecoderOnly(nnx.Module):
     `rngs` carries the `dropout` stream while training (None: deterministic evaluation).
     """
     return self(batch, rngs=rngs), batch['targets'], batch['weights']
+
+  def attention_weights(self, batch):
+    """Per layer {'self': `[B, N, T, T]`} (plots)."""
+    return self.decoder.attention_weights(batch['inputs'], segment_ids=batch.get('segment_ids'),
+                                          positions=batch.get('positions'), is_causal=True)
+
+  # --- KV cache decoding (models.decoding) ------------------------------------------------------
+
+  def init_cache(self, batch, max_length, dtype=jnp.float32):
+    """An empty cache for `max_length` positions; `batch` is any dict of `[B, ...]` arrays.
+
+    Returns:
+      {'self': per-layer {'k', 'v'} `[B, S_max, K, H]`}.
+    """
+    b = jax.tree.leaves(batch)[0].shape[0]
+    return {'self': self.decoder.init_cache(b, max_length, dtype)}
+
+  def decode_step(self, cache, tokens, index):
+    """Feeds `tokens` `[B]` at positions `index`; returns (`[B, V]` next-token logits, cache)."""
+    h, self_cache = self.decoder.decode(tokens, index, cache['self'])  # [B, D]
+    return self.decoder.embed.attend(h).astype(jnp.float32), {**cache, 'self': self_cache}

@@ -57,3 +57,58 @@ class Stack(nnx.Module):
     if self.final_norm is not None:
       x = self.final_norm(x)
     return x
+
+  # --- KV cache path and attention maps (additive; `__call__` is unchanged) ----------------------
+
+  def init_cache(self, batch_size, max_length, dtype=jnp.float32):
+    """Per-layer self-attention caches: a list of {'k', 'v'} `[B, S_max, K, H]`.
+
+    Raises ValueError if the position method cannot represent `max_length` positions.
+    """
+    self.position.check_length(max_length)
+    return [layer.init_cache(batch_size, max_length, dtype) for layer in self.blocks]
+
+  def context_cache(self, context):
+    """Per-layer cross-attention keys/values of an encoder output `[B, S, D]` (computed once)."""
+    return [layer.cross_attention.context_cache(context) for layer in self.blocks]
+
+  def decode(self, tokens, index, cache, *, context_cache=None, context_mask=None):
+    """One causal decoding step.
+
+    Args:
+      tokens: `[B]` int, each row's token at absolute position `index`.
+      index: `[B]` or scalar int.
+      cache: from `init_cache`.
+      context_cache, context_mask: from `context_cache` and `[B, S]` (encoder-decoder).
+
+    Returns:
+      (`[B, D]` hidden state, the updated cache).
+    """
+    b = tokens.shape[0]
+    index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))  # [B]
+    x = self.embed(tokens[:, None]) * math.sqrt(self.d_model)  # [B, 1, D]
+    x = self.position.embed(x, index[:, None])
+    new_cache = []
+    for i, layer in enumerate(self.blocks):
+      x, c = layer.decode(x, cache[i], index, position=self.position,
+                          context_cache=None if context_cache is None else context_cache[i],
+                          context_mask=context_mask)
+      new_cache.append(c)
+    if self.final_norm is not None:
+      x = self.final_norm(x)
+    return x[:, 0], new_cache
+
+  def attention_weights(self, tokens, *, segment_ids=None, positions=None, is_causal=False,
+                        context=None, context_segment_ids=None):
+    """Each layer's attention probabilities: a list of {'self': `[B, N, T, T]`, 'cross': ...}."""
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)  # [B, T]
+    x = self.embed(tokens) * math.sqrt(self.d_model)  # [B, T, D]
+    x = self.position.embed(x, positions)
+    maps = []
+    for layer in self.blocks:
+      m, x = layer.attention_weights(x, segment_ids=segment_ids, positions=positions,
+                                     is_causal=is_causal, position=self.position, context=context,
+                                     context_segment_ids=context_segment_ids)
+      maps.append(m)
+    return maps

@@ -1,0 +1,95 @@
+"""Encoder-only (BERT-style) masked-token prediction over `<bos> source <sep> target <eos>`."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from data import tokenizer as tokenizer_lib
+from models import stack
+
+# Never masked: they carry the layout of the row, not content to predict.
+SPECIALS = (tokenizer_lib.PAD, tokenizer_lib.BOS, tokenizer_lib.EOS, tokenizer_lib.SEP)
+FIRST_WORD_ID = len(tokenizer_lib.SPECIAL_TOKENS)  # random replacements are drawn from the words
+EVAL_MASK_SEED = 0  # evaluation masks with this fixed key, so its numbers are deterministic
+
+
+def mlm_mask(rng, inputs, weights, vocab_size, *, rate=0.15, mask_prob=0.8, random_prob=0.1,
+             target_rate=0.0):
+  """BERT's masking (Devlin et al. 2019): choose `rate` of the real tokens to predict; replace 80%
+  of those by `<mask>`, 10% by a random word, keep 10%.
+
+  Args:
+    rng: a jax key.
+    inputs: `[B, T]` token ids.
+    weights: `[B, T]`, > 0 on real tokens (0 on padding).
+    vocab_size: V (random replacements are words, ids in [FIRST_WORD_ID, V)).
+    rate, mask_prob, random_prob: the chosen share, and the <mask> / random shares of it.
+    target_rate: share of rows whose whole target side (after `<sep>`) is chosen and replaced by
+      `<mask>` instead (non-autoregressive translation; 0 = plain BERT).
+
+  Returns:
+    (corrupted inputs `[B, T]`, chosen `[B, T]` float32: 1 where the loss is taken).
+  """
+  k_choose, k_kind, k_random, k_row = jax.random.split(rng, 4)
+  special = jnp.isin(inputs, jnp.asarray(SPECIALS, inputs.dtype))
+  candidate = (weights > 0) & ~special  # [B, T]
+  chosen = candidate & jax.random.bernoulli(k_choose, rate, inputs.shape)  # [B, T]
+  u = jax.random.uniform(k_kind, inputs.shape)
+  random_ids = jax.random.randint(k_random, inputs.shape, FIRST_WORD_ID, vocab_size,
+                                  dtype=inputs.dtype)
+  corrupted = jnp.where(chosen & (u < mask_prob), tokenizer_lib.MASK, inputs)
+  corrupted = jnp.where(chosen & (u >= mask_prob) & (u < mask_prob + random_prob), random_ids,
+                        corrupted)
+  if target_rate > 0:
+    after_sep = jnp.cumsum(inputs == tokenizer_lib.SEP, axis=1) > 0  # [B, T]
+    whole = jax.random.bernoulli(k_row, target_rate, inputs.shape[:1])[:, None]  # [B, 1]
+    target = whole & candidate & after_sep
+    chosen = jnp.where(whole, target, chosen)
+    corrupted = jnp.where(whole, jnp.where(target, tokenizer_lib.MASK, inputs), corrupted)
+  return corrupted.astype(inputs.dtype), chosen.astype(jnp.float32)
+
+
+class EncoderOnly(nnx.Module):
+  """Bidirectional stack; the output projection is tied to the token embedding."""
+
+  def __init__(self, cfg, vocab_size, max_length, *, rngs):
+    self.encoder = stack.Stack(cfg, vocab_size, max_length, rngs=rngs)
+    self.vocab_size = vocab_size
+    self.rate = cfg.get('mlm_rate', 0.15)
+    self.mask_prob = cfg.get('mlm_mask_prob', 0.8)
+    self.random_prob = cfg.get('mlm_random_prob', 0.1)
+    self.target_rate = cfg.get('mlm_target_rate', 0.0)
+
+  def __call__(self, batch, *, rngs=None):
+    """Args:
+      batch: `inputs` `[B, T]` (already corrupted) and optionally `segment_ids`, `positions`.
+      rngs: dropout randomness while training, None at evaluation.
+
+    Returns:
+      `[B, T, V]` float32 logits of the original token at each position.
+    """
+    h = self.encoder(batch['inputs'], segment_ids=batch.get('segment_ids'),
+                     positions=batch.get('positions'), is_causal=False, rngs=rngs)  # [B, T, D]
+    return self.encoder.embed.attend(h).astype(jnp.float32)  # [B, T, V]
+
+  def mask(self, batch, rng, *, target_rate=None):
+    """Returns (corrupted inputs, chosen) of `batch` with this model's masking config."""
+    return mlm_mask(rng, batch['inputs'], batch['weights'], self.vocab_size, rate=self.rate,
+                    mask_prob=self.mask_prob, random_prob=self.random_prob,
+                    target_rate=self.target_rate if target_rate is None else target_rate)
+
+  def loss_terms(self, batch, *, rngs=None):
+    """(logits, original tokens, chosen positions): the loss is on the masked positions only.
+
+    `rngs.mask` draws the masks while training; with rngs None (evaluation) a fixed key is used,
+    so the validation numbers (masked-token accuracy) are deterministic.
+    """
+    rng = rngs.mask() if rngs is not None else jax.random.key(EVAL_MASK_SEED)
+    corrupted, chosen = self.mask(batch, rng)
+    logits = self({**batch, 'inputs': corrupted}, rngs=rngs)
+    return logits, batch['targets'], chosen * batch['weights']
+
+  def attention_weights(self, batch):
+    """Per layer {'self': `[B, N, T, T]`} (plots)."""
+    return self.encoder.attention_weights(batch['inputs'], segment_ids=batch.get('segment_ids'),
+                                          positions=batch.get('positions'))

@@ -1,0 +1,109 @@
+"""Models: MLM masking statistics, each architecture's loss falls, eval.py translates every arch."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import encoder_decoder
+from configs import encoder_only
+from configs import rnn_seq2seq
+from configs import validation
+from data import tokenizer as tokenizer_lib
+from models import encoder_only as encoder_only_lib
+import eval as eval_lib
+import train
+
+CONFIGS = {'encoder_only': encoder_only, 'encoder_decoder': encoder_decoder,
+           'rnn_seq2seq': rnn_seq2seq}
+
+
+def mlm_batch(b=512, t=40, vocab=50):
+  rng = np.random.default_rng(0)
+  inputs = rng.integers(6, vocab, (b, t)).astype(np.int32)
+  lengths = rng.integers(10, t + 1, b)
+  sep = rng.integers(3, 8, b)
+  for i in range(b):
+    inputs[i, 0], inputs[i, sep[i]], inputs[i, lengths[i] - 1] = (
+        tokenizer_lib.BOS, tokenizer_lib.SEP, tokenizer_lib.EOS)
+    inputs[i, lengths[i]:] = tokenizer_lib.PAD
+  weights = (np.arange(t)[None] < lengths[:, None]).astype(np.float32)
+  return jnp.asarray(inputs), jnp.asarray(weights)
+
+
+def test_mlm_masking_rates_and_specials():
+  inputs, weights = mlm_batch()
+  corrupted, chosen = encoder_only_lib.mlm_mask(jax.random.key(0), inputs, weights, 50)
+  inputs, corrupted, chosen = map(np.asarray, (inputs, corrupted, chosen))
+  special = np.isin(inputs, encoder_only_lib.SPECIALS)
+  candidates = (np.asarray(weights) > 0) & ~special
+  assert not chosen[~candidates].any()  # pad/bos/sep/eos never chosen
+  np.testing.assert_array_equal(corrupted[~candidates], inputs[~candidates])
+  n = chosen.sum()
+  assert abs(n / candidates.sum() - 0.15) < 0.01, n / candidates.sum()
+  sel = chosen > 0
+  masked = (corrupted[sel] == tokenizer_lib.MASK).mean()
+  kept = (corrupted[sel] == inputs[sel]).mean()
+  random = 1 - masked - kept
+  # The random word equals the original 1/44 of the time: those count as kept.
+  assert abs(masked - 0.8) < 0.02 and abs(random - 0.1 * 43 / 44) < 0.015, (masked, random)
+  assert (corrupted[sel & (corrupted != tokenizer_lib.MASK)] >= 6).all()  # random ids are words
+  assert ((corrupted != inputs) <= sel).all()  # nothing changes outside the chosen positions
+
+
+def test_mlm_target_rate_masks_whole_targets():
+  inputs, weights = mlm_batch()
+  corrupted, chosen = encoder_only_lib.mlm_mask(jax.random.key(1), inputs, weights, 50,
+                                                target_rate=0.5)
+  inputs, corrupted, chosen = map(np.asarray, (inputs, corrupted, chosen))
+  after_sep = np.cumsum(inputs == tokenizer_lib.SEP, 1) > 0
+  target = after_sep & ~np.isin(inputs, encoder_only_lib.SPECIALS) & (np.asarray(weights) > 0)
+  whole = np.array([(corrupted[i][target[i]] == tokenizer_lib.MASK).all()
+                    and (chosen[i] == target[i]).all() for i in range(len(inputs))])
+  assert abs(whole.mean() - 0.5) < 0.07
+  assert not chosen[np.isin(inputs, encoder_only_lib.SPECIALS)].any()
+
+
+def test_mlm_eval_masks_are_deterministic():
+  config = validation.resolve(encoder_only.get_config('quick'))
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import models  # pylint: disable=g-import-not-at-top
+  model = models.build(config.model, 50, 40, rngs=nnx.Rngs(0))
+  inputs, weights = mlm_batch(b=8)
+  batch = {'inputs': inputs, 'targets': inputs, 'weights': weights}
+  a, b = model.loss_terms(batch), model.loss_terms(batch)
+  np.testing.assert_array_equal(a[2], b[2])
+  assert float(a[2].sum()) > 0
+  c = model.loss_terms(batch, rngs=nnx.Rngs(dropout=1, mask=1))
+  assert not np.array_equal(a[2], c[2])
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp('tfds')
+
+
+def read_losses(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  return {r['step']: r['loss'] for r in rows if r['split'] == 'train'}
+
+
+@pytest.mark.parametrize('arch', sorted(CONFIGS))
+def test_loss_falls_and_eval_translates(arch, data_dir, tmp_path):
+  config = validation.resolve(CONFIGS[arch].get_config('quick'))
+  config.data.data_dir = str(data_dir)
+  config.train.update(steps=30, log_every=5, learning_rate=3e-3, eval_every=30,
+                      checkpoint_every=30)
+  validation.validate(config)
+  train.train_and_evaluate(config, str(tmp_path))
+  losses = read_losses(tmp_path)
+  assert losses[30] < 0.8 * losses[5], losses
+  result = eval_lib.evaluate_run(str(tmp_path), ['test'], max_examples=8, plot_attention=1)
+  t = result['translation']['test']
+  assert t['n'] == 8 and 0.0 <= t['exact_match'] <= 1.0 and 0.0 <= t['bleu'] <= 100.0
+  assert result['attention_plots'] and all(os.path.getsize(p) > 1000
+                                           for p in result['attention_plots'])
