@@ -4,7 +4,10 @@ Every attention implementation (dense reference, blockwise scan, Pallas) calls t
 key positions it is working on, so the whole matrix and a block of it follow the same definition.
 """
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
+import numpy as np
 
 
 def normalize_window(local_window_size):
@@ -62,3 +65,57 @@ def alibi_bias(slopes, q_pos, k_pos):
   """
   dist = jnp.abs(q_pos - k_pos).astype(jnp.float32)  # [T, S]
   return -slopes.astype(jnp.float32)[:, None, None] * dist[None]  # [N, T, S]
+
+
+# --- Sparse patterns (sliding window, Longformer, BigBird), defined once ---------------------------
+# The same `sparse_visible` builds the explicit reference mask in the tests and masks the gathered key
+# blocks of the blocked computation in `layers.sparse_attention`, so the two cannot disagree.
+
+class SparsePattern(NamedTuple):
+  """Which keys a sparse pattern connects to a query, before causality and segments (hashable).
+
+  A key j is connected to query i if any term holds:
+    window: (left, right) tokens, i - left <= j <= i + right (sliding window, Longformer);
+    block_window: |i // block - j // block| <= block_window (BigBird's block-local part);
+    global_tokens: i or j is one of these positions (they see, and are seen by, every position);
+    random_blocks: j // block is in random_blocks[i // block] (BigBird; -1 entries are unused).
+  """
+  window: tuple | None = None
+  block: int = 0
+  block_window: int | None = None
+  global_tokens: tuple = ()
+  random_blocks: tuple = ()
+
+
+def pattern_visible(q_pos, k_pos, pattern):
+  """Whether `pattern` connects q_pos and k_pos (broadcasting; causality and segments not applied).
+
+  NumPy positions give a NumPy result: the blocked kernels build their static masks at trace time,
+  instead of leaving XLA to constant-fold them (slow to compile at long lengths).
+  """
+  xp = np if isinstance(q_pos, np.ndarray) and isinstance(k_pos, np.ndarray) else jnp
+  conn = xp.zeros(np.broadcast_shapes(np.shape(q_pos), np.shape(k_pos)), bool)
+  if pattern.window is not None:
+    left, right = pattern.window
+    conn = conn | ((k_pos >= q_pos - left) & (k_pos <= q_pos + right))
+  if pattern.block_window is not None:
+    conn = conn | (xp.abs(q_pos // pattern.block - k_pos // pattern.block) <= pattern.block_window)
+  if pattern.global_tokens:
+    g = xp.asarray(pattern.global_tokens, xp.int32)
+    conn = conn | xp.isin(q_pos, g) | xp.isin(k_pos, g)
+  if pattern.random_blocks:
+    table = xp.asarray(pattern.random_blocks, xp.int32)  # [num query blocks, r]
+    qb = xp.clip(q_pos // pattern.block, 0, table.shape[0] - 1)
+    kb = xp.where(k_pos >= 0, k_pos // pattern.block, -2)  # -2: never equal to a table entry
+    conn = conn | xp.any(table[qb] == kb[..., None], axis=-1)
+  return conn
+
+
+def sparse_visible(q_pos, k_pos, pattern, *, is_causal=False, q_seg=None, k_seg=None):
+  """`pattern_visible` and `visible` (causality, segments) together: the full visibility rule."""
+  vis = pattern_visible(q_pos, k_pos, pattern)
+  base = visible(q_pos, k_pos, is_causal=is_causal)
+  vis = vis if base is None else vis & base
+  if q_seg is not None:
+    vis = (q_seg == k_seg) & vis  # a jax array on the left: a NumPy `vis` never sees a tracer
+  return vis

@@ -1,0 +1,315 @@
+"""Low-rank and kernelised attention (Linformer, Performer, linear): O(T·k) or O(T·m) memory.
+
+`linear` (Katharopoulos et al. 2020) and `performer` (FAVOR+, Choromanski et al. 2021) replace
+softmax(q·k) by a feature map phi(q)·phi(k), so that sum_j phi(k_j) v_j^T is formed once
+(bidirectional) or as a prefix sum (causal) and no T×S matrix exists. `linformer` (Wang et al. 2020)
+projects the T keys and values to k rows with learned E, F and runs softmax attention over those.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from layers import attention as attention_lib
+from layers import attention_xla
+
+# Causal linear attention runs in chunks: inside a chunk the c×c masked form, across chunks the
+# prefix sum of phi(k)^T v carried per chunk. Memory is (T/c)·M·H + T·c per head: linear in T.
+DEFAULT_CHUNK = 128
+
+
+def elu_plus_one(x):
+  """phi(x) = elu(x) + 1 > 0 (Katharopoulos et al.)."""
+  return jax.nn.elu(x) + 1.0
+
+
+def orthogonal_features(key, num_features, dim):
+  """`[M, H]` FAVOR+ directions: blocks of H orthogonal Gaussian rows, each rescaled to a chi(H) norm.
+
+  Orthogonal rows keep each feature's marginal (so the estimator stays unbiased) and lower its
+  variance relative to i.i.d. Gaussian rows.
+  """
+  num_blocks = -(-num_features // dim)
+  k_dirs, k_norms = jax.random.split(key)
+  gauss = jax.random.normal(k_dirs, (num_blocks, dim, dim), jnp.float32)
+  q = jnp.linalg.qr(gauss)[0]  # [nb, H, H], one batched QR; columns orthonormal
+  w = jnp.swapaxes(q, 1, 2).reshape(num_blocks * dim, dim)[:num_features]  # [M, H] unit rows
+  norms = jnp.linalg.norm(jax.random.normal(k_norms, (num_features, dim), jnp.float32), axis=1)
+  return w * norms[:, None]
+
+
+def orthogonal_features_np(seed, num_features, dim):
+  """`orthogonal_features` drawn with NumPy from an int seed: a trace-time constant (XLA's QR
+  expansion is slow to compile on CPU, and fixed features need no program of their own)."""
+  rng = np.random.default_rng(seed)
+  num_blocks = -(-num_features // dim)
+  q = np.linalg.qr(rng.standard_normal((num_blocks, dim, dim)))[0]  # [nb, H, H]
+  w = np.swapaxes(q, 1, 2).reshape(num_blocks * dim, dim)[:num_features]  # [M, H] unit rows
+  norms = np.linalg.norm(rng.standard_normal((num_features, dim)), axis=1)
+  return (w * norms[:, None]).astype(np.float32)
+
+
+def favor_features(x, w, *, stabilise_axes):
+  """Positive random features: E[phi(q)·phi(k)] = exp(q·k) (up to one constant factor).
+
+  phi(x) = exp(w·x - |x|²/2 - c) / sqrt(M). The shift c (the max over `stabilise_axes`, held
+  constant for the gradient) only keeps exp in range: a query's c cancels in its normalisation, and
+  one c shared by all keys cancels between numerator and denominator.
+
+  Args:
+    x: `[..., H]` queries or keys, already scaled by scale**0.5.
+    w: `[M, H]` from `orthogonal_features`.
+    stabilise_axes: axes of the `[..., M]` projection the shift is a max over.
+
+  Returns:
+    `[..., M]` float32.
+  """
+  proj = jnp.einsum('...H,MH->...M', x.astype(jnp.float32), w)  # [..., M]
+  sq = 0.5 * jnp.sum(jnp.square(x.astype(jnp.float32)), -1, keepdims=True)  # [..., 1]
+  shift = jax.lax.stop_gradient(jnp.max(proj, axis=stabilise_axes, keepdims=True))
+  return jnp.exp(proj - sq - shift) / math.sqrt(w.shape[0])
+
+
+def performer_features(q, k, w, scale):
+  """FAVOR+ features of q `[B, T, K, G, H]` and k `[B, S, K, H]` approximating exp(scale·q·k)."""
+  # exp(q·k·scale) = exp((q·sqrt(scale))·(k·sqrt(scale))): split the scale between the two sides.
+  r = math.sqrt(scale)
+  qf = favor_features(q * r, w, stabilise_axes=(-1,))  # one shift per query row
+  kf = favor_features(k * r, w, stabilise_axes=(1, 3))  # one shift per (batch, kv head)
+  return qf, kf
+
+
+def _safe_divide(num, den):
+  # Zero denominators (a query with no visible key, e.g. padding) give zeros, and no NaN gradient.
+  return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+
+
+def kernel_attention(qf, kf, v, *, is_causal=False, chunk=DEFAULT_CHUNK):
+  """sum_j phi(q_i)·phi(k_j) v_j / sum_j phi(q_i)·phi(k_j), without a T×S matrix.
+
+  Args:
+    qf: `[B, T, K, G, M]` non-negative query features.
+    kf: `[B, S, K, M]` non-negative key features (zero rows: hidden keys, e.g. padding).
+    v: `[B, S, K, H]`.
+    is_causal: j <= i (needs S = T), by chunked prefix sums.
+    chunk: chunk length of the causal form.
+
+  Returns:
+    `[B, T, K, G, H]` float32.
+  """
+  v = v.astype(jnp.float32)
+  if not is_causal:
+    kv = jnp.einsum('BSKM,BSKH->BKMH', kf, v)  # [B, K, M, H]: formed once, O(M·H) not O(T·S)
+    z = jnp.sum(kf, axis=1)  # [B, K, M]
+    num = jnp.einsum('BTKGM,BKMH->BTKGH', qf, kv)
+    den = jnp.einsum('BTKGM,BKM->BTKG', qf, z)
+    return _safe_divide(num, den[..., None])
+  b, t, kh, g, m = qf.shape
+  if kf.shape[1] != t:
+    raise ValueError(f'causal linear attention needs S = T, got S={kf.shape[1]}, T={t}')
+  c = min(chunk, t)
+  nc = -(-t // c)
+  pad = nc * c - t
+  # Zero-padded keys add nothing to the sums; padded query rows are dropped at the end.
+  qc = jnp.pad(qf, [(0, 0), (0, pad)] + [(0, 0)] * 3).reshape(b, nc, c, kh, g, m)
+  kc = jnp.pad(kf, [(0, 0), (0, pad), (0, 0), (0, 0)]).reshape(b, nc, c, kh, m)
+  vc = jnp.pad(v, [(0, 0), (0, pad), (0, 0), (0, 0)]).reshape(b, nc, c, kh, -1)
+  kv = jnp.einsum('BCSKM,BCSKH->BCKMH', kc, vc)  # [B, C, K, M, H] per chunk
+  z = jnp.sum(kc, axis=2)  # [B, C, K, M]
+  # State before each chunk: the exclusive prefix sum over earlier chunks.
+  kv_prev = jnp.concatenate([jnp.zeros_like(kv[:, :1]), jnp.cumsum(kv, 1)[:, :-1]], 1)
+  z_prev = jnp.concatenate([jnp.zeros_like(z[:, :1]), jnp.cumsum(z, 1)[:, :-1]], 1)
+  num = jnp.einsum('BCTKGM,BCKMH->BCTKGH', qc, kv_prev)  # [B, C, c, K, G, H]
+  den = jnp.einsum('BCTKGM,BCKM->BCTKG', qc, z_prev)  # [B, C, c, K, G]
+  a = jnp.einsum('BCTKGM,BCSKM->BCKGTS', qc, kc) * jnp.tril(jnp.ones((c, c), jnp.float32))
+  num = num + jnp.einsum('BCKGTS,BCSKH->BCTKGH', a, vc)
+  den = den + jnp.sum(a, -1).transpose(0, 1, 4, 2, 3)  # [B, C, c, K, G]
+  out = _safe_divide(num, den[..., None])
+  return out.reshape(b, nc * c, kh, g, -1)[:, :t]
+
+
+def kernel_weights(qf, kf, *, is_causal=False):
+  """The implied `[B, N, T, S]` attention of `kernel_attention`: the quadratic reference (tests, plots)."""
+  b, t, kh, g, m = qf.shape
+  a = jnp.einsum('BTKGM,BSKM->BKGTS', qf, kf)  # [B, K, G, T, S]
+  if is_causal:
+    a = a * jnp.tril(jnp.ones((t, kf.shape[1]), jnp.float32))
+  return _safe_divide(a, jnp.sum(a, -1, keepdims=True)).reshape(b, kh * g, t, -1)
+
+
+class _Kernel(attention_lib.Attention):
+  """Shared call path of `linear` and `performer`: features of q and k, then `kernel_attention`."""
+
+  name = 'kernel'
+  chunk = DEFAULT_CHUNK
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    # No `local_window_size`: train.py's diagnostics then report this layer's activation RMS only,
+    # rather than softmax statistics this layer never computes.
+    del self.local_window_size
+
+  def features(self, q, k, step=None):
+    """(`[B, T, K, G, M]`, `[B, S, K, M]`) non-negative features of q `[B, T, N, H]`, k `[B, S, K, H]`."""
+    raise NotImplementedError
+
+  def _features(self, x, context, segment_ids, context_segment_ids, positions, position,
+                is_causal, step):
+    q, k, v = self.project(x, context)
+    if context is None:
+      context_segment_ids = segment_ids if context_segment_ids is None else context_segment_ids
+    if position is not None:
+      q, k, extra = position.in_attention(q, k, positions, positions, is_causal=is_causal)
+      if extra:
+        raise ValueError(f'attention={self.name!r} does not take score terms {sorted(extra)} '
+                         '(ALiBi, T5 bias); use rope, sinusoidal, learned or nope')
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    qf, kf = self.features(q.reshape(b, t, kh, n // kh, h), k, step)
+    if context_segment_ids is not None:
+      # Padding keys (segment 0) are hidden by zeroing their features. Packed segments are not
+      # supported (configs/validation.py rejects data.packing='segments' for these variants).
+      kf = kf * (context_segment_ids > 0)[:, :, None, None].astype(kf.dtype)
+    return qf, kf, v
+
+  def __call__(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
+               is_causal=False, positions=None, context_positions=None, position=None, step=None):
+    """As `Attention.__call__`; `step` keys the Performer's feature redraw (None = step 0)."""
+    qf, kf, v = self._features(x, context, segment_ids, context_segment_ids, positions, position,
+                               is_causal, step)
+    out = kernel_attention(qf, kf, v, is_causal=is_causal, chunk=self.chunk)  # [B, T, K, G, H]
+    b, t = out.shape[:2]
+    return self.out(out.reshape(b, t, -1, out.shape[-1]).astype(x.dtype))
+
+  def weights(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
+              is_causal=False, positions=None, context_positions=None, position=None, step=None):
+    """The `[B, N, T, S]` implied attention (quadratic: for plots and tests only)."""
+    qf, kf, _ = self._features(x, context, segment_ids, context_segment_ids, positions, position,
+                               is_causal, step)
+    return kernel_weights(qf, kf, is_causal=is_causal)
+
+  def decode(self, x, cache, index, *, position=None):
+    raise NotImplementedError(f'KV-cache decoding is not implemented for attention={self.name!r}')
+
+
+def _common(cfg):
+  return dict(use_bias=cfg.use_bias, implementation=cfg.attention_impl,
+              scale=1.0 if cfg.get('unscaled', False) else None)
+
+
+class LinearAttention(_Kernel):
+  """Linear attention with phi = elu + 1 (Katharopoulos et al. 2020)."""
+
+  name = 'linear'
+
+  @classmethod
+  def from_config(cls, cfg, *, rngs):
+    return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rngs=rngs, **_common(cfg))
+
+  def features(self, q, k, step=None):
+    return elu_plus_one(q.astype(jnp.float32)), elu_plus_one(k.astype(jnp.float32))
+
+
+class PerformerAttention(_Kernel):
+  """Performer (FAVOR+): positive orthogonal random features approximating softmax attention.
+
+  The features are drawn from `seed`, a static attribute (train.py keeps only `nnx.Param` in the
+  training state, so a non-trainable `nnx.Variable` would not survive its `nnx.split`). With
+  `redraw_every` = R > 0 the draw is keyed on `step // R`, where `step` is the argument of
+  `__call__`; the training loop does not pass a step yet, so configs/validation.py only accepts
+  `model.performer_redraw=0` (fixed features) until it does.
+  """
+
+  name = 'performer'
+
+  def __init__(self, d_model, num_heads, num_kv_heads=None, *, num_features=64, redraw_every=0,
+               seed=0, **kwargs):
+    super().__init__(d_model, num_heads, num_kv_heads, **kwargs)
+    self.num_features, self.redraw_every, self.seed = int(num_features), int(redraw_every), int(seed)
+
+  @classmethod
+  def from_config(cls, cfg, *, rngs):
+    return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, num_features=cfg.performer_features,
+               redraw_every=cfg.performer_redraw, seed=cfg.attention_seed, rngs=rngs,
+               **_common(cfg))
+
+  def projection(self, step=None):
+    """The `[M, H]` feature directions in use at `step` (fixed when redraw_every = 0)."""
+    if step is None or not self.redraw_every:
+      return jnp.asarray(orthogonal_features_np(self.seed, self.num_features, self.head_dim))
+    key = jax.random.fold_in(jax.random.key(self.seed), step // self.redraw_every)
+    return jax.lax.stop_gradient(orthogonal_features(key, self.num_features, self.head_dim))
+
+  def features(self, q, k, step=None):
+    scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return performer_features(q, k, self.projection(step), scale)
+
+
+class LinformerAttention(attention_lib.Attention):
+  """Linformer (Wang et al. 2020): keys and values projected along the sequence to k rows by learned
+  `E`, `F` `[k, max_length]` (shared by the heads), then softmax attention over those k rows.
+
+  Not causal: each projected row mixes every position, future ones included.
+  """
+
+  name = 'linformer'
+
+  def __init__(self, d_model, num_heads, num_kv_heads=None, *, k=32, max_length, rngs, **kwargs):
+    super().__init__(d_model, num_heads, num_kv_heads, rngs=rngs, **kwargs)
+    del self.local_window_size  # see _Kernel
+    self.max_length = int(max_length)
+    init = nnx.initializers.normal(stddev=1.0 / math.sqrt(max_length))
+    self.proj_k = nnx.Param(init(rngs.params(), (k, max_length), jnp.float32))  # E
+    self.proj_v = nnx.Param(init(rngs.params(), (k, max_length), jnp.float32))  # F
+
+  @classmethod
+  def from_config(cls, cfg, *, rngs):
+    if not cfg.get('linformer_length', 0):
+      raise ValueError('model.linformer_length is 0: run configs.validation.resolve first')
+    return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, k=cfg.linformer_k,
+               max_length=cfg.linformer_length, rngs=rngs, **_common(cfg))
+
+  def _project_kv(self, x, context, segment_ids, context_segment_ids, positions, position,
+                  is_causal):
+    if is_causal:
+      raise ValueError("attention='linformer' is not causal (its projections mix future keys)")
+    q, k, v = self.project(x, context)
+    if context is None:
+      context_segment_ids = segment_ids if context_segment_ids is None else context_segment_ids
+    if position is not None:
+      q, k, extra = position.in_attention(q, k, positions, positions, is_causal=is_causal)
+      if extra:
+        raise ValueError(f"attention='linformer' does not take score terms {sorted(extra)}")
+    s = k.shape[1]
+    if s > self.max_length:
+      raise ValueError(f'linformer was built for at most {self.max_length} keys, got {s}')
+    if context_segment_ids is not None:
+      real = (context_segment_ids > 0)[:, :, None, None].astype(k.dtype)  # padding adds nothing
+      k, v = k * real, v * real
+    e, f = self.proj_k[:, :s], self.proj_v[:, :s]  # [k, S]
+    kp = jnp.einsum('RS,BSKH->BRKH', e.astype(k.dtype), k)  # [B, k, K, H]
+    vp = jnp.einsum('RS,BSKH->BRKH', f.astype(v.dtype), v)  # [B, k, K, H]
+    return q, kp, vp
+
+  def __call__(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
+               is_causal=False, positions=None, context_positions=None, position=None):
+    """As `Attention.__call__` (bidirectional only)."""
+    q, kp, vp = self._project_kv(x, context, segment_ids, context_segment_ids, positions,
+                                 position, is_causal)
+    out = attention_lib.dot_product_attention(q, kp, vp, scale=self.scale,
+                                              implementation='xla')  # [B, T, N, H], O(T·k)
+    return self.out(out)
+
+  def weights(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
+              is_causal=False, positions=None, context_positions=None, position=None):
+    """`[B, N, T, k]` probabilities over the k projected rows."""
+    q, kp, _ = self._project_kv(x, context, segment_ids, context_segment_ids, positions, position,
+                                is_causal)
+    scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return attention_xla.attention_weights(q, kp, scale=scale)
+
+  def decode(self, x, cache, index, *, position=None):
+    raise NotImplementedError("KV-cache decoding is not possible for attention='linformer'")
