@@ -236,6 +236,17 @@ def extrapolate(config, model, multiples, modes, stride, split):
   return rows, per_position
 
 
+def _save(fig, ax, path):
+  """Legend, grid, tight layout; writes the PNG and frees the figure."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
 def plot_per_position(workdir, per_position, title):
   """Loss against position in the window, one line per evaluation length (extrapolation.png)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -249,13 +260,7 @@ def plot_per_position(workdir, per_position, title):
   ax.set_xlabel('position in window')
   ax.set_ylabel('loss (nats/token)')
   ax.set_title(title)
-  ax.legend()
-  ax.grid(alpha=0.3)
-  path = os.path.join(workdir, 'extrapolation.png')
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
+  return _save(fig, ax, os.path.join(workdir, 'extrapolation.png'))
 
 
 def attention_batch(config, example, tokenizer):
@@ -337,13 +342,7 @@ def plot_loss_curve(workdir):
   ax.set_ylabel('loss (nats/token)')
   ax.set_yscale('log')
   ax.set_title(os.path.basename(os.path.normpath(workdir)))
-  ax.legend()
-  ax.grid(alpha=0.3)
-  path = os.path.join(workdir, 'loss_curve.png')
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
+  return _save(fig, ax, os.path.join(workdir, 'loss_curve.png'))
 
 
 def parse_rope_scaling(text):

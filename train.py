@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 import tqdm
 
+from configs import compare
 from configs import validation
 from data import pipeline
 from layers import block as block_lib
@@ -76,16 +77,6 @@ SAFE_TO_CHANGE = ('train.steps', 'train.checkpoint_every', 'train.eval_every', '
                   'train.weight_decay', 'model.attention_impl', 'model.dropout', 'data.data_dir')
 
 
-def _flatten(d, prefix=''):
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(_flatten(v, f'{prefix}{k}.'))
-    else:
-      out[f'{prefix}{k}'] = v
-  return out
-
-
 def check_resume_config(workdir, config):
   """Compares `config` with the config.json of an existing run in `workdir`.
 
@@ -96,8 +87,8 @@ def check_resume_config(workdir, config):
   if not os.path.exists(path):
     return []
   with open(path) as f:
-    old = _flatten(json.load(f))
-  new = _flatten(json.loads(config.to_json_best_effort()))
+    old = compare.flatten(json.load(f))
+  new = compare.flatten(json.loads(config.to_json_best_effort()))
   changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
   bad = [k for k in changed if k not in SAFE_TO_CHANGE]
   if bad:

@@ -47,11 +47,12 @@ def find_runs(paths):
   return runs
 
 
-def _flatten(d, prefix=''):
+def flatten(d, prefix=''):
+  """{'model': {'d_model': 64}} -> {'model.d_model': 64} (config.json comparisons)."""
   out = {}
   for k, v in d.items():
     if isinstance(v, dict):
-      out.update(_flatten(v, f'{prefix}{k}.'))
+      out.update(flatten(v, f'{prefix}{k}.'))
     else:
       out[f'{prefix}{k}'] = v
   return out
@@ -71,7 +72,7 @@ def load_run(workdir):
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     rows = [json.loads(line) for line in f if line.strip()]
   run = {'workdir': workdir, 'name': os.path.basename(os.path.normpath(workdir)), 'rows': rows,
-         'config': _flatten(_read_json(os.path.join(workdir, 'config.json'))),
+         'config': flatten(_read_json(os.path.join(workdir, 'config.json'))),
          'info': _read_json(os.path.join(workdir, 'run_info.json')),
          'init_grad': _read_json(os.path.join(workdir, 'init_grad_norms.json'))}
   for split in ('train', 'valid'):
