@@ -113,4 +113,5 @@ def get_config(arg=None):
     train.eval_every = 10
     train.eval_batches = 2
     train.log_every = 5
+    train.diagnostics = False  # a smoke run does not need the per-layer report (one compile less)
   return config

@@ -22,6 +22,7 @@ VOCAB, B, T = 50, 4, 16
 def tiny_config(**model):
   config = validation.resolve(decoder_only.get_config('quick'))
   config.model.update(num_layers=3, d_model=32, num_heads=4, d_ff=64, **model)
+  config.train.diagnostics = True
   return validation.resolve(config)
 
 
