@@ -1,6 +1,7 @@
 """Toy translation TFDS builder: a synthetic SVO -> SOV language pair generated from a seed."""
 
 import dataclasses
+import fcntl
 import os
 import random
 
@@ -230,7 +231,8 @@ def prepare(data_dir: str, task: str = 'base') -> str:
   """Generates the task's dataset and tokenizer under data_dir unless already there.
 
   Idempotent: TFDS skips a prepared dataset and the tokenizer is written only when missing.
-  Concurrent first calls from several processes are not coordinated: prepare once first.
+  Concurrent first calls (several local processes, parallel test workers) are serialised by a
+  file lock next to the data; the tokenizer file, written last, marks a complete dataset.
 
   Args:
     data_dir: root of the TFDS data (the dataset lands in data_dir/toy_translation/<task>/<ver>).
@@ -245,10 +247,15 @@ def prepare(data_dir: str, task: str = 'base') -> str:
   builder = ToyTranslation(config=task, data_dir=data_dir)
   dataset_dir = os.fspath(builder.data_dir)
   tokenizer_path = os.path.join(dataset_dir, TOKENIZER_FILE)
-  if not os.path.exists(tokenizer_path):
-    tfds.disable_progress_bar()  # The bars would flood the training logs for a 2-second job.
-    builder.download_and_prepare(file_format='array_record')
-    tokenizer_lib.Tokenizer.from_words(vocabulary()).save(tokenizer_path)
+  if os.path.exists(tokenizer_path):
+    return dataset_dir
+  os.makedirs(data_dir, exist_ok=True)
+  with open(os.path.join(data_dir, f'.toy_translation_{task}.lock'), 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if not os.path.exists(tokenizer_path):  # another process may have finished meanwhile
+      tfds.disable_progress_bar()  # The bars would flood the training logs for a 2-second job.
+      builder.download_and_prepare(file_format='array_record')
+      tokenizer_lib.Tokenizer.from_words(vocabulary()).save(tokenizer_path)
   return dataset_dir
 
 

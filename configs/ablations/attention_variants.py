@@ -13,6 +13,15 @@ def get_config(arg=None):
   return extrapolation.get_config(arg)
 
 
+# Variants that cannot attend causally; in this decoder-only sweep they are trained as the
+# bidirectional masked LM (arch encoder_only) on the same data instead.
+NON_CAUSAL = ('linformer',)
+
+
 def get_sweep():
   """One cell per variant known when this file is read (new variants join automatically)."""
-  return {'grid': {'model.attention': sorted(attention.VARIANTS)}, 'seeds': [0]}
+  cells = [{'model.attention': name} if name not in NON_CAUSAL else
+           {'model.attention': name, 'model.arch': 'encoder_only', 'data.packing': 'none',
+            'train.loss_on': 'all'}
+           for name in sorted(attention.VARIANTS)]
+  return {'cells': cells, 'seeds': [0]}
