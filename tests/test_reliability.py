@@ -1,7 +1,6 @@
 """Faults and bad input: signals, damaged checkpoints, changed configs, NaNs, determinism, and the
 catalogue of invalid configs (each one line naming the field, exit code 2, no traceback)."""
 
-import json
 import os
 import signal
 import subprocess
@@ -14,28 +13,12 @@ import pytest
 from configs import decoder_only
 from configs import validation
 from data import pipeline
+from tests.helpers import ROOT, metric_rows, quick_config
 import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-  return tmp_path_factory.mktemp('tfds')
-
-
-def quick_config(data_dir, **train_overrides):
-  config = validation.resolve(decoder_only.get_config('quick'))
-  config.data.data_dir = str(data_dir)
-  config.train.update(train_overrides)
-  validation.validate(config)
-  return config
-
-
-def metrics(workdir, split='train'):
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    rows = [json.loads(line) for line in f]
-  return [r for r in rows if r['split'] == split]
+metrics = metric_rows
 
 
 def cli(*args, timeout=180):

@@ -1,6 +1,5 @@
 """The training loop: loss falls, resume reproduces the uninterrupted run, bad configs are rejected."""
 
-import json
 import os
 import signal
 import subprocess
@@ -9,30 +8,12 @@ import time
 
 import pytest
 
-from configs import decoder_only
-from configs import validation
+from tests.helpers import ROOT, metric_rows, quick_config
 import train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def quick_config(data_dir, **train_overrides):
-  config = validation.resolve(decoder_only.get_config('quick'))
-  config.data.data_dir = str(data_dir)
-  config.train.update(train_overrides)
-  validation.validate(config)
-  return config
 
 
 def read_metrics(workdir, split='train'):
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    rows = [json.loads(line) for line in f]
-  return {r['step']: r['loss'] for r in rows if r['split'] == split}
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-  return tmp_path_factory.mktemp('tfds')
+  return {r['step']: r['loss'] for r in metric_rows(workdir, split)}
 
 
 def test_a_few_steps_lower_the_loss(data_dir, tmp_path):
