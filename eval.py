@@ -62,7 +62,8 @@ _OUT = flags.DEFINE_string('out', None, 'With --compare: the PNG to write (defau
 
 
 def load_run(workdir):
-  """Returns (config, graphdef, params, step) of the newest checkpoint in `workdir`."""
+  """Returns (config, graphdef, variables, step) of the newest checkpoint in `workdir`, where
+  `nnx.merge(graphdef, variables)` is the model (parameters and buffers in one `nnx.State`)."""
   path = os.path.join(workdir, 'config.json')
   if not os.path.exists(path):
     raise FileNotFoundError(f'eval: {workdir} has no config.json; is it a train.py workdir?')
@@ -75,7 +76,8 @@ def load_run(workdir):
   graphdef, _, state = train.create_state(config, tokenizer.vocab_size)
   state, _ = train.restore_state(mngr, state)
   mngr.close()
-  return config, graphdef, state['params'], int(state['step'])
+  graphdef, variables = nnx.split(nnx.merge(graphdef, *train.model_variables(state)))
+  return config, graphdef, variables, int(state['step'])
 
 
 LENGTH_BUCKETS = (0, 7, 13, 19, 26, 33)  # source-length bucket starts (words)

@@ -121,14 +121,47 @@ def make_optimizer(t):
 
 
 def create_state(config, vocab_size):
-  """Builds the model and optimiser; returns (graphdef, optimizer, state pytree)."""
+  """Builds the model and optimiser; returns (graphdef, optimizer, state pytree).
+
+  `state['params']` are the trained `nnx.Param`s; `state['buffers']` every other model variable
+  (e.g. the Performer's random features: checkpointed, not optimised; often empty). Rebuild the
+  model with `nnx.merge(graphdef, *model_variables(state))`.
+  """
   model = models.build(config.model, vocab_size, config.data.max_length,
                        rngs=nnx.Rngs(params=config.train.seed))
-  graphdef, params = nnx.split(model, nnx.Param)
+  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   tx = make_optimizer(config.train)
-  state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params),
-           'skipped': jnp.zeros((), jnp.int32)}
+  state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'buffers': buffers,
+           'opt_state': tx.init(params), 'skipped': jnp.zeros((), jnp.int32)}
   return graphdef, tx, state
+
+
+def model_variables(state):
+  """(params, buffers) of a training state: `nnx.merge(graphdef, *model_variables(state))`."""
+  return state['params'], state['buffers']
+
+
+def _merge(graphdef, variables):
+  """The model from `variables`: one `nnx.State` or a tuple of them (`model_variables`)."""
+  return nnx.merge(graphdef, *(variables if isinstance(variables, tuple) else (variables,)))
+
+
+def redraw_features(graphdef, state, step):
+  """The state with every layer's random features redrawn as due at `step` (host-side).
+
+  A layer with `redraw_every` = R > 0 (the Performer with `model.performer_redraw` = R) gets draw
+  number step // R when R divides `step`; the draws are functions of (layer seed, draw number),
+  so resuming from a checkpoint redraws exactly as an uninterrupted run. Returns `state` itself
+  when nothing is due.
+  """
+  model = nnx.merge(graphdef, *model_variables(state))
+  due = [m for _, m in nnx.iter_modules(model)
+         if getattr(m, 'redraw_every', 0) > 0 and step % m.redraw_every == 0]
+  if not due:
+    return state
+  for module in due:
+    module.redraw(step // module.redraw_every)
+  return {**state, 'buffers': nnx.split(model, nnx.Param, ...)[2]}
 
 
 def compute_metrics(logits, targets, weights):
@@ -214,7 +247,7 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
   dropout_rng, mask_rng = jax.random.split(jax.random.fold_in(base_rng, state['step']))
 
   def loss_fn(params):
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, params, state['buffers'])
     logits, targets, weights = model.loss_terms(batch, rngs=nnx.Rngs(dropout=dropout_rng, mask=mask_rng))
     sums = compute_metrics(logits, targets, weights)
     return sums['loss_sum'] / jnp.maximum(sums['weight_sum'], 1.0), sums
@@ -229,8 +262,8 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
     sums['diag'] = {'grad_sq': group_sq_norms(grads, leaf_groups, g),
                     'update_sq': group_sq_norms(updates, leaf_groups, g),
                     'param_sq': group_sq_norms(state['params'], leaf_groups, g)}
-  new = {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state,
-         'skipped': state['skipped']}
+  new = {'step': state['step'] + 1, 'params': params, 'buffers': state['buffers'],
+         'opt_state': opt_state, 'skipped': state['skipped']}
   if skip_nonfinite:
     ok = jnp.isfinite(sums['loss_sum']) & jnp.isfinite(sums['grad_norm'])
     new['params'], new['opt_state'] = jax.tree.map(
@@ -313,13 +346,15 @@ def block_stats(blk, x, kwargs, y):
   return out
 
 
-def diagnostic_pass(graphdef, params, batch):
+def diagnostic_pass(graphdef, variables, batch):
   """Per-block activation RMS and attention max logit/entropy on `batch` (no dropout; jit it).
+
+  `variables`: `model_variables(state)` (or the params alone for a model without buffers).
 
   Returns:
     {'act_rms/decoder/blocks/0': scalar, 'attn_max_logit/...', 'attn_entropy/...', ...}.
   """
-  model = nnx.merge(graphdef, params)
+  model = _merge(graphdef, variables)
   names = {id(m): '/'.join(map(str, path)) for path, m in nnx.iter_modules(model)
            if isinstance(m, block_lib.Block)}
   records = []
@@ -361,13 +396,13 @@ def _write_json(path, obj):
   os.replace(path + '.tmp', path)
 
 
-def eval_step(graphdef, params, batch):
-  """Summed metrics of one batch without dropout."""
-  model = nnx.merge(graphdef, params)
+def eval_step(graphdef, variables, batch):
+  """Summed metrics of one batch without dropout; `variables` as in `diagnostic_pass`."""
+  model = _merge(graphdef, variables)
   return compute_metrics(*model.loss_terms(batch))
 
 
-def evaluate(eval_fn, params, config, split, num_batches, length=None):
+def evaluate(eval_fn, variables, config, split, num_batches, length=None):
   """Mean loss/accuracy over the first `num_batches` batches (0 = all) of `split`, in order."""
   it = pipeline.make_iterator(config.data, split, config.train.batch_size,
                               arch=models.batch_format(config.model.arch),
@@ -377,7 +412,7 @@ def evaluate(eval_fn, params, config, split, num_batches, length=None):
   for i, batch in enumerate(it):
     if num_batches and i >= num_batches:
       break
-    sums = eval_fn(params, batch)
+    sums = eval_fn(variables, batch)
     total = sums if total is None else jax.tree.map(jnp.add, total, sums)
   return finalize(total)
 
@@ -488,6 +523,11 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
   diag_fn = jax.jit(functools.partial(diagnostic_pass, graphdef))
   eval_fn = jax.jit(functools.partial(eval_step, graphdef))
   schedule = make_schedule(t)
+  # Layers that redraw random features every R steps (the Performer; see redraw_features).
+  model = nnx.merge(graphdef, *model_variables(state))
+  redraw_periods = {m.redraw_every for _, m in nnx.iter_modules(model)
+                    if getattr(m, 'redraw_every', 0) > 0}
+  del model
   window, window_steps, window_tokens, window_start = None, 0, 0, time.perf_counter()
   last = {}
   bar = tqdm.tqdm(total=t.steps, initial=start, desc='train', mininterval=1.0, file=sys.stderr,
@@ -507,6 +547,8 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
     for step in range(start + 1, t.steps + 1):
       batch = next(it)
       state, sums = step_fn(state, batch)
+      if any(step % r == 0 for r in redraw_periods):
+        state = redraw_features(graphdef, state, step)
       diag = sums.pop('diag', None)  # per-group [G] norms, read at log steps only
       # Read the loss every step: a non-finite value must stop the run before it is checkpointed.
       loss = float(sums['loss_sum']) / max(float(sums['weight_sum']), 1.0)
@@ -545,13 +587,13 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
           last.update(diagnostic_metrics(groups, diag))
           rows = t.diagnostics_batch or t.batch_size
           last.update({k: float(v) for k, v in diag_fn(
-              state['params'], jax.tree.map(lambda a: a[:rows], batch)).items()})
+              model_variables(state), jax.tree.map(lambda a: a[:rows], batch)).items()})
         writer.write(step, 'train', last)
         bar.set_postfix(loss=f'{last["loss"]:.3f}', tok_s=f'{last["tokens_per_sec"]:.0f}')
         window, window_steps, window_tokens, window_start = None, 0, 0, time.perf_counter()
       if step % t.eval_every == 0 or step == t.steps:
-        writer.write(step, 'valid', evaluate(eval_fn, state['params'], config, 'validation',
-                                             t.eval_batches))
+        writer.write(step, 'valid', evaluate(eval_fn, model_variables(state), config,
+                                             'validation', t.eval_batches))
       if step % t.checkpoint_every == 0 or step == t.steps or received:
         save(step)
       if received:

@@ -53,11 +53,11 @@ def get_config(arg=None):
   model.global_tokens = (0,)  # longformer/bigbird: positions that see and are seen by every position
   model.bigbird_block = 16  # bigbird: block size (block-local = own block and both neighbours)
   model.bigbird_random_blocks = 2  # bigbird: random key blocks per query block (fixed per seed)
-  model.attention_seed = 0  # bigbird random blocks and performer features are drawn from this seed
+  model.attention_seed = 0  # bigbird random blocks, performer features: per-layer seeds from this
   model.linformer_k = 32  # linformer: keys/values projected to this many rows
   model.linformer_length = 0  # linformer: length of E, F (longest input); 0 = data.max_length
   model.performer_features = 64  # performer: number of random features M
-  model.performer_redraw = 0  # performer: 0 = fixed features (redraw every R steps: not wired yet)
+  model.performer_redraw = 0  # performer: 0 = fixed features, R = redraw every R steps
   # encoder_decoder
   model.share_embeddings = True  # one token embedding for encoder, decoder and output (else two)
   # encoder_only (masked-token prediction, BERT): which tokens are predicted and how they are hidden

@@ -184,10 +184,9 @@ def _validate_attention_variant(config):
     if not isinstance(m.performer_features, int) or m.performer_features <= 0:
       raise ConfigError(f'model.performer_features={m.performer_features!r} must be a positive '
                         'integer')
-    if m.performer_redraw != 0:
-      raise ConfigError(f'model.performer_redraw={m.performer_redraw!r}: redrawing needs the '
-                        'training step in the attention call, which train.py does not pass yet; '
-                        'valid values: 0 (fixed features)')
+    if not isinstance(m.performer_redraw, int) or m.performer_redraw < 0:
+      raise ConfigError(f'model.performer_redraw={m.performer_redraw!r} must be an integer >= 0 '
+                        '(0 = fixed features, R = redraw every R training steps)')
   if m.attention in ('linformer', 'performer', 'linear') and config.data.packing == 'segments':
     raise ConfigError(f"data.packing='segments' is not valid for model.attention={m.attention!r} "
                       '(it hides padding only, not other segments); valid values: none, stream')

@@ -152,12 +152,12 @@ class _Kernel(attention_lib.Attention):
     # rather than softmax statistics this layer never computes.
     del self.local_window_size
 
-  def features(self, q, k, step=None):
+  def features(self, q, k):
     """(`[B, T, K, G, M]`, `[B, S, K, M]`) non-negative features of q `[B, T, N, H]`, k `[B, S, K, H]`."""
     raise NotImplementedError
 
   def _features(self, x, context, segment_ids, context_segment_ids, positions, position,
-                is_causal, step):
+                is_causal):
     q, k, v = self.project(x, context)
     if context is None:
       context_segment_ids = segment_ids if context_segment_ids is None else context_segment_ids
@@ -168,7 +168,7 @@ class _Kernel(attention_lib.Attention):
                          '(ALiBi, T5 bias); use rope, sinusoidal, learned or nope')
     b, t, n, h = q.shape
     kh = k.shape[2]
-    qf, kf = self.features(q.reshape(b, t, kh, n // kh, h), k, step)
+    qf, kf = self.features(q.reshape(b, t, kh, n // kh, h), k)
     if context_segment_ids is not None:
       # Padding keys (segment 0) are hidden by zeroing their features. Packed segments are not
       # supported (configs/validation.py rejects data.packing='segments' for these variants).
@@ -176,19 +176,19 @@ class _Kernel(attention_lib.Attention):
     return qf, kf, v
 
   def __call__(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
-               is_causal=False, positions=None, context_positions=None, position=None, step=None):
-    """As `Attention.__call__`; `step` keys the Performer's feature redraw (None = step 0)."""
+               is_causal=False, positions=None, context_positions=None, position=None):
+    """As `Attention.__call__`."""
     qf, kf, v = self._features(x, context, segment_ids, context_segment_ids, positions, position,
-                               is_causal, step)
+                               is_causal)
     out = kernel_attention(qf, kf, v, is_causal=is_causal, chunk=self.chunk)  # [B, T, K, G, H]
     b, t = out.shape[:2]
     return self.out(out.reshape(b, t, -1, out.shape[-1]).astype(x.dtype))
 
   def weights(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
-              is_causal=False, positions=None, context_positions=None, position=None, step=None):
+              is_causal=False, positions=None, context_positions=None, position=None):
     """The `[B, N, T, S]` implied attention (quadratic: for plots and tests only)."""
     qf, kf, _ = self._features(x, context, segment_ids, context_segment_ids, positions, position,
-                               is_causal, step)
+                               is_causal)
     return kernel_weights(qf, kf, is_causal=is_causal)
 
   def decode(self, x, cache, index, *, position=None):
@@ -209,18 +209,30 @@ class LinearAttention(_Kernel):
   def from_config(cls, cfg, *, rngs):
     return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rngs=rngs, **_common(cfg))
 
-  def features(self, q, k, step=None):
+  def features(self, q, k):
     return elu_plus_one(q.astype(jnp.float32)), elu_plus_one(k.astype(jnp.float32))
+
+
+class RandomFeatures(nnx.Variable):
+  """A non-trainable random projection (the Performer's `[M, H]` feature directions).
+
+  Model state outside the optimiser: train.py keeps it beside the parameters, checkpoints it, and
+  replaces it when `model.performer_redraw` says so; evaluation and decoding use what was saved.
+  """
+
+
+def feature_draw(seed, draw, num_features, dim):
+  """The `[M, H]` directions of draw number `draw` of a layer seeded `seed` (NumPy, host-side)."""
+  return orthogonal_features_np([seed, draw] if draw else seed, num_features, dim)
 
 
 class PerformerAttention(_Kernel):
   """Performer (FAVOR+): positive orthogonal random features approximating softmax attention.
 
-  The features are drawn from `seed`, a static attribute (train.py keeps only `nnx.Param` in the
-  training state, so a non-trainable `nnx.Variable` would not survive its `nnx.split`). With
-  `redraw_every` = R > 0 the draw is keyed on `step // R`, where `step` is the argument of
-  `__call__`; the training loop does not pass a step yet, so configs/validation.py only accepts
-  `model.performer_redraw=0` (fixed features) until it does.
+  The directions live in `self.features_w` (a `RandomFeatures` variable), drawn at construction
+  from `seed` (configs give each layer its own). With `redraw_every` = R > 0 the training loop calls
+  `redraw(step // R)` every R steps (`redraw_features` in train.py): draw d is a function of (seed,
+  d) only, so a resumed run redraws exactly as an uninterrupted one; R = 0 keeps the first draw.
   """
 
   name = 'performer'
@@ -229,6 +241,8 @@ class PerformerAttention(_Kernel):
                seed=0, **kwargs):
     super().__init__(d_model, num_heads, num_kv_heads, **kwargs)
     self.num_features, self.redraw_every, self.seed = int(num_features), int(redraw_every), int(seed)
+    self.features_w = RandomFeatures(jnp.asarray(
+        feature_draw(self.seed, 0, self.num_features, self.head_dim)))
 
   @classmethod
   def from_config(cls, cfg, *, rngs):
@@ -236,16 +250,15 @@ class PerformerAttention(_Kernel):
                redraw_every=cfg.performer_redraw, seed=cfg.attention_seed, rngs=rngs,
                **_common(cfg))
 
-  def projection(self, step=None):
-    """The `[M, H]` feature directions in use at `step` (fixed when redraw_every = 0)."""
-    if step is None or not self.redraw_every:
-      return jnp.asarray(orthogonal_features_np(self.seed, self.num_features, self.head_dim))
-    key = jax.random.fold_in(jax.random.key(self.seed), step // self.redraw_every)
-    return jax.lax.stop_gradient(orthogonal_features(key, self.num_features, self.head_dim))
+  def redraw(self, draw):
+    """Replaces the directions by draw number `draw` (host-side, outside jit)."""
+    self.features_w.value = jnp.asarray(
+        feature_draw(self.seed, int(draw), self.num_features, self.head_dim))
 
-  def features(self, q, k, step=None):
+  def features(self, q, k):
     scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return performer_features(q, k, self.projection(step), scale)
+    w = jax.lax.stop_gradient(self.features_w.value.astype(jnp.float32))
+    return performer_features(q, k, w, scale)
 
 
 class LinformerAttention(attention_lib.Attention):

@@ -18,7 +18,7 @@ class EncoderDecoder(nnx.Module):
     # Shared embeddings (one table for source, target and output) suit a joint vocabulary.
     embed = self.encoder.embed if cfg.get('share_embeddings', True) else None
     self.decoder = stack.Stack(cfg, vocab_size, max_length, cross_attention=True, embed=embed,
-                               rngs=rngs)
+                               stream=1, rngs=rngs)
 
   def encode(self, batch, *, rngs=None):
     """`[B, S, D]` encoder output of `src_inputs` (non-causal)."""

@@ -3,6 +3,7 @@
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from layers import block
@@ -10,16 +11,30 @@ from layers import norms
 from layers import positions as positions_lib
 
 
+def layer_config(cfg, stream, layer):
+  """`cfg` with the attention seed of layer `layer` of stack `stream`: random draws differ across
+  layers and stacks, and stay a function of `model.attention_seed`."""
+  if 'attention_seed' not in cfg:
+    return cfg
+  out = cfg.copy_and_resolve_references()
+  out.attention_seed = int(np.random.SeedSequence([cfg.attention_seed, stream, layer])
+                           .generate_state(1)[0])
+  return out
+
+
 class Stack(nnx.Module):
   """Embeds tokens, adds positions, runs `num_layers` blocks and (Pre-LN) a final norm."""
 
-  def __init__(self, cfg, vocab_size, max_length, *, cross_attention=False, embed=None, rngs):
+  def __init__(self, cfg, vocab_size, max_length, *, cross_attention=False, embed=None, stream=0,
+               rngs):
     """Args:
       cfg: `config.model`.
       vocab_size: V.
       max_length: longest sequence the position method must represent (learned tables).
       cross_attention: blocks attend to a context (encoder-decoder decoder).
       embed: an `nnx.Embed` to share (tied encoder/decoder embeddings), or None for a new one.
+      stream: which stack of the model this is (0, 1, ...): with the layer index it gives every
+        layer its own `attention_seed` (BigBird's random blocks, the Performer's features).
       rngs: parameter initialisation.
     """
     self.d_model = cfg.d_model
@@ -28,8 +43,9 @@ class Stack(nnx.Module):
         vocab_size, cfg.d_model, rngs=rngs,
         embedding_init=nnx.initializers.normal(stddev=1.0 / math.sqrt(cfg.d_model)))
     self.position = positions_lib.make(cfg, max_length, rngs=rngs)
-    self.blocks = nnx.List([block.Block(cfg, cross_attention=cross_attention, rngs=rngs)
-                            for _ in range(cfg.num_layers)])
+    self.blocks = nnx.List([
+        block.Block(layer_config(cfg, stream, i), cross_attention=cross_attention, rngs=rngs)
+        for i in range(cfg.num_layers)])
     self.final_norm = (norms.NORMS[cfg.norm](cfg.d_model, rngs=rngs)
                        if cfg.norm_position == 'pre' else None)
     self.dropout = nnx.Dropout(cfg.dropout)

@@ -18,6 +18,8 @@ from layers import attention_xla
 from layers import linear_attention
 from layers import masks
 from layers import sparse_attention
+import eval as eval_lib
+from tests import helpers
 import train
 
 D, N, K, T = 16, 4, 2, 13  # T not a multiple of any block below; N/K = 2 (GQA)
@@ -175,7 +177,7 @@ def test_causal_kernel_attention_equals_its_quadratic_masked_form(name):
 
   @jax.jit
   def both(x):
-    qf, kf, v = layer._features(x, None, seg, None, None, None, True, None)
+    qf, kf, v = layer._features(x, None, seg, None, None, None, True)
     recurrent = linear_attention.kernel_attention(qf, kf, v, is_causal=True, chunk=4)
     probs = layer.weights(x, segment_ids=seg, is_causal=True)  # [B, N, T, S], quadratic
     quadratic = jnp.einsum('BNTS,BSNH->BTNH', probs, jnp.repeat(v, N // K, axis=2))
@@ -190,7 +192,7 @@ def test_causal_kernel_attention_equals_its_quadratic_masked_form(name):
 def test_linear_bidirectional_equals_its_quadratic_form_and_linformer_is_low_rank():
   layer = _layer('linear')
   x = jax.random.normal(jax.random.key(0), (2, T, D))
-  qf, kf, v = layer._features(x, None, None, None, None, None, False, None)
+  qf, kf, v = layer._features(x, None, None, None, None, None, False)
   out = linear_attention.kernel_attention(qf, kf, v)
   probs = layer.weights(x)
   want = jnp.einsum('BNTS,BSNH->BTNH', probs, jnp.repeat(v, N // K, axis=2))
@@ -230,6 +232,43 @@ def _train_config(data_dir, arch, variant):
   return config
 
 
+def _performer_layers(model):
+  return [m for _, m in nnx.iter_modules(model) if isinstance(m, linear_attention.PerformerAttention)]
+
+
+def test_performer_redraw_schedule_is_checkpointed_and_resumed(data_dir, tmp_path):
+  """performer_redraw=R: each layer (own seed) holds draw step // R; checkpoints and eval.py carry
+  it, and a run resumed between redraws goes on redrawing on schedule."""
+  config = helpers.quick_config(data_dir, steps=7, log_every=1, checkpoint_every=3, eval_every=100,
+                                diagnostics=False)
+  config.model.update(attention='performer', performer_features=16, performer_redraw=2,
+                      num_layers=2)
+  validation.validate(config)
+
+  def layers_at(workdir, want_step):
+    _, graphdef, variables, step = eval_lib.load_run(str(workdir))
+    assert step == want_step
+    return _performer_layers(nnx.merge(graphdef, variables))
+
+  with pytest.raises(KeyboardInterrupt):  # the checkpoint at step 3 holds draw 1
+    train.train_and_evaluate(config, str(tmp_path), _interrupt_after=4)
+  for when, draw_number in ((3, 1), (7, 3)):
+    if when == 7:
+      train.train_and_evaluate(config, str(tmp_path))  # resumes at 3; redraws at 4 and 6
+    layers = layers_at(tmp_path, when)
+    assert len(layers) == 2 and layers[0].seed != layers[1].seed
+    for layer in layers:
+      draw = functools.partial(linear_attention.feature_draw, layer.seed,
+                               num_features=16, dim=layer.head_dim)
+      np.testing.assert_array_equal(layer.features_w.value, draw(draw_number))
+      assert np.abs(draw(draw_number) - draw(0)).max() > 0.1
+    assert np.abs(layers[0].features_w.value - layers[1].features_w.value).max() > 0.1
+  # Fixed features (R = 0): nothing is ever due.
+  config.model.performer_redraw = 0
+  graphdef, _, state = train.create_state(config, 166)
+  assert train.redraw_features(graphdef, state, 4) is state
+
+
 @pytest.mark.parametrize('arch,variant', [('encoder_only', v) for v in ALL] +
                          [('decoder_only', v) for v in CAUSAL])
 def test_variant_trains_and_loss_falls(data_dir, arch, variant):
@@ -256,7 +295,7 @@ def test_variant_trains_and_loss_falls(data_dir, arch, variant):
     (dict(attention='sliding_window', window=-1), 'model.window'),
     (dict(attention='longformer', global_tokens=tuple(range(80))), 'model.global_tokens'),
     (dict(attention='bigbird', global_tokens=(0, 64)), 'model.global_tokens'),
-    (dict(attention='performer', performer_redraw=100), 'model.performer_redraw'),
+    (dict(attention='performer', performer_redraw=-1), 'model.performer_redraw'),
     (dict(attention='longformer', position='alibi'), 'model.position'),
 ])
 def test_impossible_combinations_are_one_line_config_errors(overrides, field):

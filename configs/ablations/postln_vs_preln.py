@@ -40,8 +40,8 @@ def get_sweep(arg=None):
       (6, 2e-3, 500, 0, ('post', 'pre')),  # no warmup at a high rate
       (6, 2e-3, 1000, 100, ('post', 'pre')),  # with warmup ...
       (6, 2e-3, 1000, 0, ('pre',)),  # ... and Pre-LN without it, as its control
-      (12, 1e-3, 1000, 0, ('post', 'pre')),  # depth 12, no warmup
-      (6, 1e-3, 1000, 0, ('post', 'pre')),  # a lower rate, no warmup
+      (12, 1e-3, 500, 0, ('post', 'pre')),  # depth 12, no warmup
+      (6, 1e-3, 500, 0, ('post', 'pre')),  # a lower rate, no warmup
   ]
   quick = 'quick' in (arg or '')
   cells = []
