@@ -186,6 +186,16 @@ class Attention(nnx.Module):
       # A variant with its own attention pattern needs its own cached step, not this dense one.
       raise NotImplementedError(f'{type(self).__name__} has no KV-cache decode path; decode with '
                                 "model.attention='dense' (or add one to the variant)")
+    window = masks.normalize_window(self.local_window_size)
+    return self.cached_step(x, cache, index, position=position, visible=lambda q_pos, k_pos: (
+        masks.visible(q_pos, k_pos, is_causal=True, window=window)))
+
+  def cached_step(self, x, cache, index, *, position, visible):
+    """The body of `decode`: `visible(q_pos [B, 1, 1], k_pos [B, 1, S_max])` -> `[B, 1, S_max]`
+    says which cached slots the new token sees (it must apply causality: later slots are empty).
+
+    Variants with their own pattern (layers.sparse_attention) call this with theirs.
+    """
     b, s_max = x.shape[0], cache['k'].shape[1]
     index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))  # [B]
     q, k, v = self.project(x)  # [B, 1, N, H], [B, 1, K, H], [B, 1, K, H]
@@ -214,8 +224,7 @@ class Attention(nnx.Module):
           q_pos, k_pos)  # [B, N, 1, S_max]
       bias = alibi if bias is None else bias + alibi
     # Slots after the row's position are empty (or stale): the causal mask on absolute positions.
-    vis = masks.visible(q_pos[:, :, None], k_pos[:, None, :], is_causal=True,
-                        window=masks.normalize_window(self.local_window_size))  # [B, 1, S_max]
+    vis = visible(q_pos[:, :, None], k_pos[:, None, :])  # [B, 1, S_max]
     # One query row gains nothing from a flash kernel: the dense reference serves every config.
     out = dot_product_attention(q, cache['k'], cache['v'], bias=bias, mask=vis[:, None],
                                 scale=self.scale, implementation='xla')  # [B, 1, N, H]

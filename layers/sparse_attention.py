@@ -198,7 +198,16 @@ class _Sparse(attention_lib.Attention):
     return attention_xla.attention_weights(q, k, mask=mask, scale=self._scale(q.shape[-1]))
 
   def decode(self, x, cache, index, *, position=None):
-    raise NotImplementedError(f'KV-cache decoding is not implemented for attention={self.name!r}')
+    """`Attention.decode` with this variant's pattern: the new token at absolute position i sees
+    the cached slots j <= i the pattern connects to i. Causal rows of every pattern here do not
+    depend on the sequence length (global tokens past i are hidden by causality; BigBird's causal
+    random blocks depend on the query block only), so the pattern at the cache length gives the
+    full forward pass's rows exactly.
+    """
+    self._qkv(x, None, None, position, True)  # the same one-line errors as the forward pass
+    pattern = self.pattern(cache['k'].shape[1], True)
+    return self.cached_step(x, cache, index, position=position, visible=lambda q_pos, k_pos: (
+        masks.sparse_visible(q_pos, k_pos, pattern, is_causal=True)))
 
 
 def _common(cfg):
@@ -209,8 +218,7 @@ def _common(cfg):
 class SlidingWindowAttention(_Sparse):
   """Each token sees keys within `window` positions: |i - j| <= w (encoder), i - w <= j <= i (decoder).
 
-  `local_window_size` is set too, so the inherited KV-cache `decode`, `weights` and the training
-  diagnostics apply the same window.
+  `local_window_size` is set too, so the training diagnostics apply the same window.
   """
 
   name = 'sliding_window'
@@ -228,8 +236,6 @@ class SlidingWindowAttention(_Sparse):
 
   def pattern(self, t, is_causal):
     return masks.SparsePattern(window=(self.window, self.window))
-
-  decode = attention_lib.Attention.decode  # the cached path with the window mask is exact
 
 
 class LongformerAttention(_Sparse):

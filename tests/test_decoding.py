@@ -65,6 +65,28 @@ def test_decoder_only_cache_equals_full_forward(position, heads):
   np.testing.assert_allclose(step, full, atol=2e-5, rtol=2e-5)
 
 
+SPARSE = {'sliding_window': dict(window=3),
+          'longformer': dict(window=2, global_tokens=(0, 5)),
+          'bigbird': dict(bigbird_block=4, bigbird_random_blocks=1, global_tokens=(0, 5))}
+
+
+@pytest.mark.parametrize('variant', list(SPARSE))
+def test_sparse_decoder_cache_equals_full_forward(variant):
+  """The cached step applies the variant's own pattern (window, global tokens, random blocks) at
+  absolute positions; 21 tokens span several windows and BigBird blocks."""
+  model = build('decoder_only', max_length=32, position='rope', num_heads=4, num_kv_heads=2,
+                attention=variant, **SPARSE[variant])
+  tokens = jax.random.randint(jax.random.key(1), (2, 21), 1, V)
+  full, step = full_and_cached_logits(model, {'inputs': tokens}, {'inputs': tokens}, tokens)
+  np.testing.assert_allclose(step, full, atol=2e-5, rtol=2e-5)
+  # The pattern matters: dense attention over the same weights gives other logits.
+  dense = nnx.merge(*nnx.split(model))
+  for blk in dense.decoder.blocks:
+    blk.self_attention.__class__ = attention.Attention
+    blk.self_attention.local_window_size = None
+  assert np.abs(dense({'inputs': tokens}) - full).max() > 1e-3
+
+
 def enc_dec_batch(seed=2, src_len=7, tgt_len=6, pad_from=(7, 4)):
   src = jax.random.randint(jax.random.key(seed), (2, src_len), 6, V)
   seg = (jnp.arange(src_len)[None] < jnp.asarray(pad_from)[:, None]).astype(jnp.int32)  # [B, S]
