@@ -191,8 +191,54 @@ class _Kernel(attention_lib.Attention):
                                is_causal)
     return kernel_weights(qf, kf, is_causal=is_causal)
 
+  # --- Recurrent decoding: the causal prefix sums are the cache (constant size in the length) ------
+
+  feature_dim = None  # M, set by the variants
+
+  def decode_key_features(self, k):
+    """(`[B, 1, K, M]` features of one new key divided by exp(shift), the `[B, 1, K]` shift)."""
+    raise NotImplementedError
+
+  def init_cache(self, batch_size, max_length, dtype=jnp.float32):
+    """The causal state: {'kv': sum_j phi(k_j) v_j^T `[B, K, M, H]`, 'z': sum_j phi(k_j)
+    `[B, K, M]`, 'shift': `[B, K]`, the log-scale both sums are stored at}. Its size does not grow
+    with `max_length` (float32 whatever `dtype`: these are running sums)."""
+    del max_length, dtype
+    k, m, h = self.num_kv_heads, self.feature_dim, self.head_dim
+    return {'kv': jnp.zeros((batch_size, k, m, h), jnp.float32),
+            'z': jnp.zeros((batch_size, k, m), jnp.float32),
+            'shift': jnp.full((batch_size, k), -1e30, jnp.float32)}
+
   def decode(self, x, cache, index, *, position=None):
-    raise NotImplementedError(f'KV-cache decoding is not implemented for attention={self.name!r}')
+    """One causal step: the new token's key joins the prefix sums, its query reads them.
+
+    Steps must come in order, one position per call (as models.decoding feeds them): the state
+    holds every key fed so far. Returns (`[B, 1, D]`, the updated state).
+    """
+    b = x.shape[0]
+    index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))
+    q, k, v = self.project(x)  # [B, 1, N, H], [B, 1, K, H], [B, 1, K, H]
+    if position is not None:
+      pos = index[:, None]
+      q, k, extra = position.in_attention(q, k, pos, pos, is_causal=True)
+      if extra:
+        raise ValueError(f'attention={self.name!r} does not take score terms {sorted(extra)} '
+                         '(ALiBi, T5 bias); use rope, sinusoidal, learned or nope')
+    kh, h = k.shape[2], q.shape[-1]
+    qf, _ = self.features(q.reshape(b, 1, kh, -1, h), k)  # [B, 1, K, G, M]
+    kf, key_shift = self.decode_key_features(k)  # [B, 1, K, M], [B, 1, K]
+    # Sums are kept at scale exp(-shift): a larger new shift rescales the old sums (as in online
+    # softmax); the ratio num/den is unchanged by any common scale.
+    shift = jnp.maximum(cache['shift'], key_shift[:, 0])  # [B, K]
+    old, new = jnp.exp(cache['shift'] - shift), jnp.exp(key_shift[:, 0] - shift)  # [B, K]
+    kf = kf[:, 0] * new[..., None]  # [B, K, M]
+    kv = cache['kv'] * old[..., None, None] + jnp.einsum('BKM,BKH->BKMH', kf,
+                                                          v[:, 0].astype(jnp.float32))
+    z = cache['z'] * old[..., None] + kf
+    num = jnp.einsum('BKGM,BKMH->BKGH', qf[:, 0], kv)
+    den = jnp.einsum('BKGM,BKM->BKG', qf[:, 0], z)
+    out = _safe_divide(num, den[..., None]).reshape(b, 1, -1, h)  # [B, 1, N, H]
+    return self.out(out.astype(x.dtype)), {'kv': kv, 'z': z, 'shift': shift}
 
 
 def _common(cfg):
@@ -209,8 +255,15 @@ class LinearAttention(_Kernel):
   def from_config(cls, cfg, *, rngs):
     return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, rngs=rngs, **_common(cfg))
 
+  @property
+  def feature_dim(self):
+    return self.head_dim
+
   def features(self, q, k):
     return elu_plus_one(q.astype(jnp.float32)), elu_plus_one(k.astype(jnp.float32))
+
+  def decode_key_features(self, k):
+    return elu_plus_one(k.astype(jnp.float32)), jnp.zeros(k.shape[:3], jnp.float32)
 
 
 class RandomFeatures(nnx.Variable):
@@ -259,6 +312,18 @@ class PerformerAttention(_Kernel):
     scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
     w = jax.lax.stop_gradient(self.features_w.value.astype(jnp.float32))
     return performer_features(q, k, w, scale)
+
+  @property
+  def feature_dim(self):
+    return self.num_features
+
+  def decode_key_features(self, k):
+    scale = self.scale if self.scale is not None else 1.0 / math.sqrt(k.shape[-1])
+    w = self.features_w.value.astype(jnp.float32)
+    kf = favor_features(k * math.sqrt(scale), w, stabilise_axes=(-1,))  # one shift per key
+    x = k.astype(jnp.float32) * math.sqrt(scale)
+    shift = jnp.max(jnp.einsum('...H,MH->...M', x, w), axis=-1)  # that shift, [B, 1, K]
+    return kf, shift
 
 
 class LinformerAttention(attention_lib.Attention):

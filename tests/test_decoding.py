@@ -68,6 +68,7 @@ def test_decoder_only_cache_equals_full_forward(position, heads):
 SPARSE = {'sliding_window': dict(window=3),
           'longformer': dict(window=2, global_tokens=(0, 5)),
           'bigbird': dict(bigbird_block=4, bigbird_random_blocks=1, global_tokens=(0, 5))}
+KERNEL = {'performer': dict(performer_features=16), 'linear': {}}
 
 
 @pytest.mark.parametrize('variant', list(SPARSE))
@@ -85,6 +86,18 @@ def test_sparse_decoder_cache_equals_full_forward(variant):
     blk.self_attention.__class__ = attention.Attention
     blk.self_attention.local_window_size = None
   assert np.abs(dense({'inputs': tokens}) - full).max() > 1e-3
+
+
+@pytest.mark.parametrize('variant', list(KERNEL))
+def test_kernel_attention_recurrent_decode_equals_full_forward(variant):
+  """Performer/linear decode with their prefix sums as the cache: constant size, same logits."""
+  model = build('decoder_only', max_length=32, position='rope', num_heads=4, num_kv_heads=2,
+                attention=variant, **KERNEL[variant])
+  tokens = jax.random.randint(jax.random.key(1), (2, 21), 1, V)
+  full, step = full_and_cached_logits(model, {'inputs': tokens}, {'inputs': tokens}, tokens)
+  np.testing.assert_allclose(step, full, atol=2e-5, rtol=2e-5)
+  sizes = {n: decoding.cache_size(model.init_cache({'inputs': tokens}, n)) for n in (8, 64)}
+  assert sizes[8] == sizes[64], sizes
 
 
 def enc_dec_batch(seed=2, src_len=7, tgt_len=6, pad_from=(7, 4)):
