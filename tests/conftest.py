@@ -1,6 +1,14 @@
-"""Fixtures shared across test modules."""
+"""Fixtures shared across test modules, and the simulated devices of the sharding tests."""
 
-import pytest
+import os
+
+# Eight CPU devices for the mesh, ring-attention and sharded-training tests (before jax is
+# imported: the flag is read once). Everything else runs on the first device as before.
+if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             ' --xla_force_host_platform_device_count=8').strip()
+
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 @pytest.fixture(scope='module')
