@@ -39,6 +39,7 @@ IMPLEMENTATIONS = {
     'blockwise': _lazy('layers.attention_blockwise', 'attention'),
     'pallas': _lazy('layers.attention_pallas', 'attention'),
     'cudnn': _cudnn,
+    'ring': _lazy('layers.attention_ring', 'ring_attention'),  # needs a mesh with sequence > 1
 }
 
 

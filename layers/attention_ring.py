@@ -1,0 +1,357 @@
+"""Ring attention (context parallelism): queries stay put, key/value blocks travel round the `sequence` ring.
+
+The length axis of q/k/v is split over the mesh axis `sequence` (P devices). Each device keeps its
+`T/P` queries and, in P steps, sees every `S/P` key/value block as the blocks are passed one device
+along the ring with `lax.ppermute`, folding each into a FlashAttention-2 online softmax (running max,
+denominator and un-normalised output, float32). Positions are absolute (device index x block
+length), so causality, the local window and ALiBi mean what they mean on the whole sequence, and a
+block that they hide entirely is not computed. A `jax.custom_vjp` saves only the output and the
+per-row logsumexp; the backward pass sends the key/value blocks round the ring again, recomputes
+each block's probabilities, and carries the block's dK/dV with it, so that after P steps they are
+back on the block's owner. No device ever holds more than one `[T/P, S/P]` score block per head.
+(Liu et al. 2023, "Ring Attention with Blockwise Transformers".)
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from layers import masks
+
+# Mesh axes of the activations, as in the default rules of `config.mesh` (batch -> data x fsdp,
+# length -> sequence, heads -> tensor). A dimension that an axis does not divide stays replicated.
+BATCH_AXES = ('data', 'fsdp')
+LENGTH_AXIS = 'sequence'
+HEAD_AXIS = 'tensor'
+
+
+class Config(NamedTuple):
+  """Static (hashable) settings of one ring call."""
+  mesh: jax.sharding.AbstractMesh
+  ring: int  # P, the size of the `sequence` axis
+  batch: tuple  # mesh axes splitting B (may be empty)
+  heads: str | None  # mesh axis splitting N and K, or None
+  scale: float
+  is_causal: bool
+  window: tuple | None
+  kv_len: int  # S before padding to a multiple of P
+
+
+def _live(cfg, q_first, q_len, k_first, k_len):
+  """Whether a `[q_len, k_len]` block at these absolute offsets may hold a visible pair (scalar).
+
+  Causality and the window give a band of the whole matrix; a block outside it is skipped, and
+  its ppermute still runs, since every device of the ring must take part in every transfer.
+  """
+  q_last, k_last = q_first + q_len - 1, k_first + k_len - 1
+  live = k_first < cfg.kv_len
+  if cfg.is_causal:
+    live &= k_first <= q_last
+  if cfg.window is not None:
+    left, right = cfg.window
+    live &= (k_last >= q_first - left) & (k_first <= q_last + right)
+  return live
+
+
+def _logits(cfg, q, k, q_pos, k_pos, slopes, q_seg, kv_seg):
+  """Scaled scores of the local queries against one key block, -inf where hidden.
+
+  Args:
+    q: `[b, K, G, t, H]`; k: `[b, K, s, H]`.
+    q_pos, k_pos: `[t]`, `[s]` absolute positions.
+    slopes: None or this device's `[n]` ALiBi slopes (n = K * G).
+    q_seg, kv_seg: None or `[b, t]`, `[b, s]`.
+
+  Returns:
+    `[b, K, G, t, s]` float32.
+  """
+  _, kh, g, t, _ = q.shape
+  s = k.shape[2]
+  logits = jnp.einsum('BKGTH,BKSH->BKGTS', q, k, preferred_element_type=jnp.float32) * cfg.scale
+  if slopes is not None:
+    # From absolute positions: a block's ALiBi distance is that on the whole sequence.
+    logits = logits + masks.alibi_bias(slopes, q_pos[:, None], k_pos[None]).reshape(kh, g, t, s)
+  vis = masks.visible(q_pos[:, None], k_pos[None], is_causal=cfg.is_causal, window=cfg.window,
+                      q_seg=None if q_seg is None else q_seg[:, :, None],
+                      k_seg=None if kv_seg is None else kv_seg[:, None, :])
+  if cfg.kv_len % cfg.ring:
+    # Keys past S pad the last device's block.
+    in_range = k_pos[None] < cfg.kv_len  # [1, s]
+    vis = in_range if vis is None else vis & in_range
+  if vis is None:
+    return logits
+  if vis.ndim == 3:
+    vis = vis[:, None, None]  # [b, 1, 1, t, s]
+  # -inf (not a large finite value): exp gives exact zeros, and a row that has seen no visible key
+  # keeps a running max of -inf, which `_safe` turns into a finite shift.
+  return jnp.where(vis, logits, -jnp.inf)
+
+
+def _safe(m):
+  """A row max usable as an exp shift: -inf (no visible key yet) becomes 0, so exp(-inf - 0) = 0."""
+  return jnp.where(jnp.isneginf(m), 0.0, m)
+
+
+def _rotate(cfg, x):
+  """Sends `x` (a pytree) one device along the ring: device i receives from device i - 1."""
+  perm = [(i, (i + 1) % cfg.ring) for i in range(cfg.ring)]
+  return lax.ppermute(x, LENGTH_AXIS, perm)
+
+
+def _split_heads(q, k, v):
+  """`[b, t, n, H]`, `[b, s, K, H]` x2 -> `[b, K, G, t, H]`, `[b, K, s, H]` x2 (blocks per head)."""
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  q = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4)
+  return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def _forward_local(cfg, q, k, v, extra):
+  """One device's share of the forward pass (inside `shard_map`).
+
+  Args:
+    q: `[b, t, n, H]` local queries; k, v: `[b, s, K, H]` this device's key/value block.
+    extra: dict with optional 'slopes' `[n]`, 'q_seg' `[b, t]`, 'kv_seg' `[b, s]`.
+
+  Returns:
+    out `[b, t, n, H]` float32 and logsumexp `[b, t, n]` (+inf on rows with no visible key).
+  """
+  b, t, n, _ = q.shape
+  s = k.shape[1]
+  qb, kb, vb = _split_heads(q, k, v)
+  me = lax.axis_index(LENGTH_AXIS)
+  q_pos = me * t + jnp.arange(t)  # [t]
+  slopes, q_seg = extra.get('slopes'), extra.get('q_seg')
+
+  def update(r, state, block):
+    kb, vb, kv_seg = block
+    # After r rotations this device holds the block of device me - r.
+    k_first = ((me - r) % cfg.ring) * s
+    k_pos = k_first + jnp.arange(s)  # [s]
+
+    def compute(state):
+      m, l, acc = state
+      logits = _logits(cfg, qb, kb, q_pos, k_pos, slopes, q_seg, kv_seg)  # [b, K, G, t, s]
+      m_new = jnp.maximum(m, logits.max(-1))
+      shift = _safe(m_new)
+      p = jnp.exp(logits - shift[..., None])  # [b, K, G, t, s]
+      # The max grew: earlier blocks' sums were taken against a smaller shift, rescale them.
+      alpha = jnp.exp(m - shift)
+      pv = jnp.einsum('BKGTS,BKSH->BKGTH', p.astype(vb.dtype), vb,
+                      preferred_element_type=jnp.float32)
+      return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+
+    return lax.cond(_live(cfg, me * t, t, k_first, s), compute, lambda st: st, state)
+
+  def step(r, carry):
+    state, block = carry
+    # Issued before the compute, which does not depend on it: the transfer can overlap the math.
+    nxt = _rotate(cfg, block)
+    return update(r, state, block), nxt
+
+  # Derived from q so that the loop state varies over the mesh axes exactly as the updates do.
+  zero = jnp.zeros_like(qb, jnp.float32)  # [b, K, G, t, H]
+  init = (zero[..., 0] - jnp.inf, zero[..., 0], zero)
+  block = (kb, vb, extra.get('kv_seg'))
+  state, block = lax.fori_loop(0, cfg.ring - 1, step, (init, block))
+  m, l, acc = update(cfg.ring - 1, state, block)
+  empty = l == 0.0
+  out = acc / jnp.where(empty, 1.0, l)[..., None]  # [b, K, G, t, H], zeros on empty rows
+  # +inf on rows without a visible key makes every recomputed probability exp(s - inf) = 0.
+  lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))  # [b, K, G, t]
+  out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, -1)
+  return out, lse.transpose(0, 3, 1, 2).reshape(b, t, n)
+
+
+def _backward_local(cfg, q, k, v, extra, out, lse, d_out):
+  """One device's share of the FlashAttention-2 backward pass (inside `shard_map`).
+
+  Queries, their output, logsumexp and output cotangent stay here; each key/value block goes
+  round the ring once more, together with the dK/dV that every device adds to as it passes.
+
+  Returns:
+    dq `[b, t, n, H]`, dk and dv `[b, s, K, H]`, in the inputs' dtypes.
+  """
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  g = n // kh
+  qb, kb, vb = _split_heads(q, k, v)
+  me = lax.axis_index(LENGTH_AXIS)
+  q_pos = me * t + jnp.arange(t)  # [t]
+  slopes, q_seg = extra.get('slopes'), extra.get('q_seg')
+  to_blocks = lambda x: x.reshape(b, t, kh, g, -1).transpose(0, 2, 3, 1, 4)  # -> [b, K, G, t, .]
+  do = to_blocks(d_out.astype(jnp.float32))  # [b, K, G, t, H]
+  delta = jnp.sum(do * to_blocks(out), axis=-1)  # [b, K, G, t]: rowsum(dO * O) = sum_j P_ij dP_ij
+  lse = to_blocks(lse[..., None])[..., 0]  # [b, K, G, t]
+  do = do.astype(q.dtype)
+
+  def update(r, dq, block, grads):
+    kb, vb, kv_seg = block
+    k_first = ((me - r) % cfg.ring) * s
+    k_pos = k_first + jnp.arange(s)  # [s]
+
+    def compute(args):
+      dq, (dk, dv) = args
+      logits = _logits(cfg, qb, kb, q_pos, k_pos, slopes, q_seg, kv_seg)  # [b, K, G, t, s]
+      p = jnp.exp(logits - lse[..., None])  # [b, K, G, t, s], the forward's probabilities
+      dv = dv + jnp.einsum('BKGTS,BKGTH->BKSH', p.astype(do.dtype), do,
+                           preferred_element_type=jnp.float32)
+      dp = jnp.einsum('BKGTH,BKSH->BKGTS', do, vb, preferred_element_type=jnp.float32)
+      ds = p * (dp - delta[..., None])  # d loss / d scaled score
+      dk = dk + cfg.scale * jnp.einsum('BKGTS,BKGTH->BKSH', ds.astype(qb.dtype), qb,
+                                       preferred_element_type=jnp.float32)
+      dq = dq + cfg.scale * jnp.einsum('BKGTS,BKSH->BKGTH', ds.astype(kb.dtype), kb,
+                                       preferred_element_type=jnp.float32)
+      return dq, (dk, dv)
+
+    return lax.cond(_live(cfg, me * t, t, k_first, s), compute, lambda a: a, (dq, grads))
+
+  def step(r, carry):
+    dq, block, grads = carry
+    nxt = _rotate(cfg, block)  # overlaps the compute; the gradients must wait for it
+    dq, grads = update(r, dq, block, grads)
+    return dq, nxt, _rotate(cfg, grads)
+
+  dq = jnp.zeros_like(qb, jnp.float32)
+  grads = (jnp.zeros_like(kb, jnp.float32), jnp.zeros_like(vb, jnp.float32))  # [b, K, s, H] x2
+  block = (kb, vb, extra.get('kv_seg'))
+  dq, block, grads = lax.fori_loop(0, cfg.ring - 1, step, (dq, block, grads))
+  dq, grads = update(cfg.ring - 1, dq, block, grads)
+  # The P-th rotation brings each block's gradients home to the device that owns the block.
+  dk, dv = _rotate(cfg, grads)
+  dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+  return (dq.astype(q.dtype), dk.transpose(0, 2, 1, 3).astype(k.dtype),
+          dv.transpose(0, 2, 1, 3).astype(v.dtype))
+
+
+def _specs(cfg, extra):
+  """`PartitionSpec`s of q/out `[B, T, N, H]`, k/v `[B, S, K, H]`, lse `[B, T, N]` and `extra`."""
+  batch = cfg.batch if cfg.batch else None
+  x = P(batch, LENGTH_AXIS, cfg.heads, None)
+  extra_specs = {'slopes': P(cfg.heads), 'q_seg': P(batch, LENGTH_AXIS),
+                 'kv_seg': P(batch, LENGTH_AXIS)}
+  return x, P(batch, LENGTH_AXIS, cfg.heads), {name: extra_specs[name] for name in extra}
+
+
+def _shard_map(cfg, f, in_specs, out_specs):
+  # The mesh is passed, not read from the context: the backward pass may be traced after the
+  # caller's `with jax.set_mesh(...)` has exited.
+  return jax.shard_map(functools.partial(f, cfg), mesh=cfg.mesh, in_specs=in_specs,
+                       out_specs=out_specs)
+
+
+def _ring_forward(cfg, q, k, v, extra):
+  x, row, ex = _specs(cfg, extra)
+  return _shard_map(cfg, _forward_local, (x, x, x, ex), (x, row))(q, k, v, extra)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg, q, k, v, extra):
+  return _ring_forward(cfg, q, k, v, extra)[0]
+
+
+def _ring_fwd(cfg, q, k, v, extra):
+  out, lse = _ring_forward(cfg, q, k, v, extra)
+  # Residuals are O(T) per device: the inputs, the output and one logsumexp per row.
+  return out, (q, k, v, extra, out, lse)
+
+
+def _ring_bwd(cfg, res, d_out):
+  q, k, v, extra, out, lse = res
+  x, row, ex = _specs(cfg, extra)
+  dq, dk, dv = _shard_map(cfg, _backward_local, (x, x, x, ex, x, row, x), (x, x, x))(
+      q, k, v, extra, out, lse, d_out)
+  # Segment ids and ALiBi slopes are not differentiated (ALiBi slopes are fixed).
+  return dq, dk, dv, jax.tree.map(lambda _: None, extra)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _pad_length(x, size):
+  pad = size - x.shape[1]
+  if pad == 0:
+    return x
+  return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+
+def _reshard(x, spec, mesh):
+  """Under explicit mesh axes, the array's type carries its sharding: move it to `spec` first."""
+  if any(t == AxisType.Explicit for t in mesh.axis_types):
+    return jax.sharding.reshard(x, spec)
+  return x
+
+
+def ring_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
+                   alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None):
+  """Exact attention with the length split over the ambient mesh's `sequence` axis.
+
+  Call it under a mesh (`with jax.set_mesh(mesh):`) with axes `data`, `fsdp`, `tensor`,
+  `sequence`; the arguments are those of `attention_xla.attention`.
+
+  Args:
+    query: `[B, T, N, H]`.
+    key, value: `[B, S, K, H]`, N a multiple of K (query head n reads key/value head n // G).
+    bias, mask: must be None: a dense `[B, N, T, S]` array is what ring attention avoids.
+    scale, is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids: see `attention_xla`;
+      positions are absolute over the whole sequence, as there.
+
+  Returns:
+    `[B, T, N, H]` in the query's dtype; rows with no visible key are zeros.
+
+  Raises:
+    ValueError: a dense bias/mask, or no `sequence` mesh axis larger than 1.
+  """
+  if bias is not None or mask is not None:
+    raise ValueError("implementation='ring' takes no dense bias/mask array (it would be [B, N, T, S] "
+                     'on every device): use is_causal, local_window_size, alibi_slopes, segment_ids')
+  mesh = jax.sharding.get_abstract_mesh()
+  sizes = {} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes))
+  ring = sizes.get(LENGTH_AXIS, 1)
+  if ring <= 1:
+    raise ValueError("implementation='ring' needs config.mesh.sequence > 1 (a mesh with a "
+                     f"'sequence' axis > 1 set by jax.set_mesh); the mesh in context is {sizes}")
+  b, t, n, h = query.shape
+  s, kh = key.shape[1], key.shape[2]
+
+  # Batch and heads are split where the axes divide them and replicated otherwise; heads only if
+  # both N and K divide, so that every query head finds its key/value head on the same device.
+  batch = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+  if b % math.prod(sizes[a] for a in batch):
+    batch = ()
+  tp = sizes.get(HEAD_AXIS, 1)
+  heads = HEAD_AXIS if tp > 1 and n % tp == 0 and kh % tp == 0 else None
+  cfg = Config(mesh, ring, batch, heads, float(scale), bool(is_causal),
+               None if window is None else tuple(window), s)
+
+  # The length is padded to a multiple of P: padded keys are hidden (`kv_len`), padded query rows
+  # are dropped from the output.
+  tp_len, sp_len = -(-t // ring) * ring, -(-s // ring) * ring
+  extra = {}
+  if alibi_slopes is not None:
+    extra['slopes'] = lax.stop_gradient(alibi_slopes).astype(jnp.float32)
+  if q_segment_ids is not None:
+    extra['q_seg'] = _pad_length(q_segment_ids, tp_len)
+    extra['kv_seg'] = _pad_length(kv_segment_ids, sp_len)
+  x_spec, _, extra_specs = _specs(cfg, extra)
+  q = _reshard(_pad_length(query, tp_len), x_spec, mesh)
+  k = _reshard(_pad_length(key, sp_len), x_spec, mesh)
+  v = _reshard(_pad_length(value, sp_len), x_spec, mesh)
+  extra = {name: _reshard(a, extra_specs[name], mesh) for name, a in extra.items()}
+  out = _ring(cfg, q, k, v, extra)  # [B, Tp, N, H]
+  explicit = any(a == AxisType.Explicit for a in mesh.axis_types)
+  if tp_len != t:
+    if explicit:
+      # Explicit sharding refuses a slice of the split length axis that the ring does not divide.
+      out = jax.sharding.reshard(out, P(*x_spec[:1], None, *x_spec[2:]))
+    out = out[:, :t]  # [B, T, N, H]
+  if explicit:
+    # Back to the query's own sharding, so that the caller's types do not change.
+    out = jax.sharding.reshard(out, jax.typeof(query).sharding.spec)
+  return out.astype(query.dtype)
