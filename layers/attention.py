@@ -9,6 +9,7 @@ from flax import nnx
 
 from layers import attention_xla
 from layers import masks
+from layers import paged_attention
 
 
 def _lazy(module, name):
@@ -167,6 +168,19 @@ class Attention(nnx.Module):
     shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
     return {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}
 
+  def init_paged_cache(self, num_pages, page_size, dtype=jnp.float32):
+    """An empty page pool (layers.paged_attention) of `num_kv_heads` heads, shared by all rows.
+
+    Returns:
+      {'k_pages': `[P, page_size, K, H]`, 'v_pages': `[P, page_size, K, H]`} zeros.
+    """
+    if type(self).decode is not Attention.decode:
+      # Variants decode through their own `decode` (sparse patterns sized from cache['k'],
+      # recurrent prefix sums): none of them reads a page pool yet.
+      raise NotImplementedError(f'{type(self).__name__} has no paged KV cache; decode it with the '
+                                "contiguous cache (paged=False) or model.attention='dense'")
+    return paged_attention.init_pages(num_pages, page_size, self.num_kv_heads, self.head_dim, dtype)
+
   def context_cache(self, context):
     """Cross-attention keys/values of an encoder output, computed once per source: {'k', 'v'}."""
     return {'k': self.key(context), 'v': self.value(context)}  # [B, S, K, H] each
@@ -195,9 +209,14 @@ class Attention(nnx.Module):
     """The body of `decode`: `visible(q_pos [B, 1, 1], k_pos [B, 1, S_max])` -> `[B, 1, S_max]`
     says which cached slots the new token sees (it must apply causality: later slots are empty).
 
-    Variants with their own pattern (layers.sparse_attention) call this with theirs.
+    Variants with their own pattern (layers.sparse_attention) call this with theirs. `cache` is
+    contiguous ({'k', 'v'} `[B, S_max, K, H]`) or paged ({'k_pages', 'v_pages'} `[P, page, K, H]`
+    with 'block_table' `[B, M]`, S_max = M * page); only the storage differs: slot j of either is
+    the row's absolute position j.
     """
-    b, s_max = x.shape[0], cache['k'].shape[1]
+    paged = paged_attention.is_paged(cache)
+    b = x.shape[0]
+    s_max = paged_attention.logical_length(cache) if paged else cache['k'].shape[1]
     index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))  # [B]
     q, k, v = self.project(x)  # [B, 1, N, H], [B, 1, K, H], [B, 1, K, H]
     q_pos = index[:, None]  # [B, 1]
@@ -210,10 +229,15 @@ class Attention(nnx.Module):
       if 'bias' in kwargs:
         # A score term over key positions (T5): recompute it against every cached slot; only the
         # kwargs of this call are used, so a method that also rotates q/k is not applied twice.
-        _, _, kwargs = position.in_attention(q_in, cache['k'], q_pos, k_pos, is_causal=True)
-    rows = jnp.arange(b)
-    cache = {'k': cache['k'].at[rows, index].set(k[:, 0].astype(cache['k'].dtype)),
-             'v': cache['v'].at[rows, index].set(v[:, 0].astype(cache['v'].dtype))}
+        _, _, kwargs = position.in_attention(q_in, k, q_pos, k_pos, is_causal=True)
+    if paged:
+      cache = paged_attention.write(cache, index, k[:, 0], v[:, 0])
+      keys, values = paged_attention.gather(cache)  # [B, S_max, K, H] each, in logical order
+    else:
+      rows = jnp.arange(b)
+      cache = {'k': cache['k'].at[rows, index].set(k[:, 0].astype(cache['k'].dtype)),
+               'v': cache['v'].at[rows, index].set(v[:, 0].astype(cache['v'].dtype))}
+      keys, values = cache['k'], cache['v']
     bias = kwargs.pop('bias', None)
     slopes = kwargs.pop('alibi_slopes', None)
     if kwargs:
@@ -227,7 +251,7 @@ class Attention(nnx.Module):
     # Slots after the row's position are empty (or stale): the causal mask on absolute positions.
     vis = visible(q_pos[:, :, None], k_pos[:, None, :])  # [B, 1, S_max]
     # One query row gains nothing from a flash kernel: the dense reference serves every config.
-    out = dot_product_attention(q, cache['k'], cache['v'], bias=bias, mask=vis[:, None],
+    out = dot_product_attention(q, keys, values, bias=bias, mask=vis[:, None],
                                 scale=self.scale, implementation='xla')  # [B, 1, N, H]
     return self.out(out), cache  # [B, 1, D]
 

@@ -79,12 +79,16 @@ class Block(nnx.Module):
     """This layer's self-attention cache {'k', 'v'} `[B, S_max, K, H]`."""
     return self.self_attention.init_cache(batch_size, max_length, dtype)
 
+  def init_paged_cache(self, num_pages, page_size, dtype):
+    """This layer's self-attention page pool {'k_pages', 'v_pages'} `[P, page_size, K, H]`."""
+    return self.self_attention.init_paged_cache(num_pages, page_size, dtype)
+
   def decode(self, x, cache, index, *, position=None, context_cache=None, context_mask=None):
     """One decoding step (no dropout) of `x` `[B, 1, D]` at absolute positions `index` `[B]`.
 
     Args:
       x: `[B, 1, D]`.
-      cache: this layer's self-attention cache.
+      cache: this layer's self-attention cache (a paged one carries the 'block_table').
       index: `[B]` or scalar absolute positions.
       position: the `layers.positions` object.
       context_cache: this layer's cross-attention {'k', 'v'} of the encoder output (or None).

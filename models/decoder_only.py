@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from layers import paged_attention
 from models import stack
 
 
@@ -39,16 +40,27 @@ class DecoderOnly(nnx.Module):
 
   # --- KV cache decoding (models.decoding) ------------------------------------------------------
 
-  def init_cache(self, batch, max_length, dtype=jnp.float32):
+  def init_cache(self, batch, max_length, dtype=jnp.float32, *, page_size=None, num_pages=None):
     """An empty cache for `max_length` positions; `batch` is any dict of `[B, ...]` arrays.
 
+    With `page_size`, a paged cache (layers.paged_attention): `num_pages` pages (default: enough
+    for every row at `max_length`) shared by the rows, and a block table of null pages that the
+    caller fills from a `PageAllocator` before each step.
+
     Returns:
-      {'self': per-layer {'k', 'v'} `[B, S_max, K, H]`}.
+      {'self': per-layer {'k', 'v'} `[B, S_max, K, H]`}, or paged {'self': per-layer
+      {'k_pages', 'v_pages'} `[P, page_size, K, H]`, 'block_table': `[B, max_pages]` int32}.
     """
     b = jax.tree.leaves(batch)[0].shape[0]
-    return {'self': self.decoder.init_cache(b, max_length, dtype)}
+    cache = {'self': self.decoder.init_cache(b, max_length, dtype, page_size=page_size,
+                                             num_pages=num_pages)}
+    if page_size is not None:
+      cache['block_table'] = jnp.zeros(
+          (b, paged_attention.pages_for(max_length, page_size)), jnp.int32)  # the null page
+    return cache
 
   def decode_step(self, cache, tokens, index):
     """Feeds `tokens` `[B]` at positions `index`; returns (`[B, V]` next-token logits, cache)."""
-    h, self_cache = self.decoder.decode(tokens, index, cache['self'])  # [B, D]
+    h, self_cache = self.decoder.decode(tokens, index, cache['self'],
+                                        block_table=cache.get('block_table'))  # [B, D]
     return self.decoder.embed.attend(h).astype(jnp.float32), {**cache, 'self': self_cache}

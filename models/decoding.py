@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layers import paged_attention
+
 METHODS = ('greedy', 'beam', 'sample')
 _NEG = -1e9  # a finite "impossible" log-probability: no inf - inf in the beam arithmetic
 
@@ -154,6 +156,53 @@ def _generate(graphdef, params, batch, buf, plen, rng, *, method, max_new, eos_i
                     top_p=top_p)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 4, 5))
+def _init_paged_cache(graphdef, params, batch_size, length, page_size, num_pages):
+  model = nnx.merge(graphdef, params)
+  return model.init_cache({'inputs': jnp.zeros((batch_size, 1), jnp.int32)}, length,
+                          page_size=page_size, num_pages=num_pages)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,),
+                   static_argnames=('temperature', 'top_k', 'top_p'))
+def _paged_step(graphdef, params, cache, tokens, t, rng, *, temperature, top_k, top_p):
+  """One step of `_paged_loop`: (the `[B]` next tokens, the cache); the pools are donated."""
+  logits, cache = nnx.merge(graphdef, params).decode_step(cache, tokens, t)  # [B, V]
+  return sample_logits(jax.random.fold_in(rng, t), logits, temperature=temperature, top_k=top_k,
+                       top_p=top_p), cache
+
+
+def _paged_loop(graphdef, params, buf, plen, rng, *, max_new, eos_id, pad_id, temperature, top_k,
+                top_p, page_size, num_pages):
+  """`_step_loop` with a paged cache: the same tokens, but driven from the host, where the
+  `PageAllocator` gives each row a page as it crosses into one and takes its pages back when the
+  row finishes, so the rows share a pool smaller than B x S_max. Returns the filled buffer."""
+  buf = np.array(buf)
+  b, length = buf.shape
+  alloc = paged_attention.PageAllocator(num_pages, page_size, b,
+                                        paged_attention.pages_for(length, page_size))
+  cache = _init_paged_cache(graphdef, params, b, length, page_size, num_pages)
+  done = plen >= length
+  for t in range(length - 1):
+    if done.all():
+      break
+    for row in np.flatnonzero(~done):
+      alloc.reserve(row, t + 1)  # its token at position t goes to slot t
+    # Finished rows point at the null page: their (ignored) step writes nothing that is shared.
+    cache['block_table'] = jnp.asarray(alloc.block_table)
+    nxt, cache = _paged_step(graphdef, params, cache, jnp.asarray(buf[:, t]), jnp.int32(t), rng,
+                             temperature=temperature, top_k=top_k, top_p=top_p)
+    nxt = np.asarray(nxt).astype(buf.dtype)  # [B]
+    gen = t + 1 >= plen  # position t + 1 is generated, not prompt
+    write = gen & ~done
+    buf[:, t + 1] = np.where(write, nxt, np.where(gen, pad_id, buf[:, t + 1]))
+    finished = write & ((nxt == eos_id) | (t + 2 - plen >= max_new))
+    done = done | finished
+    for row in np.flatnonzero(finished):
+      alloc.free(row)
+  return buf
+
+
 def _pad_rows(rows, length, pad_id):
   out = np.full((len(rows), length), pad_id, np.int32)
   for i, r in enumerate(rows):
@@ -163,7 +212,7 @@ def _pad_rows(rows, length, pad_id):
 
 def generate(model, prompts, *, max_new, eos_id, pad_id=0, sources=None, method='greedy',
              num_beams=4, length_penalty=0.6, temperature=1.0, top_k=0, top_p=1.0, seed=0,
-             batch_size=64, length=None):
+             batch_size=64, length=None, paged=False, page_size=16, num_pages=None):
   """Continuations of `prompts` with the KV cache.
 
   Args:
@@ -179,12 +228,19 @@ def generate(model, prompts, *, max_new, eos_id, pad_id=0, sources=None, method=
     seed: sampling randomness.
     batch_size: rows decoded together.
     length: the decoder buffer (prompt + continuation); default longest prompt + max_new.
+    paged: decode with a paged KV cache (layers.paged_attention; decoder-only, greedy/sample):
+      pages of `page_size` tokens from a pool of `num_pages` (default: enough for every row at
+      `length`) are allocated on the host as rows grow and freed as they finish.
 
   Returns:
     Generated token lists (prompt excluded, cut before the first eos).
   """
   if method not in METHODS:
     raise ValueError(f'decoding method {method!r} unknown; valid: {list(METHODS)}')
+  if paged and (method == 'beam' or sources is not None):
+    # Beams reorder cache rows every step (pages would need copy-on-write sharing); the
+    # encoder-decoder's cache is built by its own init_cache, which has no paged form.
+    raise ValueError('paged=True supports decoder-only greedy/sample decoding only')
   graphdef, params = nnx.split(model)
   if length is None:
     length = max(len(p) for p in prompts) + max_new
@@ -207,11 +263,18 @@ def generate(model, prompts, *, max_new, eos_id, pad_id=0, sources=None, method=
                'src_positions': np.where(real, np.arange(src_len)[None], 0).astype(np.int32)}
     else:
       batch = {'inputs': buf}
-    filled = np.asarray(_generate(
-        graphdef, params, batch, jnp.asarray(buf), jnp.asarray(plen),
-        jax.random.fold_in(rng, start), method=method, max_new=max_new, eos_id=eos_id,
-        pad_id=pad_id, num_beams=num_beams, length_penalty=float(length_penalty),
-        temperature=float(temperature), top_k=int(top_k), top_p=float(top_p)))
+    if paged:
+      filled = _paged_loop(
+          graphdef, params, buf, plen, jax.random.fold_in(rng, start), max_new=max_new,
+          eos_id=eos_id, pad_id=pad_id, temperature=0.0 if method == 'greedy' else
+          float(temperature), top_k=int(top_k), top_p=float(top_p), page_size=int(page_size),
+          num_pages=num_pages or paged_attention.default_num_pages(batch_size, length, page_size))
+    else:
+      filled = np.asarray(_generate(
+          graphdef, params, batch, jnp.asarray(buf), jnp.asarray(plen),
+          jax.random.fold_in(rng, start), method=method, max_new=max_new, eos_id=eos_id,
+          pad_id=pad_id, num_beams=num_beams, length_penalty=float(length_penalty),
+          temperature=float(temperature), top_k=int(top_k), top_p=float(top_p)))
     for i in range(n):
       gen = filled[i, plen[i]:plen[i] + max_new].tolist()
       out.append(gen[:gen.index(eos_id)] if eos_id in gen else gen)

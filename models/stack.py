@@ -8,6 +8,7 @@ from flax import nnx
 
 from layers import block
 from layers import norms
+from layers import paged_attention
 from layers import positions as positions_lib
 
 
@@ -76,19 +77,27 @@ class Stack(nnx.Module):
 
   # --- KV cache path and attention maps (additive; `__call__` is unchanged) ----------------------
 
-  def init_cache(self, batch_size, max_length, dtype=jnp.float32):
-    """Per-layer self-attention caches: a list of {'k', 'v'} `[B, S_max, K, H]`.
+  def init_cache(self, batch_size, max_length, dtype=jnp.float32, *, page_size=None,
+                 num_pages=None):
+    """Per-layer self-attention caches: a list of {'k', 'v'} `[B, S_max, K, H]`, or with
+    `page_size` a list of page pools {'k_pages', 'v_pages'} `[P, page_size, K, H]`
+    (layers.paged_attention; P = `num_pages`, default enough for every row at `max_length`).
 
     Raises ValueError if the position method cannot represent `max_length` positions.
     """
     self.position.check_length(max_length)
-    return [layer.init_cache(batch_size, max_length, dtype) for layer in self.blocks]
+    if page_size is None:
+      return [layer.init_cache(batch_size, max_length, dtype) for layer in self.blocks]
+    if num_pages is None:
+      num_pages = paged_attention.default_num_pages(batch_size, max_length, page_size)
+    return [layer.init_paged_cache(num_pages, page_size, dtype) for layer in self.blocks]
 
   def context_cache(self, context):
     """Per-layer cross-attention keys/values of an encoder output `[B, S, D]` (computed once)."""
     return [layer.cross_attention.context_cache(context) for layer in self.blocks]
 
-  def decode(self, tokens, index, cache, *, context_cache=None, context_mask=None):
+  def decode(self, tokens, index, cache, *, context_cache=None, context_mask=None,
+             block_table=None):
     """One causal decoding step.
 
     Args:
@@ -96,6 +105,7 @@ class Stack(nnx.Module):
       index: `[B]` or scalar int.
       cache: from `init_cache`.
       context_cache, context_mask: from `context_cache` and `[B, S]` (encoder-decoder).
+      block_table: `[B, max_pages]` int32 for a paged cache (one table for every layer's pool).
 
     Returns:
       (`[B, D]` hidden state, the updated cache).
@@ -106,10 +116,13 @@ class Stack(nnx.Module):
     x = self.position.embed(x, index[:, None])
     new_cache = []
     for i, layer in enumerate(self.blocks):
-      x, c = layer.decode(x, cache[i], index, position=self.position,
+      # Each layer sees its own pool with the shared table; only the pools come back.
+      layer_cache = cache[i] if block_table is None else {**cache[i], 'block_table': block_table}
+      x, c = layer.decode(x, layer_cache, index, position=self.position,
                           context_cache=None if context_cache is None else context_cache[i],
                           context_mask=context_mask)
-      new_cache.append(c)
+      new_cache.append(c if block_table is None else
+                       {k: a for k, a in c.items() if k != 'block_table'})
     if self.final_norm is not None:
       x = self.final_norm(x)
     return x[:, 0], new_cache
