@@ -31,6 +31,7 @@ from configs import validation
 from data import pipeline
 from layers import block as block_lib
 from layers import masks
+from layers import sharding
 import models
 
 FLAGS = flags.FLAGS
@@ -120,8 +121,11 @@ def make_optimizer(t):
   return optax.chain(*chain)
 
 
-def create_state(config, vocab_size):
+def create_state(config, vocab_size, mesh=None):
   """Builds the model and optimiser; returns (graphdef, optimizer, state pytree).
+
+  With a `mesh` (layers.sharding.make_mesh), the state is placed on it: parameters and buffers by
+  their logical axis names under `config.mesh.rules`, the optimiser state like its parameters.
 
   `state['params']` are the trained `nnx.Param`s; `state['buffers']` every other model variable
   (e.g. the Performer's random features: checkpointed, not optimised; often empty). Rebuild the
@@ -131,9 +135,45 @@ def create_state(config, vocab_size):
                        rngs=nnx.Rngs(params=config.train.seed))
   graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
   tx = make_optimizer(config.train)
+  if mesh is None:
+    opt_state = tx.init(params)
+  else:
+    rules = sharding.rules_of(config.get('mesh', {}))
+    param_sharding = sharding.named(sharding.param_specs(params, mesh, rules), mesh)
+    params, buffers = (jax.device_put(params, param_sharding),
+                       jax.device_put(buffers, sharding.named(
+                           sharding.param_specs(buffers, mesh, rules), mesh)))
+    # Each moment lives where its parameter lives; counters are replicated.
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_sharding = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params),
+                                         param_sharding, transform_non_params=lambda _: replicated)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
   state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'buffers': buffers,
-           'opt_state': tx.init(params), 'skipped': jnp.zeros((), jnp.int32)}
+           'opt_state': opt_state, 'skipped': jnp.zeros((), jnp.int32)}
+  if mesh is not None:
+    state.update(jax.device_put({'step': state['step'], 'skipped': state['skipped']}, replicated))
   return graphdef, tx, state
+
+
+def make_mesh(config):
+  """The device mesh of `config.mesh` (all sizes 1: the first device), or a ConfigError."""
+  try:
+    return sharding.make_mesh(config.get('mesh', {}))
+  except ValueError as e:
+    raise validation.ConfigError(str(e)) from None
+
+
+def place_batch(batch, mesh, rules):
+  """A host batch (the same global batch on every process) as global arrays on `mesh`: rows over
+  the batch axes, the length over `sequence` (layers.sharding rules); each process fills only
+  the shards its devices hold."""
+  def put(x):
+    x = np.asarray(x)
+    names = ('batch', 'length') + (None,) * (x.ndim - 2)
+    spec = sharding.spec(names[:x.ndim], x.shape, mesh, rules)
+    return jax.make_array_from_callback(x.shape, jax.sharding.NamedSharding(mesh, spec),
+                                        lambda index: x[index])
+  return jax.tree.map(put, batch)
 
 
 def model_variables(state):
@@ -491,7 +531,9 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
     f.write(config.to_json_best_effort(indent=2))
   t = config.train
   tokenizer = pipeline.get_tokenizer(config.data)
-  graphdef, tx, state = create_state(config, tokenizer.vocab_size)
+  mesh = make_mesh(config)
+  rules = sharding.rules_of(config.get('mesh', {}))
+  graphdef, tx, state = create_state(config, tokenizer.vocab_size, mesh)
   it = pipeline.make_iterator(config.data, 'train', t.batch_size,
                               arch=models.batch_format(config.model.arch), loss_on=t.loss_on,
                               seed=t.seed)
@@ -516,12 +558,22 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
   _write_json(info_path, info)
 
   base_rng = jax.random.key(t.seed)
-  step_fn = jax.jit(functools.partial(train_step, graphdef, tx, base_rng,
-                                      leaf_groups=leaf_groups if t.diagnostics else None,
-                                      skip_nonfinite=t.skip_nonfinite),
-                    donate_argnums=(0,))
-  diag_fn = jax.jit(functools.partial(diagnostic_pass, graphdef))
-  eval_fn = jax.jit(functools.partial(eval_step, graphdef))
+
+  def in_mesh(fn):  # traced (on the first call) under the mesh (ring attention reads it) and
+    def call(*args):  # with the activation sharding rules active
+      with jax.set_mesh(mesh), sharding.use_rules(mesh, rules):
+        return fn(*args)
+    return call
+
+  # The state keeps its layout step after step; the metrics come back replicated.
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  step_fn = in_mesh(jax.jit(functools.partial(train_step, graphdef, tx, base_rng,
+                                              leaf_groups=leaf_groups if t.diagnostics else None,
+                                              skip_nonfinite=t.skip_nonfinite),
+                            donate_argnums=(0,),
+                            out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated)))
+  diag_fn = in_mesh(jax.jit(functools.partial(diagnostic_pass, graphdef)))
+  eval_fn = in_mesh(jax.jit(functools.partial(eval_step, graphdef)))
   schedule = make_schedule(t)
   # Layers that redraw random features every R steps (the Performer; see redraw_features).
   model = nnx.merge(graphdef, *model_variables(state))
@@ -546,7 +598,7 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
   try:
     for step in range(start + 1, t.steps + 1):
       batch = next(it)
-      state, sums = step_fn(state, batch)
+      state, sums = step_fn(state, place_batch(batch, mesh, rules))
       if any(step % r == 0 for r in redraw_periods):
         state = redraw_features(graphdef, state, step)
       diag = sums.pop('diag', None)  # per-group [G] norms, read at log steps only

@@ -103,6 +103,17 @@ def get_config(arg=None):
   data.packing = 'none'  # none (one pair per padded row) | segments (packed, attention per pair)
   #                        | stream (packed, attention across pairs: LM / extrapolation studies)
 
+  # Device mesh (layers.sharding): axis sizes whose product is the device count (all 1: one
+  # device, the first). Parameters and activations carry logical axis names; `rules` maps them to
+  # these axes (empty: layers.sharding.DEFAULT_RULES: batch over data x fsdp, parameters' embed
+  # over fsdp, heads/mlp/vocab over tensor, length over sequence).
+  config.mesh = mesh = ml_collections.ConfigDict()
+  mesh.data = 1  # data parallelism: batch rows
+  mesh.fsdp = 1  # fully sharded data parallelism: batch rows, and parameters/optimiser state
+  mesh.tensor = 1  # tensor (Megatron) parallelism: heads, FFN width, vocabulary
+  mesh.sequence = 1  # context parallelism: the length axis (attention_impl='ring' for attention)
+  mesh.rules = ()  # ((logical name, mesh axis | (axes) | None), ...) overriding the defaults
+
   if args.get('quick'):
     # A smoke run: tiny model, a few steps, frequent checkpoints.
     model.num_layers, model.d_model, model.num_heads, model.d_ff = SIZES['tiny']

@@ -8,6 +8,7 @@ from layers import norms
 from layers import positions
 from layers import rnn_attention
 from layers import rope
+from layers import sharding
 from models import rnn_seq2seq
 
 SCHEDULES = ('cosine', 'linear', 'constant')
@@ -143,6 +144,35 @@ def validate(config):
   from data import toy_translation  # pylint: disable=g-import-not-at-top
   tasks = [c.name for c in toy_translation.ToyTranslation.BUILDER_CONFIGS]
   _choice('data.task', d.task, tasks)
+  _validate_mesh(config)
+
+
+def _validate_mesh(config):
+  """config.mesh: positive axis sizes, known names in the rules, a batch the data axes divide.
+  (That the sizes' product is the device count is checked where the devices are known: train.py.)"""
+  mesh = config.get('mesh', None)
+  if mesh is None:
+    return
+  for axis in sharding.MESH_AXES:
+    value = mesh.get(axis, 1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ConfigError(f'mesh.{axis}={value!r} must be a positive integer')
+  for rule in mesh.get('rules', ()) or ():
+    if len(rule) != 2 or rule[0] not in sharding.LOGICAL_AXES:
+      raise ConfigError(f'mesh.rules entry {rule!r} must be (logical name, mesh axes) with a '
+                        f'logical name in: {", ".join(sharding.LOGICAL_AXES)}')
+    axes = rule[1] if isinstance(rule[1], (list, tuple)) else (rule[1],)
+    bad = [a for a in axes if a is not None and a not in sharding.MESH_AXES]
+    if bad:
+      raise ConfigError(f'mesh.rules entry {rule!r}: {bad[0]!r} is not a mesh axis; valid: '
+                        f'{", ".join(sharding.MESH_AXES)}')
+  rows = mesh.get('data', 1) * mesh.get('fsdp', 1)
+  if config.train.batch_size % rows:
+    raise ConfigError(f'train.batch_size={config.train.batch_size} must be a multiple of '
+                      f'mesh.data x mesh.fsdp = {rows} (each data-parallel shard gets whole rows)')
+  if config.model.attention_impl == 'ring' and mesh.get('sequence', 1) < 2:
+    raise ConfigError("model.attention_impl='ring' needs mesh.sequence > 1 (the ring of devices "
+                      'the keys/values travel round); use xla or blockwise on one device')
 
 
 def _validate_attention_variant(config):

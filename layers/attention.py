@@ -10,6 +10,7 @@ from flax import nnx
 from layers import attention_xla
 from layers import masks
 from layers import paged_attention
+from layers import sharding
 
 
 def _lazy(module, name):
@@ -106,14 +107,18 @@ class Attention(nnx.Module):
     self.local_window_size = local_window_size
     self.scale = scale
     init = nnx.initializers.lecun_normal()
-    self.query = nnx.LinearGeneral(d_model, (num_heads, head_dim), use_bias=use_bias,
-                                   kernel_init=init, rngs=rngs)
-    self.key = nnx.LinearGeneral(d_model, (num_kv_heads, head_dim), use_bias=use_bias,
-                                 kernel_init=init, rngs=rngs)
-    self.value = nnx.LinearGeneral(d_model, (num_kv_heads, head_dim), use_bias=use_bias,
-                                   kernel_init=init, rngs=rngs)
-    self.out = nnx.LinearGeneral((num_heads, head_dim), d_model, axis=(-2, -1), use_bias=use_bias,
-                                 kernel_init=init, rngs=rngs)
+    zeros = nnx.initializers.zeros
+
+    def proj(d_in, d_out, names, **kwargs):  # kernel and bias carry logical axis names
+      return nnx.LinearGeneral(d_in, d_out, use_bias=use_bias, rngs=rngs, **kwargs,
+                               kernel_init=sharding.partitioned(init, *names),
+                               bias_init=sharding.partitioned(zeros, *names[-len(
+                                   (d_out,) if isinstance(d_out, int) else d_out):]))
+
+    self.query = proj(d_model, (num_heads, head_dim), ('embed', 'heads', 'head_dim'))
+    self.key = proj(d_model, (num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
+    self.value = proj(d_model, (num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
+    self.out = proj((num_heads, head_dim), d_model, ('heads', 'head_dim', 'embed'), axis=(-2, -1))
 
   @classmethod
   def from_config(cls, cfg, *, rngs):
@@ -125,7 +130,10 @@ class Attention(nnx.Module):
   def project(self, x, context=None):
     """q `[B, T, N, H]`, k and v `[B, S, K, H]`."""
     context = x if context is None else context
-    return self.query(x), self.key(context), self.value(context)
+    names = ('batch', 'length', 'heads', 'head_dim')
+    kv_names = ('batch', 'length', 'kv_heads', 'head_dim')
+    return (sharding.constrain(self.query(x), names), sharding.constrain(self.key(context), kv_names),
+            sharding.constrain(self.value(context), kv_names))
 
   def __call__(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
                is_causal=False, positions=None, context_positions=None, position=None):

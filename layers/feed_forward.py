@@ -3,14 +3,23 @@
 import jax
 from flax import nnx
 
+from layers import sharding
+
+
+def _linear(d_in, d_out, names, use_bias, rngs):
+  """nnx.Linear (its default init) whose kernel and bias carry logical axis names."""
+  return nnx.Linear(d_in, d_out, use_bias=use_bias, rngs=rngs,
+                    kernel_init=sharding.partitioned(nnx.nn.linear.default_kernel_init, *names),
+                    bias_init=sharding.partitioned(nnx.initializers.zeros, names[1]))
+
 
 class FeedForward(nnx.Module):
   """D -> F -> D with an activation: 2·D·F weights (8·D² for F = 4·D, about 2/3 of a layer)."""
 
   def __init__(self, d_model, d_ff, activation, *, use_bias=False, rngs):
     self.activation = activation
-    self.wi = nnx.Linear(d_model, d_ff, use_bias=use_bias, rngs=rngs)
-    self.wo = nnx.Linear(d_ff, d_model, use_bias=use_bias, rngs=rngs)
+    self.wi = _linear(d_model, d_ff, ('embed', 'mlp'), use_bias, rngs)
+    self.wo = _linear(d_ff, d_model, ('mlp', 'embed'), use_bias, rngs)
 
   def __call__(self, x):
     return self.wo(self.activation(self.wi(x)))  # [B, T, D]
@@ -21,9 +30,9 @@ class GatedFeedForward(nnx.Module):
 
   def __init__(self, d_model, d_ff, activation, *, use_bias=False, rngs):
     self.activation = activation
-    self.gate = nnx.Linear(d_model, d_ff, use_bias=use_bias, rngs=rngs)
-    self.up = nnx.Linear(d_model, d_ff, use_bias=use_bias, rngs=rngs)
-    self.down = nnx.Linear(d_ff, d_model, use_bias=use_bias, rngs=rngs)
+    self.gate = _linear(d_model, d_ff, ('embed', 'mlp'), use_bias, rngs)
+    self.up = _linear(d_model, d_ff, ('embed', 'mlp'), use_bias, rngs)
+    self.down = _linear(d_ff, d_model, ('mlp', 'embed'), use_bias, rngs)
 
   def __call__(self, x):
     return self.down(self.activation(self.gate(x)) * self.up(x))  # [B, T, D]

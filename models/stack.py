@@ -9,6 +9,7 @@ from flax import nnx
 from layers import block
 from layers import norms
 from layers import paged_attention
+from layers import sharding
 from layers import positions as positions_lib
 
 
@@ -42,7 +43,8 @@ class Stack(nnx.Module):
     # Unit-variance rows after the sqrt(D) scale below, so token and position signals are comparable.
     self.embed = embed if embed is not None else nnx.Embed(
         vocab_size, cfg.d_model, rngs=rngs,
-        embedding_init=nnx.initializers.normal(stddev=1.0 / math.sqrt(cfg.d_model)))
+        embedding_init=sharding.partitioned(
+            nnx.initializers.normal(stddev=1.0 / math.sqrt(cfg.d_model)), 'vocab', 'embed'))
     self.position = positions_lib.make(cfg, max_length, rngs=rngs)
     self.blocks = nnx.List([
         block.Block(layer_config(cfg, stream, i), cross_attention=cross_attention, rngs=rngs)
@@ -67,10 +69,13 @@ class Stack(nnx.Module):
     x = self.embed(tokens) * math.sqrt(self.d_model)  # [B, T, D]
     x = self.position.embed(x, positions)
     x = self.dropout(x, deterministic=rngs is None, rngs=rngs)
+    names = ('batch', 'length', 'act_embed')  # the residual stream (layers.sharding)
+    x = sharding.constrain(x, names)
     for layer in self.blocks:
-      x = layer(x, segment_ids=segment_ids, positions=positions, is_causal=is_causal,
-                position=self.position, context=context, context_segment_ids=context_segment_ids,
-                rngs=rngs)
+      x = sharding.constrain(layer(
+          x, segment_ids=segment_ids, positions=positions, is_causal=is_causal,
+          position=self.position, context=context, context_segment_ids=context_segment_ids,
+          rngs=rngs), names)
     if self.final_norm is not None:
       x = self.final_norm(x)
     return x
