@@ -51,6 +51,36 @@ def define_flags():
   flags.DEFINE_integer('parallel', 1, 'With --sweep: cells run side by side, each on one thread.')
   flags.DEFINE_bool('sweep_eval', False, 'With --sweep: run the sweep file\'s eval.py flags on '
                     'each finished cell.')
+  define_distributed_flags()
+
+
+def define_distributed_flags():
+  """Multi-host flags (train.py and eval.py): the arguments of `jax.distributed.initialize`."""
+  flags.DEFINE_string('coordinator_address', None, 'Multi-process: host:port of process 0 '
+                      '(none of the three flags: auto-detected on TPU pods and SLURM, else one '
+                      'process).')
+  flags.DEFINE_integer('num_processes', None, 'Multi-process: the number of processes.')
+  flags.DEFINE_integer('process_id', None, 'Multi-process: this process\'s index.')
+
+
+CLUSTER_ENV = ('SLURM_STEP_NUM_TASKS', 'TPU_WORKER_HOSTNAMES', 'MEGASCALE_COORDINATOR_ADDRESS',
+               'OMPI_COMM_WORLD_SIZE')
+
+
+def init_distributed(coordinator_address=None, num_processes=None, process_id=None):
+  """Joins a multi-process run before any other JAX call; returns the process count.
+
+  Explicit arguments join that run (on CPU over gloo collectives, e.g. local processes on
+  loopback); with none, a cluster JAX can detect (TPU pod, SLURM, Open MPI) is joined with
+  auto-detection, and anything else is a single process.
+  """
+  explicit = any(v is not None for v in (coordinator_address, num_processes, process_id))
+  multi = explicit or any(os.environ.get(k, '1') not in ('', '1') for k in CLUSTER_ENV)
+  if multi:
+    # CPU devices need a collectives backend to talk across processes (ignored on GPU/TPU).
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+  return jax.process_count()
 
 
 class NonFiniteLoss(RuntimeError):
@@ -494,6 +524,16 @@ def restore_newest_good(mngr, state, workdir):
   return None
 
 
+class NullWriter:
+  """The MetricsWriter of processes other than 0."""
+
+  def write(self, step, split, metrics):
+    pass
+
+  def close(self):
+    pass
+
+
 class MetricsWriter:
   """Appends metrics to metrics.jsonl and TensorBoard; on resume, drops rows after the restart step."""
 
@@ -525,10 +565,15 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
   `_interrupt_after` (tests only) raises KeyboardInterrupt after that step, as a kill would.
   """
   os.makedirs(workdir, exist_ok=True)
+  lead = jax.process_index() == 0  # multi-process: only process 0 writes logs and reports
   for change in check_resume_config(workdir, config):
-    print(f'train: resuming with changed {change}', file=sys.stderr)
-  with open(os.path.join(workdir, 'config.json'), 'w') as f:
-    f.write(config.to_json_best_effort(indent=2))
+    if lead:
+      print(f'train: resuming with changed {change}', file=sys.stderr)
+  if lead:
+    path = os.path.join(workdir, 'config.json')
+    with open(path + '.tmp', 'w') as f:  # other processes may be reading it (resume check)
+      f.write(config.to_json_best_effort(indent=2))
+    os.replace(path + '.tmp', path)
   t = config.train
   tokenizer = pipeline.get_tokenizer(config.data)
   mesh = make_mesh(config)
@@ -545,7 +590,7 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
     it.set_state(data_state)
     start = int(state['step'])
     print(f'train: resumed from step {start} in {workdir}', file=sys.stderr)
-  writer = MetricsWriter(workdir, start)
+  writer = MetricsWriter(workdir, start) if lead else NullWriter()
 
   # The parameter count per group goes to run_info.json (metrics.jsonl rows all carry a loss).
   groups, leaf_groups, group_sizes = param_groups(state['params'])
@@ -555,7 +600,8 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
     with open(info_path) as f:
       info = json.load(f)
   info.update(num_params=sum(group_sizes.values()), params_by_group=group_sizes)
-  _write_json(info_path, info)
+  if lead:
+    _write_json(info_path, info)
 
   base_rng = jax.random.key(t.seed)
 
@@ -572,8 +618,10 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
                                               skip_nonfinite=t.skip_nonfinite),
                             donate_argnums=(0,),
                             out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated)))
-  diag_fn = in_mesh(jax.jit(functools.partial(diagnostic_pass, graphdef)))
-  eval_fn = in_mesh(jax.jit(functools.partial(eval_step, graphdef)))
+  diag_fn, eval_fn = (
+      (lambda jitted: lambda variables, batch: jitted(variables, place_batch(batch, mesh, rules)))(
+          in_mesh(jax.jit(functools.partial(fn, graphdef))))
+      for fn in (diagnostic_pass, eval_step))
   schedule = make_schedule(t)
   # Layers that redraw random features every R steps (the Performer; see redraw_features).
   model = nnx.merge(graphdef, *model_variables(state))
@@ -583,7 +631,7 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
   window, window_steps, window_tokens, window_start = None, 0, 0, time.perf_counter()
   last = {}
   bar = tqdm.tqdm(total=t.steps, initial=start, desc='train', mininterval=1.0, file=sys.stderr,
-                  dynamic_ncols=True)
+                  dynamic_ncols=True, disable=not lead)
 
   def save(step):
     mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -611,7 +659,7 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
         raise NonFiniteLoss(f'train: non-finite {name} ({value}) at step {step}; stopping. The '
                             f'last good checkpoint is step {mngr.latest_step()} in {workdir} '
                             '(train.skip_nonfinite=True skips such steps instead)')
-      if step == 1 and diag is not None:
+      if step == 1 and diag is not None and lead:
         # Step 1's gradient is taken at the initial parameters (Xiong et al. 2020, Figure 3).
         grad = np.sqrt(np.asarray(jax.device_get(diag['grad_sq']), np.float64))
         _write_json(os.path.join(workdir, 'init_grad_norms.json'), {
@@ -621,7 +669,8 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
             'norm_position': config.model.norm_position, 'num_layers': config.model.num_layers})
       if 'unigram_entropy' not in info:
         info['unigram_entropy'] = unigram_entropy(batch)  # the level compare's plateau rule uses
-        _write_json(info_path, info)
+        if lead:
+          _write_json(info_path, info)
       window = sums if window is None else jax.tree.map(jnp.add, window, sums)
       window_steps += 1
       window_tokens += count_tokens(batch)
@@ -684,6 +733,7 @@ def main(argv):
     print('train: --config and --workdir are required (or --sweep and --sweep_dir)',
           file=sys.stderr)
     sys.exit(2)
+  init_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   config = validation.resolve(FLAGS.config.unlock())
   try:
     validation.validate(config)

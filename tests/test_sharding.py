@@ -1,5 +1,10 @@
 """Sharded training equals the one-device run; logical axes map to the mesh as the rules say."""
 
+import os
+import socket
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -9,7 +14,7 @@ from configs import default
 from configs import validation
 from layers import sharding
 import models
-from tests.helpers import metric_rows, quick_config
+from tests.helpers import ROOT, metric_rows, quick_config
 import train
 
 MESHES = [(8, 1, 1, 1), (2, 2, 2, 1), (1, 8, 1, 1), (1, 1, 1, 8)]
@@ -85,3 +90,27 @@ def test_bad_mesh_fields_are_config_errors(field, value, match):
   config.mesh[field] = value
   with pytest.raises(validation.ConfigError, match=match):
     validation.validate(config)
+
+
+def test_two_processes_of_four_devices_equal_one_device(data_dir, tmp_path, one_device):
+  """Two local processes (4 CPU devices each) join over gloo on loopback and train one 2x2x2x1 mesh:
+  the same losses as one device; only process 0 writes the metrics."""
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    port = s.getsockname()[1]
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
+         'JAX_PLATFORMS': 'cpu'}
+  args = [sys.executable, os.path.join(ROOT, 'train.py'), '--config=configs/decoder_only.py:quick',
+          f'--workdir={tmp_path}', f'--config.data.data_dir={data_dir}',
+          '--config.train.steps=20', '--config.train.log_every=1', '--config.train.eval_every=100',
+          '--config.train.checkpoint_every=100', '--config.mesh.data=2', '--config.mesh.fsdp=2',
+          '--config.mesh.tensor=2', f'--coordinator_address=localhost:{port}', '--num_processes=2']
+  procs = [subprocess.Popen(args + [f'--process_id={i}'], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  outputs = [p.communicate(timeout=600)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+  losses = np.asarray([r['loss'] for r in metric_rows(tmp_path)])
+  assert len(losses) == 20  # one writer
+  np.testing.assert_allclose(losses, one_device, rtol=1e-5)
+  assert os.path.isdir(tmp_path / 'checkpoints' / '20')
