@@ -275,23 +275,54 @@ def _group_sort_key(name):
   return tuple((0, int(p), '') if p.isdigit() else (1, 0, p) for p in name.split('/'))
 
 
+def _layer_groups(keys, leaf):
+  """The per-layer groups of a scanned stack's leaf ('blocks' followed by a name, not a layer
+  number; row i of its leading `[L]` axis is layer i), or None for any other leaf."""
+  if 'blocks' not in keys[:-1]:
+    return None
+  i = keys.index('blocks')
+  if str(keys[i + 1]).isdigit():
+    return None
+  return tuple(param_group(keys[:i + 1] + (r,) + keys[i + 1:]) for r in range(leaf.shape[0]))
+
+
 def param_groups(params):
-  """(group names in order, the group index of every leaf of `params`, parameters per group)."""
+  """(group names in order, the group index of every leaf of `params`, parameters per group).
+
+  A scanned stack's leaf `[L, ...]` (model.scan_layers) spans L groups: its index is a tuple, one
+  group per layer, so the groups are the same blocks as the unrolled model's.
+  """
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  leaf_names = [param_group(_path_keys(path)) for path, _ in leaves]
-  names = sorted(set(leaf_names), key=_group_sort_key)
+  leaf_names = []
+  for path, leaf in leaves:
+    keys = _path_keys(path)
+    leaf_names.append(_layer_groups(keys, leaf) or param_group(keys))
+  flat = [n for name in leaf_names for n in (name if isinstance(name, tuple) else (name,))]
+  names = sorted(set(flat), key=_group_sort_key)
   index = {n: i for i, n in enumerate(names)}
   sizes = {n: 0 for n in names}
   for name, (_, leaf) in zip(leaf_names, leaves):
-    sizes[name] += int(np.prod(leaf.shape))
-  return names, tuple(index[n] for n in leaf_names), sizes
+    for n in (name if isinstance(name, tuple) else (name,)):
+      sizes[n] += int(np.prod(leaf.shape)) // (len(name) if isinstance(name, tuple) else 1)
+  return names, tuple(tuple(index[n] for n in name) if isinstance(name, tuple) else index[name]
+                      for name in leaf_names), sizes
+
+
+def num_groups(leaf_groups):
+  """The number of groups of `param_groups`'s leaf indices."""
+  return 1 + max(max(g) if isinstance(g, tuple) else g for g in leaf_groups)
 
 
 def group_sq_norms(tree, leaf_groups, num_groups):
   """`[num_groups]` float32: the sum of squares of the leaves of each group."""
   sq = [jnp.zeros((), jnp.float32)] * num_groups
   for leaf, g in zip(jax.tree.leaves(tree), leaf_groups):
-    sq[g] = sq[g] + jnp.sum(jnp.square(leaf.astype(jnp.float32)))
+    if isinstance(g, tuple):  # a scanned stack's [L, ...] leaf: row i goes to layer i's group
+      rows = jnp.sum(jnp.square(leaf.astype(jnp.float32)).reshape(len(g), -1), 1)  # [L]
+      for i, gi in enumerate(g):
+        sq[gi] = sq[gi] + rows[i]
+    else:
+      sq[g] = sq[g] + jnp.sum(jnp.square(leaf.astype(jnp.float32)))
   return jnp.stack(sq)
 
 
@@ -303,8 +334,15 @@ def count_tokens(batch):
   return int(sum(np.sum(batch[k] > 0) for k in groups))
 
 
-def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonfinite=False):
+def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonfinite=False,
+               accum_steps=1, compute_dtype='float32'):
   """One optimisation step, a pure function of the state (jit it with the state donated).
+
+  With `accum_steps` = k > 1 the batch is k micro-batches whose gradients of the summed loss are
+  accumulated in a scan and divided by the whole batch's weight: the full-batch gradient, with the
+  activations of one micro-batch in memory. `compute_dtype` (e.g. 'bfloat16'): the forward and
+  backward passes run on parameters cast to it, while the parameters, their gradients and the
+  optimiser stay float32 (and logits, loss and softmax statistics are float32 in the models).
 
   With `skip_nonfinite`, a step whose loss or gradient norm is not finite leaves the parameters and
   optimiser state unchanged (the data and the step counter still advance) and counts in
@@ -316,19 +354,37 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
   # Fold the step into the key: a resumed run draws the same dropout/masks as an uninterrupted one.
   dropout_rng, mask_rng = jax.random.split(jax.random.fold_in(base_rng, state['step']))
 
-  def loss_fn(params):
-    model = nnx.merge(graphdef, params, state['buffers'])
+  def sums_fn(params, batch, dropout_rng, mask_rng):
+    model = nnx.merge(graphdef, cast_params(params, compute_dtype), state['buffers'])
     logits, targets, weights = model.loss_terms(batch, rngs=nnx.Rngs(dropout=dropout_rng, mask=mask_rng))
-    sums = compute_metrics(logits, targets, weights)
-    return sums['loss_sum'] / jnp.maximum(sums['weight_sum'], 1.0), sums
+    return compute_metrics(logits, targets, weights)
 
-  (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
+  if accum_steps == 1:
+    def loss_fn(params):
+      sums = sums_fn(params, batch, dropout_rng, mask_rng)
+      return sums['loss_sum'] / jnp.maximum(sums['weight_sum'], 1.0), sums
+
+    (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
+  else:
+    micro = jax.tree.map(lambda x: x.reshape(accum_steps, -1, *x.shape[1:]), batch)
+    grad_sum = jax.grad(lambda p, *a: (lambda s: (s['loss_sum'], s))(sums_fn(p, *a)), has_aux=True)
+
+    def accumulate(carry, inputs):
+      micro_batch, i = inputs
+      g, s = grad_sum(state['params'], micro_batch, jax.random.fold_in(dropout_rng, i),
+                      jax.random.fold_in(mask_rng, i))
+      return jax.tree.map(jnp.add, carry, (g, s)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+        grad_sum, state['params'], jax.tree.map(lambda x: x[0], micro), dropout_rng, mask_rng))
+    (grads, sums), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(accum_steps)))
+    grads = jax.tree.map(lambda g: g / jnp.maximum(sums['weight_sum'], 1.0), grads)
   updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
   params = optax.apply_updates(state['params'], updates)
   sums['grad_norm'] = optax.global_norm(grads)
   sums['param_norm'] = optax.global_norm(params)
   if leaf_groups is not None:
-    g = max(leaf_groups) + 1
+    g = num_groups(leaf_groups)
     sums['diag'] = {'grad_sq': group_sq_norms(grads, leaf_groups, g),
                     'update_sq': group_sq_norms(updates, leaf_groups, g),
                     'param_sq': group_sq_norms(state['params'], leaf_groups, g)}
@@ -344,6 +400,17 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
     for k in ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'param_norm'):
       sums[k] = jnp.where(ok, sums[k], 0.0)
   return new, sums
+
+
+COMPUTE_DTYPES = ('float32', 'bfloat16', 'float16')
+
+
+def cast_params(params, dtype):
+  """Floating parameters cast to the compute dtype (a no-op for float32): mixed precision."""
+  if dtype == 'float32':
+    return params
+  return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+                      params)
 
 
 @contextlib.contextmanager
@@ -425,6 +492,10 @@ def diagnostic_pass(graphdef, variables, batch):
     {'act_rms/decoder/blocks/0': scalar, 'attn_max_logit/...', 'attn_entropy/...', ...}.
   """
   model = _merge(graphdef, variables)
+  # Scanned stacks (model.scan_layers) run here layer by layer, each block its own module named
+  # .../blocks/<i> as in an unrolled model (this pass is not differentiated: no remat to keep).
+  for stack in [m for _, m in nnx.iter_modules(model) if getattr(m, 'scan_layers', False)]:
+    stack.unroll()
   names = {id(m): '/'.join(map(str, path)) for path, m in nnx.iter_modules(model)
            if isinstance(m, block_lib.Block)}
   records = []
@@ -615,7 +686,9 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   step_fn = in_mesh(jax.jit(functools.partial(train_step, graphdef, tx, base_rng,
                                               leaf_groups=leaf_groups if t.diagnostics else None,
-                                              skip_nonfinite=t.skip_nonfinite),
+                                              skip_nonfinite=t.skip_nonfinite,
+                                              accum_steps=t.get('grad_accum_steps', 1),
+                                              compute_dtype=t.get('compute_dtype', 'float32')),
                             donate_argnums=(0,),
                             out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated)))
   diag_fn, eval_fn = (

@@ -136,6 +136,12 @@ def validate(config):
   if not isinstance(t.skip_nonfinite, bool):
     raise ConfigError(f'train.skip_nonfinite={t.skip_nonfinite!r} must be True or False')
   _choice('train.schedule', t.schedule, SCHEDULES)
+  accum = t.get('grad_accum_steps', 1)
+  if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1 or t.batch_size % accum:
+    raise ConfigError(f'train.grad_accum_steps={accum!r} must be a positive integer dividing '
+                      f'train.batch_size={t.batch_size}')
+  _choice('train.compute_dtype', t.get('compute_dtype', 'float32'), ('float32', 'bfloat16',
+                                                                      'float16'))
   _choice('train.loss_on', t.loss_on, LOSS_ON)
 
   _choice('data.packing', d.packing, PACKINGS)

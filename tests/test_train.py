@@ -1,13 +1,17 @@
 """The training loop: loss falls, resume reproduces the uninterrupted run, bad configs are rejected."""
 
+import functools
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
+from data import pipeline
+import models
 from tests.helpers import ROOT, metric_rows, quick_config
 import train
 
@@ -89,3 +93,34 @@ def test_blockwise_training_curve_equals_xla(data_dir, tmp_path):
     curves[impl] = read_metrics(tmp_path / impl)
   for step, loss in curves['xla'].items():
     assert curves['blockwise'][step] == pytest.approx(loss, abs=1e-5), step
+
+
+def _step_losses(config, steps, **step_kwargs):
+  """Losses of `steps` train steps (train.py's state and step, without the loop's I/O)."""
+  graphdef, tx, state = train.create_state(config, pipeline.get_tokenizer(config.data).vocab_size)
+  it = pipeline.make_iterator(config.data, 'train', config.train.batch_size,
+                              arch=models.batch_format(config.model.arch),
+                              loss_on=config.train.loss_on)
+  step = jax.jit(functools.partial(train.train_step, graphdef, tx, jax.random.key(0),
+                                   **step_kwargs))
+  losses = []
+  for _, batch in zip(range(steps), it):
+    state, sums = step(state, batch)
+    losses.append(float(sums['loss_sum'] / sums['weight_sum']))
+  return losses, state
+
+
+def test_gradient_accumulation_equals_the_whole_batch(data_dir):
+  config = quick_config(data_dir)
+  whole, _ = _step_losses(config, 6)
+  accumulated, _ = _step_losses(config, 6, accum_steps=4)  # 4 micro-batches of 2 rows
+  assert accumulated == pytest.approx(whole, rel=1e-5)
+
+
+def test_bfloat16_compute_keeps_float32_parameters_and_trains(data_dir):
+  config = quick_config(data_dir, learning_rate=3e-3)
+  f32, _ = _step_losses(config, 12)
+  bf16, state = _step_losses(config, 12, compute_dtype='bfloat16')
+  assert {x.dtype.name for x in jax.tree.leaves(state['params'])} == {'float32'}
+  assert bf16[-1] < 0.8 * bf16[0]
+  assert bf16 != f32 and bf16 == pytest.approx(f32, rel=0.05)  # bfloat16 rounding, same course
