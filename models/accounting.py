@@ -1,0 +1,427 @@
+"""Parameters, FLOPs and memory of a config: counted on the real model, checked in closed form.
+
+    python -m models.accounting --config=configs/decoder_only.py [--config.FIELD=VALUE ...]
+
+Parameters are counted on `jax.eval_shape` of `models.build` (shapes only, nothing allocated) and
+compared with the closed forms below; FLOPs, KV-cache, score and per-device memory are closed forms
+over the config's sizes, the per-device part read from the same logical-axis rules that train.py
+places the state with (`layers.sharding`), on an abstract mesh of `config.mesh`'s sizes (any sizes:
+no devices are needed). Legend: B batch, T length, S key length, D d_model, N heads, K KV heads,
+H head dim, F d_ff, V vocabulary, L layers per stack.
+"""
+
+import math
+import sys
+
+import jax
+from absl import app
+from absl import flags
+from flax import nnx
+from ml_collections import config_flags
+
+import models
+from configs import validation
+from layers import sharding
+
+MIB = 2 ** 20
+COMPONENTS = ('embedding', 'positions', 'attention', 'cross_attention', 'ffn', 'norms', 'output')
+TRANSFORMER_ARCHS = ('decoder_only', 'encoder_only', 'encoder_decoder')
+GATED_FFNS = ('swiglu', 'geglu')
+
+
+# --- Closed forms ---------------------------------------------------------------------------------
+
+def attention_params(d_model, num_heads, num_kv_heads=None, *, use_bias=False):
+  """q, k, v, o projections: D·N·H + 2·D·K·H + N·H·D (+ N·H + 2·K·H + D biases).
+
+  With N·H = D that is 4·D² for MHA (K = N) and 2·D² + 2·D·K·H for GQA/MQA: how the D columns are
+  split into heads does not change the count, only K does.
+  """
+  k = num_heads if num_kv_heads is None else num_kv_heads
+  h = d_model // num_heads
+  weights = 2 * d_model * num_heads * h + 2 * d_model * k * h
+  return weights + (num_heads * h + 2 * k * h + d_model if use_bias else 0)
+
+
+def ffn_params(d_model, d_ff, ffn='relu', *, use_bias=False):
+  """2·D·F (relu, gelu) or 3·D·F (gated: swiglu, geglu), (+ F + D or 2·F + D biases)."""
+  mats = 3 if ffn in GATED_FFNS else 2
+  return mats * d_model * d_ff + ((mats - 1) * d_ff + d_model if use_bias else 0)
+
+
+def norm_params(d_model, norm):
+  """LayerNorm: scale and shift, 2·D; RMSNorm: scale only, D."""
+  return 2 * d_model if norm == 'layernorm' else d_model
+
+
+def _stacks(arch):
+  """(number of stacks, whether the decoder stack has cross-attention) of a Transformer arch."""
+  if arch not in TRANSFORMER_ARCHS:
+    raise validation.ConfigError(f'model.arch={arch!r}: accounting covers the Transformer archs; '
+                                 f'valid values: {", ".join(TRANSFORMER_ARCHS)}')
+  return (2, True) if arch == 'encoder_decoder' else (1, False)
+
+
+def self_attention_params(cfg):
+  """One layer's self-attention, including the variant's own parameters (Linformer's E and F)."""
+  n = attention_params(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, use_bias=cfg.use_bias)
+  if cfg.attention == 'linformer':
+    n += 2 * cfg.linformer_k * cfg.linformer_length  # E, F [k, max_length], shared by the heads
+  return n
+
+
+def formula_params(cfg, vocab_size, max_length):
+  """Closed-form parameter counts per component (totals over all layers and stacks).
+
+  Args:
+    cfg: a resolved `config.model`.
+    vocab_size: V.
+    max_length: the length `models.build` is given (learned position tables).
+
+  Returns:
+    {component: count} over `COMPONENTS`; the output projection is tied to the (decoder's) token
+    embedding in every Transformer arch here, so 'output' is 0.
+  """
+  stacks, cross = _stacks(cfg.arch)
+  d, layers = cfg.d_model, cfg.num_layers * stacks
+  per_stack_position = {'learned': max_length * d, 't5_bias': cfg.t5_num_buckets * cfg.num_heads}
+  norms_per_layer = 2 * layers + (cfg.num_layers if cross else 0)  # self, ffn (+ cross) norms
+  final_norms = stacks if cfg.norm_position == 'pre' else 0
+  shared = cfg.get('share_embeddings', True) or stacks == 1
+  return {
+      'embedding': vocab_size * d * (1 if shared else 2),
+      'positions': per_stack_position.get(cfg.position, 0) * stacks,
+      'attention': self_attention_params(cfg) * layers,
+      'cross_attention': (attention_params(d, cfg.num_heads, cfg.num_kv_heads,
+                                           use_bias=cfg.use_bias) * cfg.num_layers if cross else 0),
+      'ffn': ffn_params(d, cfg.d_ff, cfg.ffn, use_bias=cfg.use_bias) * layers,
+      'norms': norm_params(d, cfg.norm) * (norms_per_layer + final_norms),
+      'output': 0,
+  }
+
+
+def kv_cache_elements(num_layers, num_kv_heads, head_dim, length):
+  """2 (K and V) x layers x K x H x length: the elements a sequence's self-attention cache holds."""
+  return 2 * num_layers * num_kv_heads * head_dim * length
+
+
+def score_bytes(length, bytes_per_element, *, key_length=None, with_softmax=False):
+  """One head's `[T, S]` score matrix (x2 with the softmax output kept beside it)."""
+  s = length if key_length is None else key_length
+  return length * s * bytes_per_element * (2 if with_softmax else 1)
+
+
+def forward_flops(cfg, vocab_size, length):
+  """Forward FLOPs of one row of `length` tokens (encoder-decoder: `length` source and target).
+
+  A matmul costs 2 FLOPs per parameter per token that passes through it (multiply and add); the
+  token embedding is a gather (0) and the tied output projection a D x V matmul (2·D·V per output
+  token). Attention scores cost 2·T·S·N·H for QK^T and as much for PV per layer, i.e. 4·T·S·D; the
+  xla kernel computes the full T x S matrix and masks it, so 'scores' counts all of it and
+  'scores_causal' the half a causal layer needs (T(T+1)/2 pairs). Exact-softmax count: for the
+  sparse and linear variants it is the dense-equivalent, not their own cost. Norms, softmax,
+  activations and position terms (O(T·D) or O(T·S·N) elementwise) are left out.
+
+  Returns:
+    {'matmul', 'scores', 'scores_causal'} FLOPs per row.
+  """
+  stacks, cross = _stacks(cfg.arch)
+  t, d, n = length, cfg.d_model, cfg.num_heads
+  h, k = d // n, cfg.num_kv_heads
+  layer_weights = (attention_params(d, n, k) + ffn_params(d, cfg.d_ff, cfg.ffn))  # no biases
+  matmul = 2 * t * layer_weights * cfg.num_layers * stacks + 2 * t * d * vocab_size
+  full, triangle = t * t, t * (t + 1) // 2  # (query, key) pairs: all, and the causal ones
+  pairs = full * cfg.num_layers * stacks  # self-attention, every stack
+  # The decoder stack (decoder_only, encoder_decoder) is causal; encoders need every pair.
+  causal_pairs = pairs - (0 if cfg.arch == 'encoder_only' else (full - triangle) * cfg.num_layers)
+  if cross:
+    # q and o over target tokens, k and v over source tokens (both `length`): the same weights.
+    matmul += 2 * t * attention_params(d, n, k) * cfg.num_layers
+    pairs += full * cfg.num_layers
+    causal_pairs += full * cfg.num_layers  # cross-attention sees the whole source
+  return {'matmul': matmul, 'scores': 4 * pairs * n * h, 'scores_causal': 4 * causal_pairs * n * h}
+
+
+# --- Counted from the real model ------------------------------------------------------------------
+
+def abstract_model(cfg, vocab_size, max_length):
+  """`models.build` under `nnx.eval_shape`: every variable a ShapeDtypeStruct, nothing allocated."""
+  return nnx.eval_shape(lambda: models.build(cfg, vocab_size, max_length, rngs=nnx.Rngs(0)))
+
+
+def component_of(path):
+  """The component of a parameter path, e.g. ('decoder', 'blocks', 0, 'ffn', 'wi', 'kernel')."""
+  names = [str(p) for p in path]
+  for key, component in (('self_attention', 'attention'), ('cross_attention', 'cross_attention'),
+                         ('ffn', 'ffn')):
+    if key in names:
+      return component
+  if any(p.endswith('norm') for p in names):
+    return 'norms'
+  if 'position' in names:
+    return 'positions'
+  if 'embed' in names:
+    return 'embedding'
+  return 'other'
+
+
+def _leaves(state):
+  """(path, Variable) pairs of an `nnx.State`."""
+  return list(nnx.to_flat_state(state))
+
+
+def counted_params(model):
+  """{component: parameter count} of a (possibly abstract) model's `nnx.Param`s; shared variables
+  (a tied embedding) count once."""
+  out = dict.fromkeys(COMPONENTS, 0)
+  for path, var in _leaves(nnx.state(model, nnx.Param)):
+    c = component_of(path)
+    out[c] = out.get(c, 0) + math.prod(var.get_value().shape)
+  return out
+
+
+# --- Per-device memory under a mesh --------------------------------------------------------------
+
+def abstract_mesh(mesh_config):
+  """An `AbstractMesh` of `config.mesh`'s axis sizes: specs need the sizes, not devices."""
+  return jax.sharding.AbstractMesh(tuple(int(mesh_config.get(a, 1)) for a in sharding.MESH_AXES),
+                                   sharding.MESH_AXES)
+
+
+def shard_factor(spec, mesh):
+  """How many pieces a `PartitionSpec` cuts an array into on `mesh` (1 = fully replicated)."""
+  factor = 1
+  for entry in spec:
+    for axis in (() if entry is None else (entry,) if isinstance(entry, str) else entry):
+      factor *= mesh.shape[axis]
+  return factor
+
+
+def param_shards(model, mesh_config):
+  """Per parameter: (path, count, bytes, shard factor) under `config.mesh` and its rules, the
+  placement train.py gives it (`layers.sharding.param_specs`)."""
+  params = nnx.state(model, nnx.Param)
+  mesh = abstract_mesh(mesh_config)
+  specs = dict(_leaves(sharding.param_specs(params, mesh, sharding.rules_of(mesh_config))))
+  out = []
+  for path, var in _leaves(params):
+    count = math.prod(var.get_value().shape)
+    out.append((path, count, count * var.get_value().dtype.itemsize,
+                shard_factor(specs[path].get_value(), mesh)))
+  return out
+
+
+def per_device_param_bytes(model, mesh_config):
+  """Bytes of parameters on one device: each parameter's bytes over its shard factor (a dimension
+  the rules' axis does not divide stays whole, as in `layers.sharding.spec`)."""
+  return sum(b // f for _, _, b, f in param_shards(model, mesh_config))
+
+
+def activation_bytes(cfg, vocab_size, batch_size, length, mesh_config, bytes_per_element=4):
+  """Estimate of the activations one training step keeps for the backward pass, per device.
+
+  Per self-attention layer and token (float32, no rematerialisation, every tensor the backward
+  reads counted once, whatever XLA fuses): the sublayer input and its norm (2·D), q (N·H), k and v
+  (2·K·H), the softmax probabilities (N·S) and the attention output (N·H); per FFN: input and norm
+  (2·D) and the hidden activations (2·F: pre- and post-activation; gated 4·F: gate, up, act(gate),
+  their product). Cross-attention: as self-attention with S source keys. Plus the logits and their
+  log-softmax (2·V per output token). On the mesh: rows over data x fsdp, the length over sequence,
+  heads, F and V over tensor (the D-wide residual tensors are replicated over tensor).
+
+  Returns:
+    bytes per device.
+  """
+  stacks, cross = _stacks(cfg.arch)
+  mesh = abstract_mesh(mesh_config)
+  rows = mesh.shape['data'] * mesh.shape['fsdp']
+  b = -(-batch_size // rows)
+  t = -(-length // mesh.shape['sequence'])
+  tp = mesh.shape['tensor']
+  d, n, k, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_ff
+  h = d // n
+
+  def split(x, dim):  # a tensor-parallel dimension, split only where tensor divides it
+    return x / tp if dim % tp == 0 else x
+
+  def attn(s):
+    return 2 * d + split(2 * n * h + n * s, n) + split(2 * k * h, k)
+
+  ffn = 2 * d + split((4 if cfg.ffn in GATED_FFNS else 2) * f, f)
+  per_token = (attn(length) + ffn) * cfg.num_layers * stacks
+  if cross:
+    per_token += attn(length) * cfg.num_layers
+  per_token += split(2 * vocab_size, vocab_size)
+  return int(b * t * per_token * bytes_per_element)
+
+
+# --- The report -----------------------------------------------------------------------------------
+
+def toy_vocab_size():
+  """V of the toy translation task (its tokenizer's vocabulary), without generating the data."""
+  from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  from data import toy_translation  # pylint: disable=g-import-not-at-top
+  return tokenizer_lib.Tokenizer.from_words(toy_translation.vocabulary()).vocab_size
+
+
+def _n(x):
+  return f'{int(round(x)):,}'
+
+
+def _mib(x):
+  """Bytes in the largest binary unit that keeps the number >= 1."""
+  for unit, size in (('GiB', 2 ** 30), ('MiB', MIB), ('KiB', 2 ** 10)):
+    if x >= size:
+      return f'{x / size:,.2f} {unit}'
+  return f'{int(x)} B'
+
+
+def _table(header, rows):
+  lines = ['| ' + ' | '.join(header) + ' |', '|' + '|'.join('---' for _ in header) + '|']
+  return lines + ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows]
+
+
+def report(config, vocab_size=None):
+  """The accounting of a resolved, validated config as markdown text.
+
+  Raises:
+    validation.ConfigError: a non-Transformer arch.
+    RuntimeError: counted parameters that disagree with the closed form (a bug here or there).
+  """
+  m, length = config.model, config.data.max_length
+  vocab_size = toy_vocab_size() if vocab_size is None else vocab_size
+  model = abstract_model(m, vocab_size, length)
+  counted, formula = counted_params(model), formula_params(m, vocab_size, length)
+  if counted != formula:  # an 'other' component (a parameter no rule names) also lands here
+    raise RuntimeError(f'counted parameters {counted} disagree with the closed form {formula}')
+  stacks, cross = _stacks(m.arch)
+  layers, d, h = m.num_layers * stacks, m.d_model, m.d_model // m.num_heads
+  total = sum(counted.values())
+  out = [f'# Accounting: arch={m.arch}, L={m.num_layers} per stack, D={d}, N={m.num_heads}, '
+         f'K={m.num_kv_heads}, H={h}, F={m.d_ff}, V={vocab_size}, T={length}, ffn={m.ffn}, '
+         f'norm={m.norm}, position={m.position}, attention={m.attention}, use_bias={m.use_bias}',
+         '', '## Parameters (counted on jax.eval_shape of models.build = closed form)', '']
+  gated = m.ffn in GATED_FFNS
+  layer = (counted['attention'] + counted['ffn']) / layers  # self-attention + FFN
+  attn_form = ('4·D²' if m.num_kv_heads == m.num_heads else '2·D² + 2·D·K·H')
+  rows = [
+      ('embedding', '', '', _n(counted['embedding']), 'V·D' + ('' if stacks == 1 or m.get(
+          'share_embeddings', True) else ' x2 (not shared)')),
+      ('positions', '', '', _n(counted['positions']),
+       {'learned': 'T_max·D per stack', 't5_bias': 'buckets·N per stack'}.get(m.position, '0')),
+      ('attention', _n(counted['attention'] / layers), layers, _n(counted['attention']),
+       attn_form + (' + biases' if m.use_bias else '') + (
+           ' + 2·k·T (E, F)' if m.attention == 'linformer' else '')),
+  ]
+  if cross:
+    rows.append(('cross-attention', _n(counted['cross_attention'] / m.num_layers), m.num_layers,
+                 _n(counted['cross_attention']), attn_form + (' + biases' if m.use_bias else '')))
+  rows += [
+      ('FFN', _n(counted['ffn'] / layers), layers, _n(counted['ffn']),
+       ('3·D·F' if gated else '2·D·F') + (' + biases' if m.use_bias else '')),
+      ('norms', '', '', _n(counted['norms']),
+       ('2·D' if m.norm == 'layernorm' else 'D') + ' per norm'),
+      ('output', '', '', '0', 'tied to the embedding'),
+      ('**total**', _n(layer) if not cross else
+       f'enc {_n(layer)}, dec {_n(layer + counted["cross_attention"] / m.num_layers)}', layers,
+       f'**{_n(total)}**', ''),
+  ]
+  out += _table(('component', 'per layer', 'layers', 'total', 'closed form'), rows)
+  out += ['', f'A layer (self-attention + FFN) holds {_n(layer)} = {layer / d ** 2:.2f}·D² '
+          f'parameters, {100 * counted["ffn"] / layers / layer:.1f}% of them in the FFN.']
+
+  fl = forward_flops(m, vocab_size, length)
+  fwd_full = fl['matmul'] + fl['scores']
+  fwd_causal = fl['matmul'] + fl['scores_causal']
+  out += ['', f'## FLOPs per token (T={length}; per row / T; training = 3 x forward: the backward '
+          'pass costs two matmuls per forward matmul)', '']
+  rows = [('matmuls (2 x weights touched, incl. D x V output)', _n(fl['matmul'] / length),
+           _n(3 * fl['matmul'] / length)),
+          ('attention scores, full T x S (as the xla kernel computes them)',
+           _n(fl['scores'] / length), _n(3 * fl['scores'] / length)),
+          ('attention scores, only the pairs the mask keeps (causal: about half)',
+           _n(fl['scores_causal'] / length),
+           _n(3 * fl['scores_causal'] / length)),
+          ('**total** (full scores)', _n(fwd_full / length), _n(3 * fwd_full / length)),
+          ('total (kept pairs only)', _n(fwd_causal / length), _n(3 * fwd_causal / length))]
+  out += _table(('', 'inference (forward)', 'training'), rows)
+  out += ['', f'Per step (batch {config.train.batch_size} x {length} tokens): '
+          f'{3 * fwd_full * config.train.batch_size:,.3g} training FLOPs.']
+  if m.attention != 'dense':
+    out.append(f'Scores are counted as exact dense attention; model.attention={m.attention!r} '
+               'computes its own pattern, so its score FLOPs differ.')
+
+  out += ['', '## KV cache (2 x layers x K x H x length x bytes)', '']
+  rows = []
+  if m.arch == 'encoder_only':
+    out += ['Encoder-only: no autoregressive decoding, no KV cache.']
+  else:
+    elems = kv_cache_elements(m.num_layers, m.num_kv_heads, h, length)
+    if cross:
+      elems *= 2  # the cross-attention keys/values of the source (length T), cached once
+    rows.append((f'this config, one sequence of {length}' + (' (self + cross)' if cross else ''),
+                 _n(elems), _mib(4 * elems), _mib(2 * elems)))
+  for name, kv in (('MHA', 32), ('GQA, 8 KV heads', 8), ('MQA', 1)):
+    elems = kv_cache_elements(32, kv, 64, 2048)
+    rows.append((f'DESIGN.md: 32 layers, 32 heads, H 64, length 2048, {name}', _n(elems),
+                 _mib(4 * elems), _mib(2 * elems)))
+  out += _table(('', 'elements', 'fp32', 'fp16/bf16'), rows)
+
+  out += ['', '## Attention scores (T x S per head; the softmax output doubles it)', '']
+  rows = [(f'this config, T={length}: one head', _mib(score_bytes(length, 4)),
+           _mib(score_bytes(length, 2)), _mib(score_bytes(length, 2, with_softmax=True))),
+          (f'this config: one layer ({m.num_heads} heads)',
+           _mib(m.num_heads * score_bytes(length, 4)), _mib(m.num_heads * score_bytes(length, 2)),
+           _mib(m.num_heads * score_bytes(length, 2, with_softmax=True))),
+          ('DESIGN.md: one head, T=8192', _mib(score_bytes(8192, 4)), _mib(score_bytes(8192, 2)),
+           _mib(score_bytes(8192, 2, with_softmax=True)))]
+  out += _table(('', 'fp32', 'fp16', 'fp16 + softmax output'), rows)
+
+  mesh_config = config.get('mesh', {})
+  mesh = abstract_mesh(mesh_config)
+  shards = param_shards(model, mesh_config)
+  p_dev = per_device_param_bytes(model, mesh_config)
+  act = activation_bytes(m, vocab_size, config.train.batch_size, length, mesh_config)
+  sizes = ' x '.join(f'{a}={mesh.shape[a]}' for a in sharding.MESH_AXES)
+  plural = 's' if mesh.size > 1 else ''
+  out += ['', f'## Per device under the mesh {sizes} ({mesh.size} device{plural}; float32)', '']
+  rows = [('parameters', _mib(p_dev)), ('gradients (sharded like the parameters)', _mib(p_dev)),
+          ('AdamW moments mu, nu (2 x parameters)', _mib(2 * p_dev)),
+          ('**state total**', f'**{_mib(4 * p_dev)}**'),
+          (f'activations, batch {config.train.batch_size} (estimate, see activation_bytes)',
+           _mib(act)),
+          ('**total**', f'**{_mib(4 * p_dev + act)}**')]
+  out += _table(('', 'bytes per device'), rows)
+  by_factor = {}
+  for path, count, _, factor in shards:
+    entry = by_factor.setdefault(factor, [0, set()])
+    entry[0] += count
+    entry[1].add(component_of(path))
+  out += ['', 'Parameters by the number of pieces the rules cut them into (the rest of the '
+          'mesh holds copies; the data axis always does):']
+  for factor in sorted(by_factor, reverse=True):
+    count, comps = by_factor[factor]
+    out.append(f'- /{factor}: {_n(count)} ({100 * count / total:.1f}%): {", ".join(sorted(comps))}')
+  return '\n'.join(out)
+
+
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  config = validation.resolve(FLAGS.config.unlock())
+  try:
+    validation.validate(config)
+    text = report(config, FLAGS.vocab_size or None)
+  except validation.ConfigError as e:
+    print(f'config error: {e}', file=sys.stderr)
+    sys.exit(2)
+  print(text)
+
+
+if __name__ == '__main__':
+  config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py).', lock_config=True)
+  flags.DEFINE_integer('vocab_size', 0, 'V; 0 = the toy translation task\'s vocabulary.')
+  flags.mark_flag_as_required('config')
+  app.run(main)
