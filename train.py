@@ -61,21 +61,25 @@ def define_distributed_flags():
                       'process).')
   flags.DEFINE_integer('num_processes', None, 'Multi-process: the number of processes.')
   flags.DEFINE_integer('process_id', None, 'Multi-process: this process\'s index.')
+  flags.DEFINE_bool('multihost', False, 'Join a multi-process run found by JAX\'s auto-detection '
+                    '(TPU pod slices, SLURM, Open MPI) even if no cluster variable is seen.')
 
 
 CLUSTER_ENV = ('SLURM_STEP_NUM_TASKS', 'TPU_WORKER_HOSTNAMES', 'MEGASCALE_COORDINATOR_ADDRESS',
                'OMPI_COMM_WORLD_SIZE')
 
 
-def init_distributed(coordinator_address=None, num_processes=None, process_id=None):
+def init_distributed(coordinator_address=None, num_processes=None, process_id=None,
+                     multihost=False):
   """Joins a multi-process run before any other JAX call; returns the process count.
 
   Explicit arguments join that run (on CPU over gloo collectives, e.g. local processes on
-  loopback); with none, a cluster JAX can detect (TPU pod, SLURM, Open MPI) is joined with
+  loopback); with none, a cluster JAX can detect (SLURM, Open MPI, GKE TPU variables in
+  `CLUSTER_ENV`, or any with `multihost`, e.g. a Cloud TPU VM slice) is joined with
   auto-detection, and anything else is a single process.
   """
   explicit = any(v is not None for v in (coordinator_address, num_processes, process_id))
-  multi = explicit or any(os.environ.get(k, '1') not in ('', '1') for k in CLUSTER_ENV)
+  multi = explicit or multihost or any(os.environ.get(k, '1') not in ('', '1') for k in CLUSTER_ENV)
   if multi:
     # CPU devices need a collectives backend to talk across processes (ignored on GPU/TPU).
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
@@ -806,7 +810,8 @@ def main(argv):
     print('train: --config and --workdir are required (or --sweep and --sweep_dir)',
           file=sys.stderr)
     sys.exit(2)
-  init_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  init_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                   FLAGS.multihost)
   config = validation.resolve(FLAGS.config.unlock())
   try:
     validation.validate(config)
