@@ -40,6 +40,10 @@ def get_config(arg=None):
   model.num_kv_heads = 0  # K, key/value heads: 0 means num_heads (MHA); 1 is MQA; between is GQA
   model.d_ff = d_ff  # F, feed-forward width; 0 means 4 * d_model
   model.dropout = 0.0  # dropout rate on embeddings and every sublayer output
+  model.scan_layers = False  # blocks stacked on a leading `layers` axis, run by one lax.scan:
+  #                            compile time flat in depth (not bigbird/performer)
+  model.remat = 'none'  # scan_layers: what a block keeps for backprop: none (all) | full (only its
+  #                       input; recompute the rest) | dots (the weight matmul outputs)
   model.use_bias = False  # biases in the attention and feed-forward projections
   model.rope_base = 10000.0  # RoPE base: theta_i = base^(-2i/d) (position=rope)
   model.rope_fraction = 1.0  # share of each head's dims RoPE rotates (1.0 = all; rest unrotated)

@@ -10,6 +10,7 @@ from layers import rnn_attention
 from layers import rope
 from layers import sharding
 from models import rnn_seq2seq
+from models import stack
 
 SCHEDULES = ('cosine', 'linear', 'constant')
 LOSS_ON = ('target', 'all')
@@ -105,6 +106,7 @@ def validate(config):
     raise ConfigError(f"data.packing='stream' is not valid for model.arch={m.arch!r}; valid "
                       'values: none, segments')
   _validate_attention_variant(config)
+  _validate_scan(config)
   if not 0.0 <= m.dropout < 1.0:
     raise ConfigError(f'model.dropout={m.dropout!r} must be in [0, 1)')
   if m.attention_impl == 'cudnn':
@@ -179,6 +181,29 @@ def _validate_mesh(config):
   if config.model.attention_impl == 'ring' and mesh.get('sequence', 1) < 2:
     raise ConfigError("model.attention_impl='ring' needs mesh.sequence > 1 (the ring of devices "
                       'the keys/values travel round); use xla or blockwise on one device')
+
+
+def _validate_scan(config):
+  """model.scan_layers and model.remat (models/stack.py)."""
+  m = config.model
+  scan, remat = m.get('scan_layers', False), m.get('remat', 'none')
+  if not isinstance(scan, bool):
+    raise ConfigError(f'model.scan_layers={scan!r} must be True or False')
+  _choice('model.remat', remat, stack.REMAT_POLICIES)
+  if remat != 'none' and not scan:
+    raise ConfigError(f'model.remat={remat!r} needs model.scan_layers=True (it is applied to the '
+                      "scanned block); valid values without it: none")
+  if not scan:
+    return
+  if m.arch == 'rnn_seq2seq':
+    raise ConfigError("model.scan_layers=True is not valid for model.arch='rnn_seq2seq' (no "
+                      'Transformer blocks); valid archs: decoder_only, encoder_decoder, '
+                      'encoder_only')
+  if m.attention in ('bigbird', 'performer'):
+    raise ConfigError(f'model.scan_layers=True is not valid for model.attention={m.attention!r} '
+                      '(its layers draw their own random blocks/features from '
+                      'model.attention_seed, and scanned layers share one trace); use '
+                      'scan_layers=False')
 
 
 def _validate_attention_variant(config):

@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -11,6 +12,16 @@ from layers import norms
 from layers import paged_attention
 from layers import sharding
 from layers import positions as positions_lib
+
+# What a scanned block keeps for its backward pass (`config.model.remat`); the rest is recomputed.
+# A policy of None means no `jax.checkpoint` at all.
+REMAT_POLICIES = {
+    'none': None,  # keep every intermediate (fastest, most memory)
+    'full': jax.checkpoint_policies.nothing_saveable,  # keep only each block's input
+    # keep the weight matmuls' outputs (projections, FFN), recompute the rest (norms, softmax)
+    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+LAYERS_AXIS = 'layers'  # logical name of a scanned stack's leading axis (no rule: replicated)
 
 
 def layer_config(cfg, stream, layer):
@@ -46,9 +57,21 @@ class Stack(nnx.Module):
         embedding_init=sharding.partitioned(
             nnx.initializers.normal(stddev=1.0 / math.sqrt(cfg.d_model)), 'vocab', 'embed'))
     self.position = positions_lib.make(cfg, max_length, rngs=rngs)
-    self.blocks = nnx.List([
-        block.Block(layer_config(cfg, stream, i), cross_attention=cross_attention, rngs=rngs)
-        for i in range(cfg.num_layers)])
+    self.num_layers = cfg.num_layers
+    self.scan_layers = cfg.get('scan_layers', False)
+    self.remat = cfg.get('remat', 'none')
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f'remat {self.remat!r} unknown; valid: {sorted(REMAT_POLICIES)}')
+    if self.scan_layers:
+      # One Block whose variables are the layers' stacked on a leading [L] axis. All layers share
+      # one config, so the per-layer `attention_seed` cannot apply (configs.validation refuses the
+      # variants that read it).
+      self.blocks = stacked_blocks(cfg, cfg.num_layers, cross_attention=cross_attention,
+                                   rngs=rngs)
+    else:
+      self.blocks = nnx.List([
+          block.Block(layer_config(cfg, stream, i), cross_attention=cross_attention, rngs=rngs)
+          for i in range(cfg.num_layers)])
     self.final_norm = (norms.NORMS[cfg.norm](cfg.d_model, rngs=rngs)
                        if cfg.norm_position == 'pre' else None)
     self.dropout = nnx.Dropout(cfg.dropout)
@@ -71,14 +94,52 @@ class Stack(nnx.Module):
     x = self.dropout(x, deterministic=rngs is None, rngs=rngs)
     names = ('batch', 'length', 'act_embed')  # the residual stream (layers.sharding)
     x = sharding.constrain(x, names)
-    for layer in self.blocks:
-      x = sharding.constrain(layer(
-          x, segment_ids=segment_ids, positions=positions, is_causal=is_causal,
-          position=self.position, context=context, context_segment_ids=context_segment_ids,
-          rngs=rngs), names)
+    kwargs = dict(segment_ids=segment_ids, positions=positions, is_causal=is_causal,
+                  position=self.position, context=context, context_segment_ids=context_segment_ids)
+    if self.scan_layers:
+      x = self._scan(x, names, rngs, kwargs)
+    else:
+      for layer in self.blocks:
+        x = sharding.constrain(layer(x, rngs=rngs, **kwargs), names)
     if self.final_norm is not None:
       x = self.final_norm(x)
     return x
+
+  def _scan(self, x, names, rngs, kwargs):
+    """Runs the stacked blocks with one `jax.lax.scan`: the block is traced and compiled once
+    whatever the depth, and (remat) its body is recomputed in the backward pass by its policy."""
+    graphdef, state = nnx.split(self.blocks)
+    # A dropout key per layer, as the unrolled layers each draw their own.
+    keys = None if rngs is None else jax.random.split(rngs.dropout(), self.num_layers)  # [L]
+
+    def body(x, layer):
+      layer_state, key = layer
+      y = nnx.merge(graphdef, layer_state)(
+          x, rngs=None if key is None else nnx.Rngs(dropout=key), **kwargs)
+      return sharding.constrain(y, names), None
+
+    policy = REMAT_POLICIES[self.remat]
+    if policy is not None:
+      # prevent_cse=False: inside scan the recomputation cannot be merged with the forward pass
+      # anyway, and the CSE barriers would only slow it down (jax.checkpoint's docs).
+      body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, (state, keys))
+    return x
+
+  def block_list(self):
+    """The layers as a list of `Block`s; a scanned stack's are views of layer i's slices."""
+    if not self.scan_layers:
+      return list(self.blocks)
+    graphdef, state = nnx.split(self.blocks)
+    return [nnx.merge(graphdef, _map_variables(state, lambda v, i=i: _unstack(v, i)))
+            for i in range(self.num_layers)]
+
+  def unroll(self):
+    """Makes a scanned stack unrolled in place (`blocks` a list of per-layer `Block`s holding the
+    slices): for passes that need each layer's own module (train.diagnostic_pass)."""
+    if self.scan_layers:
+      self.blocks = nnx.List(self.block_list())
+      self.scan_layers = False
 
   # --- KV cache path and attention maps (additive; `__call__` is unchanged) ----------------------
 
@@ -92,14 +153,14 @@ class Stack(nnx.Module):
     """
     self.position.check_length(max_length)
     if page_size is None:
-      return [layer.init_cache(batch_size, max_length, dtype) for layer in self.blocks]
+      return [layer.init_cache(batch_size, max_length, dtype) for layer in self.block_list()]
     if num_pages is None:
       num_pages = paged_attention.default_num_pages(batch_size, max_length, page_size)
-    return [layer.init_paged_cache(num_pages, page_size, dtype) for layer in self.blocks]
+    return [layer.init_paged_cache(num_pages, page_size, dtype) for layer in self.block_list()]
 
   def context_cache(self, context):
     """Per-layer cross-attention keys/values of an encoder output `[B, S, D]` (computed once)."""
-    return [layer.cross_attention.context_cache(context) for layer in self.blocks]
+    return [layer.cross_attention.context_cache(context) for layer in self.block_list()]
 
   def decode(self, tokens, index, cache, *, context_cache=None, context_mask=None,
              block_table=None):
@@ -120,7 +181,8 @@ class Stack(nnx.Module):
     x = self.embed(tokens[:, None]) * math.sqrt(self.d_model)  # [B, 1, D]
     x = self.position.embed(x, index[:, None])
     new_cache = []
-    for i, layer in enumerate(self.blocks):
+    # A scanned stack decodes layer by layer on slices of its variables: the cache stays a list.
+    for i, layer in enumerate(self.block_list()):
       # Each layer sees its own pool with the shared table; only the pools come back.
       layer_cache = cache[i] if block_table is None else {**cache[i], 'block_table': block_table}
       x, c = layer.decode(x, layer_cache, index, position=self.position,
@@ -140,9 +202,52 @@ class Stack(nnx.Module):
     x = self.embed(tokens) * math.sqrt(self.d_model)  # [B, T, D]
     x = self.position.embed(x, positions)
     maps = []
-    for layer in self.blocks:
+    for layer in self.block_list():
       m, x = layer.attention_weights(x, segment_ids=segment_ids, positions=positions,
                                      is_causal=is_causal, position=self.position, context=context,
                                      context_segment_ids=context_segment_ids)
       maps.append(m)
     return maps
+
+
+def _map_variables(state, fn):
+  """`state` with every `nnx.Variable` replaced by `fn(variable)`."""
+  return jax.tree.map(fn, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def _stack_axes(v):
+  """A stacked variable: its logical axes get the leading `layers` name (layers.sharding)."""
+  names = v.get_metadata().get('logical_axes')
+  if names is None:
+    return v
+  return v.replace(v.get_value(), logical_axes=(LAYERS_AXIS,) + tuple(names))
+
+
+def _unstack(v, i):
+  """Layer `i`'s slice of a stacked variable, with its per-layer logical axes."""
+  names = v.get_metadata().get('logical_axes')
+  kwargs = {} if names is None else {'logical_axes': tuple(names)[1:]}
+  return v.replace(v.get_value()[i], **kwargs)
+
+
+def stacked_blocks(cfg, num_layers, *, cross_attention, rngs):
+  """`num_layers` blocks as one `Block` whose variables have a leading `[L]` axis (named
+  `layers`), built by vmapping the constructor over L split parameter keys (flax's "scan over
+  layers"). Layer i of it is a `Block` with `jax.tree.map(lambda a: a[i], ...)` of its state."""
+
+  @nnx.split_rngs(splits=num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs):
+    return block.Block(cfg, cross_attention=cross_attention, rngs=rngs)
+
+  blocks = make(rngs)
+  graphdef, state = nnx.split(blocks)
+  return nnx.merge(graphdef, _map_variables(state, _stack_axes))
+
+
+def stack_layer_states(states):
+  """Per-layer `Block` states (an unrolled stack's `nnx.state(blocks[i])`) -> the state of a
+  scanned stack's `blocks`: every variable stacked on a leading `[L]` axis named `layers`."""
+  return jax.tree.map(
+      lambda *vs: _stack_axes(vs[0].replace(jnp.stack([v.get_value() for v in vs]))), *states,
+      is_leaf=lambda v: isinstance(v, nnx.Variable))
