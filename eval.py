@@ -69,6 +69,10 @@ def load_run(workdir):
     raise FileNotFoundError(f'eval: {workdir} has no config.json; is it a train.py workdir?')
   with open(path) as f:
     config = ml_collections.ConfigDict(json.load(f))
+  if config.model.get('attention_impl') == 'ring':
+    # Ring attention needs the training mesh; eval runs on one device, and `xla` is the same
+    # exact attention.
+    config.model.attention_impl = 'xla'
   mngr = train.checkpoint_manager(workdir, config)
   if mngr.latest_step() is None:
     raise FileNotFoundError(f'eval: no checkpoint in {os.path.join(workdir, "checkpoints")}')

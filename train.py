@@ -27,6 +27,7 @@ from flax import nnx
 import tqdm
 
 from configs import compare
+from configs import default as default_config
 from configs import validation
 from data import pipeline
 from layers import block as block_lib
@@ -55,7 +56,8 @@ def define_flags():
 
 
 def define_distributed_flags():
-  """Multi-host flags (train.py and eval.py): the arguments of `jax.distributed.initialize`."""
+  """Multi-host flags of train.py: the arguments of `jax.distributed.initialize` (eval.py runs as
+  one process: point it at the shared workdir from one host)."""
   flags.DEFINE_string('coordinator_address', None, 'Multi-process: host:port of process 0 '
                       '(none of the three flags: auto-detected on TPU pods and SLURM, else one '
                       'process).')
@@ -109,7 +111,11 @@ SAFE_TO_CHANGE = ('train.steps', 'train.checkpoint_every', 'train.eval_every', '
                   'train.keep_checkpoints', 'train.eval_batches', 'train.diagnostics',
                   'train.diagnostics_batch', 'train.skip_nonfinite', 'train.learning_rate',
                   'train.warmup_steps', 'train.schedule', 'train.grad_clip_norm',
-                  'train.weight_decay', 'model.attention_impl', 'model.dropout', 'data.data_dir')
+                  'train.weight_decay', 'model.attention_impl', 'model.dropout', 'data.data_dir',
+                  # Layout and precision: Orbax restores into the new shardings; the update is
+                  # the same (accumulation), or only rounded differently (compute dtype, remat).
+                  'mesh.data', 'mesh.fsdp', 'mesh.tensor', 'mesh.sequence', 'mesh.rules',
+                  'train.grad_accum_steps', 'train.compute_dtype', 'model.remat')
 
 
 def check_resume_config(workdir, config):
@@ -124,8 +130,14 @@ def check_resume_config(workdir, config):
   with open(path) as f:
     old = compare.flatten(json.load(f))
   new = compare.flatten(json.loads(config.to_json_best_effort()))
-  changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+  # A field added to attnlab after the run started is unchanged if it holds its default.
+  defaults = compare.flatten(json.loads(default_config.get_config().to_json_best_effort()))
+  changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)
+                   and not (k not in old and new.get(k) == defaults.get(k)))
   bad = [k for k in changed if k not in SAFE_TO_CHANGE]
+  clip = 'train.grad_clip_norm'
+  if clip in changed and (old.get(clip, 0) > 0) != (new.get(clip, 0) > 0):
+    bad.append(clip)  # clipping on <-> off changes the optimiser state's structure
   if bad:
     raise IncompatibleResume(
         f'cannot resume {workdir}: its checkpoint was trained with different ' + ', '.join(
@@ -344,7 +356,7 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
 
   With `accum_steps` = k > 1 the batch is k micro-batches whose gradients of the summed loss are
   accumulated in a scan and divided by the whole batch's weight: the full-batch gradient, with the
-  activations of one micro-batch in memory. `compute_dtype` (e.g. 'bfloat16'): the forward and
+  activations of one micro-batch in memory. `compute_dtype` ('bfloat16'): the forward and
   backward passes run on parameters cast to it, while the parameters, their gradients and the
   optimiser stay float32 (and logits, loss and softmax statistics are float32 in the models).
 
@@ -370,7 +382,9 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
 
     (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
   else:
-    micro = jax.tree.map(lambda x: x.reshape(accum_steps, -1, *x.shape[1:]), batch)
+    # Micro-batch i takes rows i, i + k, i + 2k, ...: each data shard keeps its own rows.
+    micro = jax.tree.map(
+        lambda x: x.reshape(-1, accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)
     grad_sum = jax.grad(lambda p, *a: (lambda s: (s['loss_sum'], s))(sums_fn(p, *a)), has_aux=True)
 
     def accumulate(carry, inputs):
@@ -571,9 +585,21 @@ def checkpoint_manager(workdir, config):
 def restore_state(mngr, state, step=None):
   """Restores (state, data iterator state) of `step` (default newest) into the structure of `state`."""
   step = mngr.latest_step() if step is None else step
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-  restored = mngr.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+
+  def restore(target):
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    return mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+
+  try:
+    restored = restore(state)
+  except Exception:  # pylint: disable=broad-except
+    if jax.tree.leaves(state.get('buffers', {})):
+      raise
+    # Checkpoints written before model buffers existed hold no 'buffers' entry; a model without
+    # buffers restores from them as it did (a damaged checkpoint fails here again and is raised).
+    restored = restore({k: v for k, v in state.items() if k != 'buffers'})
+    return {**restored['state'], 'buffers': state['buffers']}, restored['data']
   return restored['state'], restored['data']
 
 
@@ -723,9 +749,11 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
   try:
     for step in range(start + 1, t.steps + 1):
       batch = next(it)
+      # Features due at this step are drawn before it, so that a checkpoint or evaluation after
+      # step s holds the draw step s trained with.
+      if step > 1 and any((step - 1) % r == 0 for r in redraw_periods):
+        state = redraw_features(graphdef, state, step - 1)
       state, sums = step_fn(state, place_batch(batch, mesh, rules))
-      if any(step % r == 0 for r in redraw_periods):
-        state = redraw_features(graphdef, state, step)
       diag = sums.pop('diag', None)  # per-group [G] norms, read at log steps only
       # Read the loss every step: a non-finite value must stop the run before it is checkpointed.
       loss = float(sums['loss_sum']) / max(float(sums['weight_sum']), 1.0)

@@ -90,8 +90,9 @@ def get_config(arg=None):
   train.checkpoint_every = 500  # steps between checkpoints (and one at the end)
   train.keep_checkpoints = 3  # newest checkpoints kept on disk
   train.grad_accum_steps = 1  # micro-batches per step (gradients accumulated): batch_size / k rows
-  #                              in memory at a time, the same update as the whole batch
-  train.compute_dtype = 'float32'  # float32 | bfloat16 | float16: forward/backward on parameters
+  #                              in memory at a time, the whole batch's update (dropout and MLM
+  #                              masks are drawn per micro-batch)
+  train.compute_dtype = 'float32'  # float32 | bfloat16: forward/backward on parameters
   #                                  cast to it; parameters, gradients, optimiser, loss in float32
   train.skip_nonfinite = False  # skip (and count) a step whose loss or gradient is NaN/inf instead
   #                               of stopping the run

@@ -142,8 +142,8 @@ def validate(config):
   if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1 or t.batch_size % accum:
     raise ConfigError(f'train.grad_accum_steps={accum!r} must be a positive integer dividing '
                       f'train.batch_size={t.batch_size}')
-  _choice('train.compute_dtype', t.get('compute_dtype', 'float32'), ('float32', 'bfloat16',
-                                                                      'float16'))
+  # No float16: its gradients underflow without loss scaling, which the step does not do.
+  _choice('train.compute_dtype', t.get('compute_dtype', 'float32'), ('float32', 'bfloat16'))
   _choice('train.loss_on', t.loss_on, LOSS_ON)
 
   _choice('data.packing', d.packing, PACKINGS)
@@ -175,9 +175,15 @@ def _validate_mesh(config):
       raise ConfigError(f'mesh.rules entry {rule!r}: {bad[0]!r} is not a mesh axis; valid: '
                         f'{", ".join(sharding.MESH_AXES)}')
   rows = mesh.get('data', 1) * mesh.get('fsdp', 1)
-  if config.train.batch_size % rows:
+  accum = config.train.get('grad_accum_steps', 1)
+  if config.train.batch_size % (rows * accum):
     raise ConfigError(f'train.batch_size={config.train.batch_size} must be a multiple of '
-                      f'mesh.data x mesh.fsdp = {rows} (each data-parallel shard gets whole rows)')
+                      f'mesh.data x mesh.fsdp x train.grad_accum_steps = {rows * accum} (each '
+                      'data-parallel shard gets whole rows of every micro-batch)')
+  if config.model.attention_impl == 'ring' and config.model.position == 't5_bias':
+    raise ConfigError("model.attention_impl='ring' cannot take position='t5_bias' (a dense [T, S] "
+                      'bias on every device); valid with ring: rope, alibi, sinusoidal, learned, '
+                      'nope')
   if config.model.attention_impl == 'ring' and mesh.get('sequence', 1) < 2:
     raise ConfigError("model.attention_impl='ring' needs mesh.sequence > 1 (the ring of devices "
                       'the keys/values travel round); use xla or blockwise on one device')

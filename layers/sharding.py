@@ -74,10 +74,11 @@ def make_mesh(mesh_config, devices=None):
 
 
 def rules_of(mesh_config):
-  """The rules table of `config.mesh` (`rules`, or `DEFAULT_RULES`), as a tuple of pairs."""
+  """`DEFAULT_RULES` with `config.mesh.rules` overriding the names it lists (tuple of pairs)."""
   rules = mesh_config.get('rules', None) if hasattr(mesh_config, 'get') else None
-  return tuple((name, tuple(a) if isinstance(a, (list, tuple)) else a)
-               for name, a in (rules or DEFAULT_RULES))
+  table = dict(DEFAULT_RULES)
+  table.update((name, tuple(a) if isinstance(a, (list, tuple)) else a) for name, a in rules or ())
+  return tuple(table.items())
 
 
 def spec(names, shape, mesh, rules):

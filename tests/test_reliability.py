@@ -1,16 +1,20 @@
 """Faults and bad input: signals, damaged checkpoints, changed configs, NaNs, determinism, and the
 catalogue of invalid configs (each one line naming the field, exit code 2, no traceback)."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from configs import decoder_only
+from configs import default
 from configs import validation
 from data import pipeline
 from tests.helpers import ROOT, metric_rows, quick_config
@@ -204,3 +208,23 @@ def test_same_seed_gives_bitwise_identical_metrics(tmp_path, data_dir):
   strip = lambda rows: [tuple(r.get(k) for k in keys) for r in rows]
   assert strip(metrics(tmp_path / 'a', 'train')) == strip(metrics(tmp_path / 'b', 'train'))
   assert strip(metrics(tmp_path / 'a', 'valid')) == strip(metrics(tmp_path / 'b', 'valid'))
+
+
+def test_checkpoint_written_before_model_buffers_existed_still_restores(tmp_path):
+  """Runs saved before `state['buffers']` existed (no entry in the checkpoint) restore into a model
+  without buffers; the config fields added since (at their defaults) do not block the resume."""
+  config = validation.resolve(default.get_config('quick'))
+  graphdef, _, state = train.create_state(config, 166)
+  old = {k: v for k, v in state.items() if k != 'buffers'}
+  mngr = train.checkpoint_manager(str(tmp_path), config)
+  mngr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(old),
+                                       data=ocp.args.JsonSave({'position': 0})))
+  mngr.wait_until_finished()
+  restored, data_state = train.restore_state(mngr, state)
+  mngr.close()
+  assert data_state == {'position': 0} and not jax.tree.leaves(restored['buffers'])
+  jax.tree.map(np.testing.assert_array_equal, restored['params'], state['params'])
+  flat = json.loads(config.to_json_best_effort())
+  del flat['mesh'], flat['train']['grad_accum_steps']  # fields an older attnlab did not write
+  (tmp_path / 'config.json').write_text(json.dumps(flat))
+  assert train.check_resume_config(str(tmp_path), config) == []

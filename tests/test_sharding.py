@@ -114,3 +114,9 @@ def test_two_processes_of_four_devices_equal_one_device(data_dir, tmp_path, one_
   assert len(losses) == 20  # one writer
   np.testing.assert_allclose(losses, one_device, rtol=1e-5)
   assert os.path.isdir(tmp_path / 'checkpoints' / '20')
+
+
+def test_mesh_rules_override_only_the_names_they_list():
+  rules = dict(sharding.rules_of({'rules': (('vocab', None), ('mlp', ('tensor', 'fsdp')))}))
+  assert rules['vocab'] is None and rules['mlp'] == ('tensor', 'fsdp')
+  assert rules['batch'] == ('data', 'fsdp') and rules['heads'] == 'tensor'  # defaults kept
