@@ -13,6 +13,7 @@ Flags (on the raw train loss of each run, documented in the table's footnote):
   the first logged train loss.
 """
 
+import functools
 import json
 import math
 import os
@@ -58,6 +59,12 @@ def flatten(d, prefix=''):
   return out
 
 
+@functools.lru_cache(maxsize=1)
+def _default_fields():
+  from configs import default  # pylint: disable=g-import-not-at-top
+  return flatten(json.loads(default.get_config().to_json_best_effort()))
+
+
 def _read_json(path):
   if os.path.exists(path):
     with open(path) as f:
@@ -71,8 +78,11 @@ def load_run(workdir):
   rows = []
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     rows = [json.loads(line) for line in f if line.strip()]
+  config = flatten(_read_json(os.path.join(workdir, 'config.json')))
+  if config:  # fields attnlab gained after the run was written hold their defaults
+    config = {**_default_fields(), **config}
   run = {'workdir': workdir, 'name': os.path.basename(os.path.normpath(workdir)), 'rows': rows,
-         'config': flatten(_read_json(os.path.join(workdir, 'config.json'))),
+         'config': config,
          'info': _read_json(os.path.join(workdir, 'run_info.json')),
          'init_grad': _read_json(os.path.join(workdir, 'init_grad_norms.json'))}
   for split in ('train', 'valid'):
@@ -275,8 +285,11 @@ def markdown_table(summary, target_loss=None):
 def plot(groups, summary, out, *, smoothing=None, logy=False, logx=False, title=None):
   """Train (left) and validation (right) loss per group, mean with a min-max band across seeds;
   a third panel with the gradient norm per block at initialisation when the runs logged it."""
+  import logging  # pylint: disable=g-import-not-at-top
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
+  # absl routes matplotlib's one-line-per-font fallback notices to stderr: keep the table readable.
+  logging.getLogger('matplotlib.font_manager').setLevel(logging.ERROR)
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   has_init = any(r['init_grad'].get('blocks') for _, runs in groups for r in runs)
   ncols = 3 if has_init else 2

@@ -327,3 +327,16 @@ def test_compare_reads_separate_workdirs_and_reports_missing(tmp_path):
   assert '| ffn=relu | 1 |' in table and '| ffn=gelu | 1 |' in table
   with pytest.raises(FileNotFoundError, match='neither'):
     compare.compare([str(tmp_path / 'nope')], str(tmp_path / 'c.png'))
+
+
+def test_compare_fills_fields_added_since_with_their_defaults(tmp_path):
+  """A sweep whose later cells were written by a newer attnlab (one more field, at its default)
+  still groups its seeds together."""
+  for seed, fields in enumerate([{'norm_position': 'post'},
+                                 {'norm_position': 'post', 'scan_layers': False}]):
+    write_run(tmp_path / f'sw/model.norm_position=post,seed={seed}',
+              [(s, 4.0 - 0.01 * s) for s in range(10, 101, 10)], [(100, 3.0)], seed=seed,
+              fields=fields)
+  table = compare.compare([str(tmp_path / 'sw')], str(tmp_path / 'cmp.png'))
+  rows = [line for line in table.splitlines() if line.startswith('| ') and '---' not in line][1:]
+  assert len(rows) == 1 and rows[0].split(' | ')[1] == '2', table
