@@ -113,8 +113,8 @@ def test_postln_vs_preln_has_the_cells_of_the_study():
            c['overrides']['model.norm_position']) for c in cells}
   assert keys == {(6, 2e-3, 500, 0, 'post'), (6, 2e-3, 500, 0, 'pre'),
                   (6, 2e-3, 1000, 100, 'post'), (6, 2e-3, 1000, 100, 'pre'),
-                  (6, 2e-3, 1000, 0, 'pre'), (12, 1e-3, 1000, 0, 'post'),
-                  (12, 1e-3, 1000, 0, 'pre'), (6, 1e-3, 1000, 0, 'post'), (6, 1e-3, 1000, 0, 'pre')}
+                  (6, 2e-3, 1000, 0, 'pre'), (12, 1e-3, 500, 0, 'post'),
+                  (12, 1e-3, 500, 0, 'pre'), (6, 1e-3, 500, 0, 'post'), (6, 1e-3, 500, 0, 'pre')}
   assert len(cells) == 27  # three seeds
   c = sweep.cell_config(module, None, cells[0])
   assert (c.data.packing, c.train.loss_on, c.model.arch) == ('stream', 'all', 'decoder_only')
