@@ -127,6 +127,18 @@ class Attention(nnx.Module):
                implementation=cfg.attention_impl,
                scale=1.0 if cfg.get('unscaled', False) else None, rngs=rngs)
 
+  def positions_without_scores(self, q, k, positions, position, is_causal):
+    """q, k after `position`'s rotation (RoPE); a method that adds a score term (ALiBi, T5 bias)
+    is a ValueError: for the variants whose kernels have no [T, S] scores to add it to."""
+    if position is None:
+      return q, k
+    q, k, extra = position.in_attention(q, k, positions, positions, is_causal=is_causal)
+    if extra:
+      raise ValueError(f'attention={getattr(self, "name", type(self).__name__)!r} does not take '
+                       f'score terms {sorted(extra)} (ALiBi, T5 bias); use rope, sinusoidal, '
+                       'learned or nope')
+    return q, k
+
   def project(self, x, context=None):
     """q `[B, T, N, H]`, k and v `[B, S, K, H]`."""
     context = x if context is None else context

@@ -161,11 +161,7 @@ class _Kernel(attention_lib.Attention):
     q, k, v = self.project(x, context)
     if context is None:
       context_segment_ids = segment_ids if context_segment_ids is None else context_segment_ids
-    if position is not None:
-      q, k, extra = position.in_attention(q, k, positions, positions, is_causal=is_causal)
-      if extra:
-        raise ValueError(f'attention={self.name!r} does not take score terms {sorted(extra)} '
-                         '(ALiBi, T5 bias); use rope, sinusoidal, learned or nope')
+    q, k = self.positions_without_scores(q, k, positions, position, is_causal)
     b, t, n, h = q.shape
     kh = k.shape[2]
     qf, kf = self.features(q.reshape(b, t, kh, n // kh, h), k)
@@ -218,12 +214,7 @@ class _Kernel(attention_lib.Attention):
     b = x.shape[0]
     index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))
     q, k, v = self.project(x)  # [B, 1, N, H], [B, 1, K, H], [B, 1, K, H]
-    if position is not None:
-      pos = index[:, None]
-      q, k, extra = position.in_attention(q, k, pos, pos, is_causal=True)
-      if extra:
-        raise ValueError(f'attention={self.name!r} does not take score terms {sorted(extra)} '
-                         '(ALiBi, T5 bias); use rope, sinusoidal, learned or nope')
+    q, k = self.positions_without_scores(q, k, index[:, None], position, True)
     kh, h = k.shape[2], q.shape[-1]
     qf, _ = self.features(q.reshape(b, 1, kh, -1, h), k)  # [B, 1, K, G, M]
     kf, key_shift = self.decode_key_features(k)  # [B, 1, K, M], [B, 1, K]
@@ -357,10 +348,7 @@ class LinformerAttention(attention_lib.Attention):
     q, k, v = self.project(x, context)
     if context is None:
       context_segment_ids = segment_ids if context_segment_ids is None else context_segment_ids
-    if position is not None:
-      q, k, extra = position.in_attention(q, k, positions, positions, is_causal=is_causal)
-      if extra:
-        raise ValueError(f"attention='linformer' does not take score terms {sorted(extra)}")
+    q, k = self.positions_without_scores(q, k, positions, position, is_causal)
     s = k.shape[1]
     if s > self.max_length:
       raise ValueError(f'linformer was built for at most {self.max_length} keys, got {s}')

@@ -173,11 +173,7 @@ class _Sparse(attention_lib.Attention):
     if context is not None:
       raise ValueError(f'attention={self.name!r} is self-attention only (cross-attention is dense)')
     q, k, v = self.project(x)
-    if position is not None:
-      q, k, extra = position.in_attention(q, k, positions, positions, is_causal=is_causal)
-      if extra:
-        raise ValueError(f'attention={self.name!r} does not take score terms {sorted(extra)} '
-                         '(ALiBi, T5 bias); use rope, sinusoidal, learned or nope')
+    q, k = self.positions_without_scores(q, k, positions, position, is_causal)
     return q, k, v
 
   def __call__(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
