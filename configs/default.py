@@ -111,6 +111,10 @@ def get_config(arg=None):
   data.data_dir = './tfds_data'  # where the dataset is generated (first use) and read
   data.packing = 'none'  # none (one pair per padded row) | segments (packed, attention per pair)
   #                        | stream (packed, attention across pairs: LM / extrapolation studies)
+  # S disjoint shards of the training split, each giving batch_size / S rows of every batch: with
+  # several processes each reads only the shards of the rows its devices hold. The batches depend
+  # on S, not on the process count, so a run resumes under any process count.
+  data.shards = 1
 
   # Device mesh (layers.sharding): axis sizes whose product is the device count (all 1: one
   # device, the first). Parameters and activations carry logical axis names; `rules` maps them to

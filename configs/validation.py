@@ -147,6 +147,11 @@ def validate(config):
   _choice('train.loss_on', t.loss_on, LOSS_ON)
 
   _choice('data.packing', d.packing, PACKINGS)
+  shards = d.get('shards', 1)
+  if (not isinstance(shards, int) or isinstance(shards, bool) or shards < 1
+      or t.batch_size % shards):
+    raise ConfigError(f'data.shards={shards!r} must be a positive integer dividing '
+                      f'train.batch_size={t.batch_size} (each shard gives batch_size / shards rows)')
   if not isinstance(d.max_length, int) or d.max_length < 8:
     raise ConfigError(f'data.max_length={d.max_length!r} must be an integer >= 8')
   from data import toy_translation  # pylint: disable=g-import-not-at-top

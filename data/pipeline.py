@@ -322,6 +322,63 @@ def make_iterator(data_config, split: str, batch_size: int, *, arch: str = 'deco
   return DataIterator(batches, num_dropped)
 
 
+class ShardedIterator:
+  """Global batches of `num_shards` disjoint shards of a split, of which this process reads only
+  `shards` (a range): each global batch is the concatenation, in shard order, of `batch_size /
+  num_shards` rows from every shard's own iterator (`make_iterator(shard_index=s, ...)`), so the
+  batches do not depend on how many processes read them. `next` returns the rows of `shards` only,
+  rows `shards.start * batch_size / num_shards` onwards of the global batch.
+
+  The state is {'shards': {s: state of shard s}} (one process's shards; `merge_states` joins the
+  processes' states for a checkpoint, and `set_state` takes its own shards from such a merge). With
+  one shard it is that shard's plain `DataIterator` state.
+  """
+
+  def __init__(self, data_config, split: str, batch_size: int, num_shards: int, shards: range,
+               **kwargs):
+    if batch_size % num_shards:
+      raise ValueError(f'data.shards={num_shards} must divide train.batch_size={batch_size}')
+    self.num_shards, self.shards = num_shards, shards
+    self.rows_per_shard = batch_size // num_shards
+    self._its = {s: make_iterator(data_config, split, self.rows_per_shard, shard_index=s,
+                                  shard_count=num_shards, **kwargs) for s in shards}
+
+  @property
+  def first_row(self) -> int:
+    """The global-batch row of this process's first row."""
+    return self.shards.start * self.rows_per_shard
+
+  @property
+  def num_dropped(self) -> int:
+    return sum(it.num_dropped for it in self._its.values())
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    parts = [next(self._its[s]) for s in self.shards]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+  def get_state(self) -> dict:
+    if self.num_shards == 1:
+      return self._its[0].get_state()
+    return {'shards': {str(s): it.get_state() for s, it in self._its.items()}}
+
+  def set_state(self, state: dict) -> None:
+    if self.num_shards == 1:
+      self._its[0].set_state(state)
+      return
+    for s, it in self._its.items():
+      it.set_state(state['shards'][str(s)])
+
+  @staticmethod
+  def merge_states(states):
+    """One state of every shard from the states of processes that each read some of them."""
+    if 'shards' not in states[0]:
+      return states[0]
+    return {'shards': {s: v for state in states for s, v in state['shards'].items()}}
+
+
 def stream_tokens(data_config, split: str) -> tuple[np.ndarray, np.ndarray]:
   """A split as one token stream in file order, as packing='stream' sees it (for evaluation).
 

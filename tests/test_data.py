@@ -277,6 +277,28 @@ def test_shards_are_disjoint_and_cover_the_split(data_dir):
   assert len(seen[0]) + len(seen[1]) == 1000
 
 
+def test_sharded_batches_do_not_depend_on_who_reads_the_shards(data_dir):
+  """data.shards=4: one reader of all four shards sees the rows that two readers of two shards see,
+  in shard order; the readers' states merge into one that resumes either way."""
+  config = _config(data_dir)
+  whole = pipeline.ShardedIterator(config, 'train', 8, 4, range(4), seed=3)
+  halves = [pipeline.ShardedIterator(config, 'train', 8, 4, range(2 * i, 2 * i + 2), seed=3)
+            for i in range(2)]
+  assert [h.first_row for h in halves] == [0, 4]
+  for _ in range(2):
+    batch = next(whole)
+    parts = [next(h) for h in halves]
+    for name in batch:
+      np.testing.assert_array_equal(batch[name], np.concatenate([p[name] for p in parts]))
+  merged = pipeline.ShardedIterator.merge_states(
+      [json.loads(json.dumps(h.get_state())) for h in halves])
+  assert merged == json.loads(json.dumps(whole.get_state()))
+  expected = next(whole)
+  resumed = pipeline.ShardedIterator(config, 'train', 8, 4, range(2, 4), seed=3)
+  resumed.set_state(merged)
+  np.testing.assert_array_equal(next(resumed)['inputs'], expected['inputs'][4:])
+
+
 def test_too_long_pairs_are_dropped_and_counted(data_dir):
   config = _config(data_dir)
   long_pairs = pipeline.load_examples(config, 'test_xlong')
