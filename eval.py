@@ -14,6 +14,7 @@ from absl import app
 from absl import flags
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -59,6 +60,52 @@ _TARGET_LOSS = flags.DEFINE_float('target_loss', None, 'With --compare: report t
                                   'whose validation loss is at most this.')
 _OUT = flags.DEFINE_string('out', None, 'With --compare: the PNG to write (default '
                            'DIR/compare.png for the first DIR).')
+_HOST_MALLOC = flags.DEFINE_bool('host_malloc', True, 'Tune glibc malloc before JAX starts '
+                                 '(train.tune_host_malloc); --nohost_malloc keeps the defaults.')
+
+
+# --- Several processes (train.py's --coordinator_address, --num_processes, --process_id) ---------
+# Every process restores the checkpoint, evaluates its share of the batches, sentences and windows
+# on its own devices, and the shares are gathered in process order, so every process holds the
+# whole result; only process 0 writes eval.json and the plots.
+
+def process_share(n):
+  """(start, stop): this process's contiguous share of `n` items (all of them in one process)."""
+  per = -(-n // jax.process_count())
+  return min(n, jax.process_index() * per), min(n, (jax.process_index() + 1) * per)
+
+
+def gather_rows(rows):
+  """Every process's `rows` (an array whose leading axis is its share), concatenated in process
+  order; `rows` itself in a single-process run."""
+  rows = np.asarray(rows)
+  if jax.process_count() == 1:
+    return rows
+  counts = np.asarray(multihost_utils.process_allgather(np.int32(len(rows))))
+  padded = np.zeros((int(counts.max()), *rows.shape[1:]), rows.dtype)
+  padded[:len(rows)] = rows
+  every = np.asarray(multihost_utils.process_allgather(padded))  # [P, max count, ...]
+  return np.concatenate([every[p, :c] for p, c in enumerate(counts)])
+
+
+def gather_token_lists(lists):
+  """`gather_rows` for lists of token ids of any lengths."""
+  if jax.process_count() == 1:
+    return lists
+  width = int(np.max(multihost_utils.process_allgather(
+      np.int32(max((len(x) for x in lists), default=0)))))
+  rows = np.zeros((len(lists), 1 + width), np.int32)
+  for i, x in enumerate(lists):
+    rows[i, 0] = len(x)
+    rows[i, 1:1 + len(x)] = x
+  return [r[1:1 + r[0]].tolist() for r in gather_rows(rows)]
+
+
+def gather_sums(sums):
+  """Summed metrics added over the processes."""
+  if jax.process_count() == 1:
+    return sums
+  return {k: np.sum(multihost_utils.process_allgather(np.float64(v))) for k, v in sums.items()}
 
 
 def load_run(workdir):
@@ -115,19 +162,20 @@ def _fill_masks(model, examples, tokenizer, batch_size=64):
   return hyps
 
 
-def generate_translations(config, model, examples, tokenizer, *, method='greedy', **decode_kwargs):
+def generate_translations(config, model, examples, tokenizer, *, method='greedy', max_new=None,
+                          **decode_kwargs):
   """Translations of `examples` by the run's architecture.
 
   decoder_only continues `<bos> source <sep>`; encoder_decoder and rnn_seq2seq decode from `<bos>`
   over the encoded `source <eos>` (all with the KV cache / recurrent state, `models.decoding`);
   encoder_only fills a fully masked target of the reference length in one pass (an oracle length:
-  a non-autoregressive score, not comparable one to one with the others).
+  a non-autoregressive score, not comparable one to one with the others). `max_new`: the decoding
+  budget, by default one more token than the longest reference.
   """
   arch = config.model.arch
   if arch == 'encoder_only':
     return _fill_masks(model, examples, tokenizer)
-  refs = [e['target_ids'] for e in examples]
-  max_new = max(len(r) for r in refs) + 1
+  max_new = max_new or max(len(e['target_ids']) for e in examples) + 1
   kwargs = dict(max_new=max_new, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, method=method,
                 **decode_kwargs)
   if arch == 'decoder_only':
@@ -156,8 +204,12 @@ def bleu(hyps, refs, tokenizer):
 def translate(config, model, examples, tokenizer, *, method='greedy', **decode_kwargs):
   """Translates `examples`; returns exact match, token accuracy, BLEU and a few samples."""
   refs = [e['target_ids'] for e in examples]
-  hyps = generate_translations(config, model, examples, tokenizer, method=method,
-                               **decode_kwargs)
+  start, stop = process_share(len(examples))
+  # Every process decodes its share with the budget of the whole split.
+  hyps = (generate_translations(config, model, examples[start:stop], tokenizer, method=method,
+                                max_new=max(len(r) for r in refs) + 1, **decode_kwargs)
+          if stop > start else [])
+  hyps = gather_token_lists(hyps)
   exact = sum(h == r for h, r in zip(hyps, refs))
   # Token accuracy: reference positions (and the final eos) predicted correctly at the same index.
   correct = total = 0
@@ -204,6 +256,16 @@ def _window_losses(model, tokens, in_target, starts, length, batch_size):
   return np.concatenate(ce), masks[:, 1:]
 
 
+def _shared_window_losses(model, tokens, in_target, starts, length, batch_size):
+  """`_window_losses` of this process's share of the windows, gathered from every process."""
+  start, stop = process_share(len(starts))
+  if stop > start:
+    ce, tgt = _window_losses(model, tokens, in_target, starts[start:stop], length, batch_size)
+  else:
+    ce, tgt = np.zeros((0, length), np.float32), np.zeros((0, length), in_target.dtype)
+  return gather_rows(ce), gather_rows(tgt)
+
+
 def extrapolate(config, model, multiples, modes, stride, split):
   """Loss of a stream at `multiple x max_length` tokens per window (attention across pairs).
 
@@ -222,13 +284,13 @@ def extrapolate(config, model, multiples, modes, stride, split):
     for mode in modes:
       if mode == 'non_overlapping':
         starts = np.arange(0, len(tokens) - length, length)
-        ce, tgt = _window_losses(model, tokens, in_target, starts, length, batch_size)
+        ce, tgt = _shared_window_losses(model, tokens, in_target, starts, length, batch_size)
         scored = np.ones_like(ce, bool)
         per_position[length] = ce.mean(0)
       elif mode == 'sliding':
         step = max(1, int(stride * length))
         starts = np.arange(0, len(tokens) - length, step)
-        ce, tgt = _window_losses(model, tokens, in_target, starts, length, batch_size)
+        ce, tgt = _shared_window_losses(model, tokens, in_target, starts, length, batch_size)
         scored = np.zeros_like(ce, bool)
         scored[0] = True
         scored[1:, length - step:] = True
@@ -390,7 +452,8 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
   eval_fn = jax.jit(functools.partial(train.eval_step, graphdef))
   result = {'step': step, 'loss': {}, 'perplexity': {}, 'accuracy': {}, 'translation': {}}
   for split in splits:
-    m = train.evaluate(eval_fn, params, config, split, 0)
+    m = train.finalize(gather_sums(train.evaluate_sums(
+        eval_fn, params, config, split, 0, share=(jax.process_index(), jax.process_count()))))
     result['loss'][split] = m['loss']
     result['perplexity'][split] = math.exp(min(m['loss'], 50.0))
     result['accuracy'][split] = m['accuracy']
@@ -413,6 +476,8 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
   main_split = 'test' if 'test' in splits else splits[-1]
   result['exact_match'] = result['translation'][main_split]['exact_match']
   result['token_accuracy'] = result['translation'][main_split]['token_accuracy']
+  if jax.process_index() > 0:  # process 0 writes the results and draws the plots
+    return result
   with open(os.path.join(workdir, 'eval.json'), 'w') as f:
     json.dump(result, f, indent=2)
   if plot_attention:
@@ -438,6 +503,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
+  if _HOST_MALLOC.value:
+    train.tune_host_malloc()
   if _COMPARE.value:
     from configs import compare  # pylint: disable=g-import-not-at-top
     out = _OUT.value or os.path.join(_COMPARE.value[0], 'compare.png')
@@ -453,6 +520,8 @@ def main(argv):
   if not _WORKDIR.value:
     print('eval: --workdir is required', file=sys.stderr)
     sys.exit(2)
+  train.init_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
+                         flags.FLAGS.process_id, flags.FLAGS.multihost)
   try:
     result = evaluate_run(
         _WORKDIR.value, _SPLIT.value, _MAX_EXAMPLES.value, translate_splits=_TRANSLATE.value,
@@ -465,11 +534,15 @@ def main(argv):
   except FileNotFoundError as e:
     print(str(e), file=sys.stderr)
     sys.exit(1)
+  if jax.process_index() > 0:
+    return
   for split in _SPLIT.value + _TRANSLATE.value:
     t = result['translation'][split]
-    loss = result['loss'].get(split, float('nan'))
-    print(f'{split}: loss {loss:.4f}  ppl {math.exp(min(loss, 50)):.3f}  exact_match {t["exact_match"]:.4f}  token_accuracy {t["token_accuracy"]:.4f}  bleu {t["bleu"]:.2f}  '
-          f'(n={t["n"]})')
+    # --translate splits are decoded only (no loss pass over them).
+    loss = (f'loss {result["loss"][split]:.4f}  ppl {result["perplexity"][split]:.3f}  '
+            if split in result['loss'] else '')
+    print(f'{split}: {loss}exact_match {t["exact_match"]:.4f}  token_accuracy '
+          f'{t["token_accuracy"]:.4f}  bleu {t["bleu"]:.2f}  (n={t["n"]})')
   for row in result.get('extrapolation', []):
     print(f'extrapolation x{row["multiple"]:g} L={row["length"]} {row["mode"]}: loss '
           f'{row["loss"]:.4f} target_loss {row["target_loss"]:.4f} ppl {row["ppl"]:.3f}')
@@ -477,4 +550,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  train.define_distributed_flags()
   app.run(main)

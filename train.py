@@ -5,6 +5,7 @@ rerun with the same command continues with exactly the batches it would have see
 """
 
 import contextlib
+import ctypes
 import functools
 import json
 import math
@@ -18,6 +19,7 @@ from absl import app
 from absl import flags
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
@@ -53,11 +55,12 @@ def define_flags():
   flags.DEFINE_bool('sweep_eval', False, 'With --sweep: run the sweep file\'s eval.py flags on '
                     'each finished cell.')
   define_distributed_flags()
+  flags.DEFINE_bool('host_malloc', True, 'Tune glibc malloc before JAX starts (see '
+                    '`tune_host_malloc`); --nohost_malloc keeps the defaults.')
 
 
 def define_distributed_flags():
-  """Multi-host flags of train.py: the arguments of `jax.distributed.initialize` (eval.py runs as
-  one process: point it at the shared workdir from one host)."""
+  """Multi-host flags of train.py and eval.py: the arguments of `jax.distributed.initialize`."""
   flags.DEFINE_string('coordinator_address', None, 'Multi-process: host:port of process 0 '
                       '(none of the three flags: auto-detected on TPU pods and SLURM, else one '
                       'process).')
@@ -87,6 +90,28 @@ def init_distributed(coordinator_address=None, num_processes=None, process_id=No
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
   return jax.process_count()
+
+
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+
+
+def tune_host_malloc():
+  """One glibc malloc arena, no mmap for large blocks, no trimming; returns whether it applied.
+
+  XLA:CPU allocates each step's temporaries afresh; under glibc's defaults every large one is a new
+  mmap, page-faulted in and unmapped again (about 1 GB per step of the (a) benchmark model). With
+  these settings the heap keeps and reuses them: benchmarks/train_throughput.py measured +10% tokens/s
+  on (a) and +21% on (b) (benchmarks/README.md). The arena limit only holds for threads started afterwards,
+  so call it before the first JAX call. Freed host memory stays with the process (its peak is
+  unchanged). A no-op where libc is not glibc.
+  """
+  try:
+    libc = ctypes.CDLL('libc.so.6')
+  except OSError:
+    return False
+  return all(libc.mallopt(param, value) == 1 for param, value in (
+      (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2 ** 31 - 1)))
 
 
 class NonFiniteLoss(RuntimeError):
@@ -177,18 +202,23 @@ def create_state(config, vocab_size, mesh=None):
   (e.g. the Performer's random features: checkpointed, not optimised; often empty). Rebuild the
   model with `nnx.merge(graphdef, *model_variables(state))`.
   """
-  model = models.build(config.model, vocab_size, config.data.max_length,
-                       rngs=nnx.Rngs(params=config.train.seed))
-  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+  def build():
+    return models.build(config.model, vocab_size, config.data.max_length,
+                        rngs=nnx.Rngs(params=config.train.seed))
+
   tx = make_optimizer(config.train)
   if mesh is None:
+    graphdef, params, buffers = nnx.split(build(), nnx.Param, ...)
     opt_state = tx.init(params)
   else:
+    # Initialised inside jit straight into their shardings: each device computes only its shard,
+    # so a model that fits the mesh but not one device can be built (FSDP).
     rules = sharding.rules_of(config.get('mesh', {}))
-    param_sharding = sharding.named(sharding.param_specs(params, mesh, rules), mesh)
-    params, buffers = (jax.device_put(params, param_sharding),
-                       jax.device_put(buffers, sharding.named(
-                           sharding.param_specs(buffers, mesh, rules), mesh)))
+    graphdef, params, buffers = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+    param_sharding, buffer_sharding = (
+        sharding.named(sharding.param_specs(v, mesh, rules), mesh) for v in (params, buffers))
+    params, buffers = jax.jit(lambda: nnx.split(build(), nnx.Param, ...)[1:],
+                              out_shardings=(param_sharding, buffer_sharding))()
     # Each moment lives where its parameter lives; counters are replicated.
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     opt_sharding = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params),
@@ -209,17 +239,76 @@ def make_mesh(config):
     raise validation.ConfigError(str(e)) from None
 
 
-def place_batch(batch, mesh, rules):
-  """A host batch (the same global batch on every process) as global arrays on `mesh`: rows over
-  the batch axes, the length over `sequence` (layers.sharding rules); each process fills only
-  the shards its devices hold."""
+def place_batch(batch, mesh, rules, first_row=0, batch_size=None):
+  """A host batch as global arrays on `mesh`: rows over the batch axes, the length over `sequence`
+  (layers.sharding rules); each process fills only the shards its devices hold.
+
+  `batch` holds rows `first_row`, ... of a global batch of `batch_size` rows (default: it is the
+  whole batch): with `data.shards`, a process reads only the rows its devices hold.
+  """
   def put(x):
     x = np.asarray(x)
+    shape = (batch_size or len(x),) + x.shape[1:]
     names = ('batch', 'length') + (None,) * (x.ndim - 2)
-    spec = sharding.spec(names[:x.ndim], x.shape, mesh, rules)
-    return jax.make_array_from_callback(x.shape, jax.sharding.NamedSharding(mesh, spec),
-                                        lambda index: x[index])
+    spec = sharding.spec(names[:x.ndim], shape, mesh, rules)
+
+    def local(index):
+      start, stop, _ = index[0].indices(shape[0])
+      return x[(slice(start - first_row, stop - first_row),) + tuple(index[1:])]
+    return jax.make_array_from_callback(shape, jax.sharding.NamedSharding(mesh, spec), local)
   return jax.tree.map(put, batch)
+
+
+def process_rows(mesh, rules, batch_size, length):
+  """(start, stop): the rows of a `[batch_size, length]` global batch this process's devices hold."""
+  spec = sharding.spec(('batch', 'length'), (batch_size, length), mesh, rules)
+  indices = jax.sharding.NamedSharding(mesh, spec).addressable_devices_indices_map(
+      (batch_size, length))
+  rows = [index[0].indices(batch_size)[:2] for index in indices.values()]
+  return min(r[0] for r in rows), max(r[1] for r in rows)
+
+
+def data_shards(config, mesh, rules):
+  """The `data.shards` this process reads: all of them in a single process; with several, those
+  holding the rows its devices hold (all of them where the batch is replicated over processes)."""
+  num_shards, batch_size = config.data.get('shards', 1), config.train.batch_size
+  if jax.process_count() == 1:
+    return range(num_shards)
+  start, stop = process_rows(mesh, rules, batch_size, config.data.max_length)
+  per = batch_size // num_shards
+  return range(start // per, -(-stop // per))
+
+
+def allgather_json(obj):
+  """Every process's JSON-serialisable `obj`, in process order (a collective: all must call)."""
+  if jax.process_count() == 1:
+    return [obj]
+  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(data))))
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:len(data)] = data
+  every = np.asarray(multihost_utils.process_allgather(padded))
+  return [json.loads(every[i, :n].tobytes()) for i, n in enumerate(sizes)]
+
+
+def global_batch(batch, first_row, batch_size):
+  """The whole global batch from the processes' row blocks (a collective; for the diagnostics
+  pass, at log steps only)."""
+  if jax.process_count() == 1:
+    return batch
+  out = {}
+  for k, x in batch.items():
+    x = np.asarray(x)
+    padded = np.zeros((batch_size,) + x.shape[1:], x.dtype)
+    padded[:len(x)] = x
+    blocks = np.asarray(multihost_utils.process_allgather(padded))
+    starts = np.asarray(multihost_utils.process_allgather(np.int32(first_row)))
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(x))))
+    full = np.zeros_like(padded)
+    for block, start, size in zip(blocks, starts, sizes):
+      full[start:start + size] = block[:size]
+    out[k] = full
+  return out
 
 
 def model_variables(state):
@@ -563,17 +652,24 @@ def eval_step(graphdef, variables, batch):
 
 def evaluate(eval_fn, variables, config, split, num_batches, length=None):
   """Mean loss/accuracy over the first `num_batches` batches (0 = all) of `split`, in order."""
+  return finalize(evaluate_sums(eval_fn, variables, config, split, num_batches, length))
+
+
+def evaluate_sums(eval_fn, variables, config, split, num_batches, length=None, share=(0, 1)):
+  """The summed metrics of `evaluate`; with `share` = (i, n), only of batches i, i + n, ... (one
+  process's part of a split that n processes evaluate side by side; their sums add up)."""
   it = pipeline.make_iterator(config.data, split, config.train.batch_size,
                               arch=models.batch_format(config.model.arch),
                               loss_on=config.train.loss_on, shuffle=False, repeat=False,
                               drop_remainder=False, length=length)
-  total = None
+  index, count = share
+  total = {'loss_sum': 0.0, 'correct_sum': 0.0, 'weight_sum': 0.0}
   for i, batch in enumerate(it):
     if num_batches and i >= num_batches:
       break
-    sums = eval_fn(variables, batch)
-    total = sums if total is None else jax.tree.map(jnp.add, total, sums)
-  return finalize(total)
+    if i % count == index:
+      total = jax.tree.map(jnp.add, total, eval_fn(variables, batch))
+  return total
 
 
 def checkpoint_manager(workdir, config):
@@ -660,6 +756,20 @@ class MetricsWriter:
     self.tb.close()
 
 
+def agreed_signal(received):
+  """The signal that stops the run after this step (0: none), the same in every process.
+
+  Processes of one run may be sent SIGTERM at different steps (a preemption notice reaches hosts
+  one by one); a process that saved and left alone would leave the others waiting in the next
+  step's collectives, and its own save waiting for theirs. So they share what they received after
+  every step (one small all-gather; nothing with a single process) and all stop together.
+  """
+  mine = received[0] if received else 0
+  if jax.process_count() == 1:
+    return mine
+  return int(np.max(multihost_utils.process_allgather(np.int32(mine))))
+
+
 def train_and_evaluate(config, workdir, _interrupt_after=None):
   """Trains `config` in `workdir`, resuming if a checkpoint exists. Returns the last train metrics.
 
@@ -680,9 +790,12 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
   mesh = make_mesh(config)
   rules = sharding.rules_of(config.get('mesh', {}))
   graphdef, tx, state = create_state(config, tokenizer.vocab_size, mesh)
-  it = pipeline.make_iterator(config.data, 'train', t.batch_size,
-                              arch=models.batch_format(config.model.arch), loss_on=t.loss_on,
-                              seed=t.seed)
+  # Rows first_row, ... of every global batch: all of it, or with data.shards and several
+  # processes the shards of the rows this process's devices hold.
+  it = pipeline.ShardedIterator(config.data, 'train', t.batch_size, config.data.get('shards', 1),
+                                data_shards(config, mesh, rules),
+                                arch=models.batch_format(config.model.arch), loss_on=t.loss_on,
+                                seed=t.seed)
   mngr = checkpoint_manager(workdir, config)
   start = 0
   restored = restore_newest_good(mngr, state, workdir) if mngr.all_steps() else None
@@ -737,8 +850,10 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
                   dynamic_ncols=True, disable=not lead)
 
   def save(step):
+    # Process 0 writes the data position: every shard's, gathered from the processes reading them.
+    data_state = pipeline.ShardedIterator.merge_states(allgather_json(it.get_state()))
     mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                            data=ocp.args.JsonSave(it.get_state())))
+                                            data=ocp.args.JsonSave(data_state)))
 
   # SIGTERM (preemption) and SIGINT finish the current step, save, and stop (see Stopped).
   received = []
@@ -753,7 +868,7 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
       # step s holds the draw step s trained with.
       if step > 1 and any((step - 1) % r == 0 for r in redraw_periods):
         state = redraw_features(graphdef, state, step - 1)
-      state, sums = step_fn(state, place_batch(batch, mesh, rules))
+      state, sums = step_fn(state, place_batch(batch, mesh, rules, it.first_row, t.batch_size))
       diag = sums.pop('diag', None)  # per-group [G] norms, read at log steps only
       # Read the loss every step: a non-finite value must stop the run before it is checkpointed.
       loss = float(sums['loss_sum']) / max(float(sums['weight_sum']), 1.0)
@@ -778,7 +893,8 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
           _write_json(info_path, info)
       window = sums if window is None else jax.tree.map(jnp.add, window, sums)
       window_steps += 1
-      window_tokens += count_tokens(batch)
+      window_tokens += count_tokens(batch) * t.batch_size / len(batch['weights'])  # this
+      # process's rows, scaled to the global batch where it reads only some
       bar.update(1)
       if step % t.log_every == 0 or step == t.steps:
         elapsed = time.perf_counter() - window_start
@@ -792,18 +908,20 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
         if diag is not None:  # the log step's values (not window means)
           last.update(diagnostic_metrics(groups, diag))
           rows = t.diagnostics_batch or t.batch_size
+          whole = global_batch(batch, it.first_row, t.batch_size)
           last.update({k: float(v) for k, v in diag_fn(
-              model_variables(state), jax.tree.map(lambda a: a[:rows], batch)).items()})
+              model_variables(state), jax.tree.map(lambda a: a[:rows], whole)).items()})
         writer.write(step, 'train', last)
         bar.set_postfix(loss=f'{last["loss"]:.3f}', tok_s=f'{last["tokens_per_sec"]:.0f}')
         window, window_steps, window_tokens, window_start = None, 0, 0, time.perf_counter()
       if step % t.eval_every == 0 or step == t.steps:
         writer.write(step, 'valid', evaluate(eval_fn, model_variables(state), config,
                                              'validation', t.eval_batches))
-      if step % t.checkpoint_every == 0 or step == t.steps or received:
+      stop = agreed_signal(received)
+      if step % t.checkpoint_every == 0 or step == t.steps or stop:
         save(step)
-      if received:
-        raise Stopped(received[0], step)
+      if stop:
+        raise Stopped(stop, step)
       if _interrupt_after == step:
         raise KeyboardInterrupt(f'test interruption after step {step}')
   finally:
@@ -820,6 +938,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
+  if FLAGS.host_malloc:
+    tune_host_malloc()
   if FLAGS.sweep:
     from configs import sweep  # pylint: disable=g-import-not-at-top
     if not FLAGS.sweep_dir:

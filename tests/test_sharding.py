@@ -1,9 +1,12 @@
 """Sharded training equals the one-device run; logical axes map to the mesh as the rules say."""
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -12,6 +15,7 @@ from flax import nnx
 
 from configs import default
 from configs import validation
+import eval as eval_lib
 from layers import sharding
 import models
 from tests.helpers import ROOT, metric_rows, quick_config
@@ -30,8 +34,37 @@ def run(data_dir, workdir, mesh=(1, 1, 1, 1), **model):
 
 
 @pytest.fixture(scope='module')
-def one_device(data_dir, tmp_path_factory):
-  return run(data_dir, tmp_path_factory.mktemp('one'))
+def one_device_workdir(data_dir, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('one')
+  run(data_dir, workdir)
+  return workdir
+
+
+@pytest.fixture(scope='module')
+def one_device(one_device_workdir):
+  return np.asarray([r['loss'] for r in metric_rows(one_device_workdir)])
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+def run_processes(script, flags, num_processes=2, devices=4):
+  """`script` run as `num_processes` local processes of `devices` CPU devices joined on loopback;
+  returns their outputs (asserting that every one exited 0)."""
+  env = {**os.environ, 'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}',
+         'JAX_PLATFORMS': 'cpu'}
+  args = [sys.executable, os.path.join(ROOT, script), *flags,
+          f'--coordinator_address=localhost:{free_port()}', f'--num_processes={num_processes}']
+  procs = [subprocess.Popen(args + [f'--process_id={i}'], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(num_processes)]
+  outputs = [p.communicate(timeout=600)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0] * num_processes, '\n'.join(
+      o[-3000:] for o in outputs)
+  return outputs
 
 
 @pytest.mark.parametrize('mesh', MESHES, ids=lambda m: 'x'.join(map(str, m)))
@@ -92,28 +125,92 @@ def test_bad_mesh_fields_are_config_errors(field, value, match):
     validation.validate(config)
 
 
+@pytest.mark.parametrize('value', [0, -2, 3])
+def test_bad_data_shards_is_a_config_error(value):
+  config = validation.resolve(default.get_config('quick'))
+  config.data.shards = value
+  with pytest.raises(validation.ConfigError, match=r'data.shards=.*train.batch_size'):
+    validation.validate(config)
+
+
 def test_two_processes_of_four_devices_equal_one_device(data_dir, tmp_path, one_device):
   """Two local processes (4 CPU devices each) join over gloo on loopback and train one 2x2x2x1 mesh:
   the same losses as one device; only process 0 writes the metrics."""
-  with socket.socket() as s:
-    s.bind(('localhost', 0))
-    port = s.getsockname()[1]
-  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=4',
-         'JAX_PLATFORMS': 'cpu'}
-  args = [sys.executable, os.path.join(ROOT, 'train.py'), '--config=configs/decoder_only.py:quick',
-          f'--workdir={tmp_path}', f'--config.data.data_dir={data_dir}',
-          '--config.train.steps=20', '--config.train.log_every=1', '--config.train.eval_every=100',
-          '--config.train.checkpoint_every=100', '--config.mesh.data=2', '--config.mesh.fsdp=2',
-          '--config.mesh.tensor=2', f'--coordinator_address=localhost:{port}', '--num_processes=2']
-  procs = [subprocess.Popen(args + [f'--process_id={i}'], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
-  outputs = [p.communicate(timeout=600)[0] for p in procs]
-  assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+  run_processes('train.py', [
+      '--config=configs/decoder_only.py:quick', f'--workdir={tmp_path}',
+      f'--config.data.data_dir={data_dir}', '--config.train.steps=20',
+      '--config.train.log_every=1', '--config.train.eval_every=100',
+      '--config.train.checkpoint_every=100', '--config.mesh.data=2', '--config.mesh.fsdp=2',
+      '--config.mesh.tensor=2'])
   losses = np.asarray([r['loss'] for r in metric_rows(tmp_path)])
   assert len(losses) == 20  # one writer
   np.testing.assert_allclose(losses, one_device, rtol=1e-5)
   assert os.path.isdir(tmp_path / 'checkpoints' / '20')
+
+
+def test_sigterm_to_one_process_stops_every_process_at_the_same_step(data_dir, tmp_path):
+  """A preemption notice reaching one host only: both processes save the same step and stop (none
+  waits forever in a collective), and the rerun resumes from that step."""
+  flags = ['--config=configs/decoder_only.py:quick', f'--workdir={tmp_path}',
+           f'--config.data.data_dir={data_dir}', '--config.train.steps=400',
+           '--config.train.log_every=1', '--config.train.eval_every=1000',
+           '--config.train.checkpoint_every=1000', '--config.mesh.data=2',
+           '--config.data.shards=2']  # each process reads its own half of the data
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=1',
+         'JAX_PLATFORMS': 'cpu'}
+  args = [sys.executable, os.path.join(ROOT, 'train.py'), *flags,
+          f'--coordinator_address=localhost:{free_port()}', '--num_processes=2']
+  procs = [subprocess.Popen(args + [f'--process_id={i}'], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  try:
+    deadline = time.time() + 300
+    while not (tmp_path / 'metrics.jsonl').exists() or len(metric_rows(tmp_path)) < 3:
+      assert time.time() < deadline and all(p.poll() is None for p in procs)
+      time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, '\n'.join(
+      o[-3000:] for o in outputs)
+  saved = [int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit()]
+  assert len(saved) == 1 and 3 <= saved[0] < 400
+  assert all(f'after step {saved[0]}' in o for o in outputs), outputs
+  outputs = run_processes('train.py', [f.replace('steps=400', f'steps={saved[0] + 2}')
+                                       for f in flags], devices=1)
+  assert f'resumed from step {saved[0]}' in outputs[0]
+  # Interrupted, resumed, two processes reading one shard each = one process reading both.
+  config = quick_config(data_dir, steps=saved[0] + 2, log_every=1, eval_every=1000,
+                        checkpoint_every=1000)
+  config.data.shards = 2
+  train.train_and_evaluate(config, str(tmp_path / 'one'))
+  np.testing.assert_allclose([r['loss'] for r in metric_rows(tmp_path)],
+                             [r['loss'] for r in metric_rows(tmp_path / 'one')], rtol=1e-5)
+
+
+def test_two_processes_evaluate_as_one(one_device_workdir):
+  """eval.py as two processes (each its share of the batches, sentences and extrapolation windows,
+  gathered) gives the one-process eval.json; only process 0 writes it."""
+  flags = ['--split=validation', '--max_examples=12', '--lengths=1,2', '--stride=0.5']
+  single = eval_lib.evaluate_run(str(one_device_workdir), ['validation'], 12, lengths=[1.0, 2.0])
+  os.remove(one_device_workdir / 'eval.json')
+  outputs = run_processes('eval.py', [f'--workdir={one_device_workdir}', *flags])
+  assert 'exact_match' in outputs[0] and 'exact_match' not in outputs[1]
+  with open(one_device_workdir / 'eval.json') as f:
+    multi = json.load(f)
+  for key in ('loss', 'accuracy'):
+    np.testing.assert_allclose(multi[key]['validation'], single[key]['validation'], rtol=1e-5)
+  t_single, t_multi = single['translation']['validation'], multi['translation']['validation']
+  assert t_multi['n'] == t_single['n'] == 12
+  assert t_multi['samples'] == t_single['samples']
+  for key in ('exact_match', 'token_accuracy', 'bleu'):
+    assert t_multi[key] == pytest.approx(t_single[key])
+  assert [r['windows'] for r in multi['extrapolation']] == [
+      r['windows'] for r in single['extrapolation']]
+  np.testing.assert_allclose([r['loss'] for r in multi['extrapolation']],
+                             [r['loss'] for r in single['extrapolation']], rtol=1e-5)
 
 
 def test_mesh_rules_override_only_the_names_they_list():
