@@ -100,6 +100,21 @@ def test_parameters_are_placed_by_their_logical_names():
   assert kv == P('fsdp', None, None)
 
 
+def test_state_is_initialised_into_its_shardings_with_the_one_device_values():
+  """create_state on a mesh builds the parameters inside jit, each device only its shards; the
+  values are those of the plain (unsharded) initialisation."""
+  config = validation.resolve(default.get_config('quick'))
+  _, _, plain = train.create_state(config, 166)
+  config.mesh.update(data=1, fsdp=2, tensor=4, sequence=1)
+  _, _, placed = train.create_state(config, 166, train.make_mesh(config))
+  kernel = placed['params']['decoder']['blocks'][0]['ffn']['wi']['kernel'].value
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec('fsdp', 'tensor')
+  assert {s.data.shape for s in kernel.addressable_shards} == {
+      (kernel.shape[0] // 2, kernel.shape[1] // 4)}
+  for a, b in zip(jax.tree.leaves(plain['params']), jax.tree.leaves(placed['params'])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize('mesh,match', [
     ((2, 1, 1, 1), 'must equal the device count 8'),
     ((3, 1, 1, 1), 'must equal the device count 8'),
