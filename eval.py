@@ -60,8 +60,6 @@ _TARGET_LOSS = flags.DEFINE_float('target_loss', None, 'With --compare: report t
                                   'whose validation loss is at most this.')
 _OUT = flags.DEFINE_string('out', None, 'With --compare: the PNG to write (default '
                            'DIR/compare.png for the first DIR).')
-_HOST_MALLOC = flags.DEFINE_bool('host_malloc', True, 'Tune glibc malloc before JAX starts '
-                                 '(train.tune_host_malloc); --nohost_malloc keeps the defaults.')
 
 
 # --- Several processes (train.py's --coordinator_address, --num_processes, --process_id) ---------
@@ -69,9 +67,10 @@ _HOST_MALLOC = flags.DEFINE_bool('host_malloc', True, 'Tune glibc malloc before 
 # on its own devices, and the shares are gathered in process order, so every process holds the
 # whole result; only process 0 writes eval.json and the plots.
 
-def process_share(n):
-  """(start, stop): this process's contiguous share of `n` items (all of them in one process)."""
-  per = -(-n // jax.process_count())
+def process_share(n, align=1):
+  """(start, stop): this process's contiguous share of `n` items (all of them in one process),
+  cut at multiples of `align`."""
+  per = -(-n // (align * jax.process_count())) * align
   return min(n, jax.process_index() * per), min(n, (jax.process_index() + 1) * per)
 
 
@@ -201,14 +200,26 @@ def bleu(hyps, refs, tokenizer):
                                      [[tokenizer.decode(r) for r in refs]]).score)
 
 
+SAMPLE_BATCH = 64  # rows per sampling batch (models.decoding.generate's default)
+
+
 def translate(config, model, examples, tokenizer, *, method='greedy', **decode_kwargs):
   """Translates `examples`; returns exact match, token accuracy, BLEU and a few samples."""
   refs = [e['target_ids'] for e in examples]
-  start, stop = process_share(len(examples))
-  # Every process decodes its share with the budget of the whole split.
+  # Every process decodes its share with the budget of the whole split. Sampling cuts the shares
+  # at whole decoding batches, each keyed by its place in the split: the samples of one process.
+  if method == 'sample':
+    rows = min(SAMPLE_BATCH, len(examples))
+    start, stop = process_share(len(examples), align=rows)
+    decode_kwargs = dict(decode_kwargs, batch_size=rows, row_offset=start)
+  else:
+    start, stop = process_share(len(examples))
   hyps = (generate_translations(config, model, examples[start:stop], tokenizer, method=method,
                                 max_new=max(len(r) for r in refs) + 1, **decode_kwargs)
           if stop > start else [])
+  if jax.process_count() > 1:
+    print(f'eval: process {jax.process_index()} of {jax.process_count()} decodes sentences '
+          f'{start}-{stop} of {len(examples)}', file=sys.stderr)
   hyps = gather_token_lists(hyps)
   exact = sum(h == r for h, r in zip(hyps, refs))
   # Token accuracy: reference positions (and the final eos) predicted correctly at the same index.
@@ -470,7 +481,7 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     result['rope_scaling'] = rope_scaling or 'as trained'
     result['extrapolation'], per_position = extrapolate(config, model, lengths, modes, stride,
                                                         stream_split)
-    if per_position:
+    if per_position and jax.process_index() == 0:
       result['extrapolation_plot'] = plot_per_position(
           workdir, per_position, f'{config.model.position}, rope_scaling={rope_scaling}')
   main_split = 'test' if 'test' in splits else splits[-1]
@@ -503,7 +514,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
-  if _HOST_MALLOC.value:
+  if train.host_malloc_wanted(flags.FLAGS.host_malloc):
     train.tune_host_malloc()
   if _COMPARE.value:
     from configs import compare  # pylint: disable=g-import-not-at-top
@@ -551,4 +562,5 @@ def main(argv):
 
 if __name__ == '__main__':
   train.define_distributed_flags()
+  train.define_host_malloc_flag()
   app.run(main)

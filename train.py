@@ -7,6 +7,8 @@ rerun with the same command continues with exactly the batches it would have see
 import contextlib
 import ctypes
 import functools
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -55,8 +57,12 @@ def define_flags():
   flags.DEFINE_bool('sweep_eval', False, 'With --sweep: run the sweep file\'s eval.py flags on '
                     'each finished cell.')
   define_distributed_flags()
-  flags.DEFINE_bool('host_malloc', True, 'Tune glibc malloc before JAX starts (see '
-                    '`tune_host_malloc`); --nohost_malloc keeps the defaults.')
+  define_host_malloc_flag()
+
+
+def define_host_malloc_flag():
+  flags.DEFINE_enum('host_malloc', 'auto', ['auto', 'on', 'off'], 'Tune glibc malloc before JAX '
+                    'starts (`tune_host_malloc`): auto = when no GPU/TPU plugin is installed.')
 
 
 def define_distributed_flags():
@@ -110,8 +116,22 @@ def tune_host_malloc():
     libc = ctypes.CDLL('libc.so.6')
   except OSError:
     return False
-  return all(libc.mallopt(param, value) == 1 for param, value in (
-      (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2 ** 31 - 1)))
+  done = [libc.mallopt(param, value) == 1 for param, value in (
+      (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2 ** 31 - 1))]
+  return all(done)
+
+
+def accelerator_plugin_installed():
+  """Whether a GPU/TPU backend for JAX is installed (looked up without starting JAX)."""
+  if os.environ.get('JAX_PLATFORMS', '').strip().lower() == 'cpu':
+    return False
+  plugins = importlib.metadata.entry_points(group='jax_plugins')
+  return bool(plugins) or importlib.util.find_spec('libtpu') is not None
+
+
+def host_malloc_wanted(flag):
+  """--host_malloc: 'auto' tunes malloc on CPU-only hosts (where it was measured), 'on'/'off'."""
+  return flag == 'on' or (flag == 'auto' and not accelerator_plugin_installed())
 
 
 class NonFiniteLoss(RuntimeError):
@@ -226,8 +246,9 @@ def create_state(config, vocab_size, mesh=None):
     opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
   state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'buffers': buffers,
            'opt_state': opt_state, 'skipped': jnp.zeros((), jnp.int32)}
-  if mesh is not None:
-    state.update(jax.device_put({'step': state['step'], 'skipped': state['skipped']}, replicated))
+  if mesh is not None:  # from the host: no device holds anything placed elsewhere afterwards
+    state.update(jax.device_put({'step': np.zeros((), np.int32), 'skipped': np.zeros((), np.int32)},
+                                replicated))
   return graphdef, tx, state
 
 
@@ -259,22 +280,25 @@ def place_batch(batch, mesh, rules, first_row=0, batch_size=None):
   return jax.tree.map(put, batch)
 
 
-def process_rows(mesh, rules, batch_size, length):
-  """(start, stop): the rows of a `[batch_size, length]` global batch this process's devices hold."""
+def process_rows(mesh, rules, batch_size, length, devices=None):
+  """(start, stop): the span of rows of a `[batch_size, length]` global batch that `devices`
+  (default: this process's) hold."""
   spec = sharding.spec(('batch', 'length'), (batch_size, length), mesh, rules)
-  indices = jax.sharding.NamedSharding(mesh, spec).addressable_devices_indices_map(
-      (batch_size, length))
-  rows = [index[0].indices(batch_size)[:2] for index in indices.values()]
+  indices = jax.sharding.NamedSharding(mesh, spec).devices_indices_map((batch_size, length))
+  devices = set(jax.local_devices() if devices is None else devices)
+  rows = [index[0].indices(batch_size)[:2] for d, index in indices.items() if d in devices]
   return min(r[0] for r in rows), max(r[1] for r in rows)
 
 
-def data_shards(config, mesh, rules):
-  """The `data.shards` this process reads: all of them in a single process; with several, those
-  holding the rows its devices hold (all of them where the batch is replicated over processes)."""
+def data_shards(config, mesh, rules, devices=None):
+  """The `data.shards` a process reads: all of them in a single process; with several, those that
+  cover the span of rows its devices (`devices`, default its own) hold: only its own where the
+  batch axes split the rows into contiguous blocks per process (the usual layout), every one where
+  the batch is replicated over processes."""
   num_shards, batch_size = config.data.get('shards', 1), config.train.batch_size
-  if jax.process_count() == 1:
+  if jax.process_count() == 1 and devices is None:
     return range(num_shards)
-  start, stop = process_rows(mesh, rules, batch_size, config.data.max_length)
+  start, stop = process_rows(mesh, rules, batch_size, config.data.max_length, devices)
   per = batch_size // num_shards
   return range(start // per, -(-stop // per))
 
@@ -887,14 +911,14 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
             'groups': dict(zip(groups, map(float, grad))),
             'blocks': [float(v) for n, v in zip(groups, grad) if '/blocks/' in f'/{n}'],
             'norm_position': config.model.norm_position, 'num_layers': config.model.num_layers})
-      if 'unigram_entropy' not in info:
-        info['unigram_entropy'] = unigram_entropy(batch)  # the level compare's plateau rule uses
+      if 'unigram_entropy' not in info:  # the level compare's plateau rule uses
+        info['unigram_entropy'] = unigram_entropy(global_batch(batch, it.first_row, t.batch_size))
         if lead:
           _write_json(info_path, info)
       window = sums if window is None else jax.tree.map(jnp.add, window, sums)
       window_steps += 1
-      window_tokens += count_tokens(batch) * t.batch_size / len(batch['weights'])  # this
-      # process's rows, scaled to the global batch where it reads only some
+      # This process's rows, scaled to the global batch where it reads only some.
+      window_tokens += count_tokens(batch) * t.batch_size / len(next(iter(batch.values())))
       bar.update(1)
       if step % t.log_every == 0 or step == t.steps:
         elapsed = time.perf_counter() - window_start
@@ -938,7 +962,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError('Too many command-line arguments.')
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
-  if FLAGS.host_malloc:
+  if host_malloc_wanted(FLAGS.host_malloc):
     tune_host_malloc()
   if FLAGS.sweep:
     from configs import sweep  # pylint: disable=g-import-not-at-top

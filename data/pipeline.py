@@ -340,8 +340,13 @@ class ShardedIterator:
       raise ValueError(f'data.shards={num_shards} must divide train.batch_size={batch_size}')
     self.num_shards, self.shards = num_shards, shards
     self.rows_per_shard = batch_size // num_shards
+    seed = kwargs.pop('seed', 0)
+    # Each shard shuffles with its own seed (with one seed, equal-sized shards would share one
+    # permutation, and every batch would hold runs of neighbouring pairs); one shard keeps `seed`.
     self._its = {s: make_iterator(data_config, split, self.rows_per_shard, shard_index=s,
-                                  shard_count=num_shards, **kwargs) for s in shards}
+                                  shard_count=num_shards,
+                                  seed=seed if num_shards == 1 else seed * num_shards + s, **kwargs)
+                 for s in shards}
 
   @property
   def first_row(self) -> int:

@@ -61,6 +61,10 @@ def make_mesh(mesh_config, devices=None):
   """
   devices = jax.devices() if devices is None else devices
   shape = tuple(int(mesh_config.get(a, 1)) for a in MESH_AXES)
+  if math.prod(shape) == 1 and jax.process_count() > 1:
+    raise ValueError(f'config.mesh sizes are all 1 (one device) but {jax.process_count()} '
+                     f'processes run; set mesh.data/fsdp/tensor/sequence to cover all '
+                     f'{len(devices)} devices')
   if math.prod(shape) == 1:
     devices = devices[:1]
   if math.prod(shape) != len(devices):

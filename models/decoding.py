@@ -212,7 +212,7 @@ def _pad_rows(rows, length, pad_id):
 
 def generate(model, prompts, *, max_new, eos_id, pad_id=0, sources=None, method='greedy',
              num_beams=4, length_penalty=0.6, temperature=1.0, top_k=0, top_p=1.0, seed=0,
-             batch_size=64, length=None, paged=False, page_size=16, num_pages=None):
+             batch_size=64, length=None, paged=False, page_size=16, num_pages=None, row_offset=0):
   """Continuations of `prompts` with the KV cache.
 
   Args:
@@ -227,6 +227,8 @@ def generate(model, prompts, *, max_new, eos_id, pad_id=0, sources=None, method=
     temperature, top_k, top_p: sampling (top_k 0 and top_p 1 = off).
     seed: sampling randomness.
     batch_size: rows decoded together.
+    row_offset: the index of `prompts[0]` in a larger list decoded in parts (eval.py's processes):
+      with parts cut at multiples of `batch_size`, each batch samples as in the whole list.
     length: the decoder buffer (prompt + continuation); default longest prompt + max_new.
     paged: decode with a paged KV cache (layers.paged_attention; decoder-only, greedy/sample):
       pages of `page_size` tokens from a pool of `num_pages` (default: enough for every row at
@@ -265,14 +267,14 @@ def generate(model, prompts, *, max_new, eos_id, pad_id=0, sources=None, method=
       batch = {'inputs': buf}
     if paged:
       filled = _paged_loop(
-          graphdef, params, buf, plen, jax.random.fold_in(rng, start), max_new=max_new,
+          graphdef, params, buf, plen, jax.random.fold_in(rng, row_offset + start), max_new=max_new,
           eos_id=eos_id, pad_id=pad_id, temperature=0.0 if method == 'greedy' else
           float(temperature), top_k=int(top_k), top_p=float(top_p), page_size=int(page_size),
           num_pages=num_pages or paged_attention.default_num_pages(batch_size, length, page_size))
     else:
       filled = np.asarray(_generate(
           graphdef, params, batch, jnp.asarray(buf), jnp.asarray(plen),
-          jax.random.fold_in(rng, start), method=method, max_new=max_new, eos_id=eos_id,
+          jax.random.fold_in(rng, row_offset + start), method=method, max_new=max_new, eos_id=eos_id,
           pad_id=pad_id, num_beams=num_beams, length_penalty=float(length_penalty),
           temperature=float(temperature), top_k=int(top_k), top_p=float(top_p)))
     for i in range(n):

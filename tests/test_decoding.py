@@ -231,6 +231,20 @@ def test_sampling_temperature_zero_is_greedy_and_top_k_1_too():
                            seed=3) == greedy
 
 
+def test_sampling_in_parts_cut_at_batches_equals_sampling_the_whole():
+  """eval.py's processes each sample a part of the sentences: parts cut at multiples of the batch,
+  given their `row_offset`, draw what one process drawing the whole list draws."""
+  model = build('decoder_only', max_length=24)
+  prompts = [p for _ in range(3) for p in PROMPTS]  # 3 batches of len(PROMPTS) rows
+  kwargs = dict(max_new=6, eos_id=2, method='sample', seed=5, batch_size=len(PROMPTS))
+  whole = decoding.generate(model, prompts, **kwargs)
+  cut = len(PROMPTS)
+  parts = (decoding.generate(model, prompts[:cut], **kwargs)
+           + decoding.generate(model, prompts[cut:], row_offset=cut, **kwargs))
+  assert parts == whole
+  assert decoding.generate(model, prompts[cut:], **kwargs) != whole[cut:]  # the offset matters
+
+
 def test_top_k_and_top_p_keep_only_the_likely_tokens():
   logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
   keys = jax.random.split(jax.random.key(0), 2000)

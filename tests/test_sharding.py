@@ -106,7 +106,9 @@ def test_state_is_initialised_into_its_shardings_with_the_one_device_values():
   config = validation.resolve(default.get_config('quick'))
   _, _, plain = train.create_state(config, 166)
   config.mesh.update(data=1, fsdp=2, tensor=4, sequence=1)
-  _, _, placed = train.create_state(config, 166, train.make_mesh(config))
+  mesh = train.make_mesh(config)
+  with jax.transfer_guard_device_to_device('disallow'):  # nothing built on one device, then moved
+    _, _, placed = train.create_state(config, 166, mesh)
   kernel = placed['params']['decoder']['blocks'][0]['ffn']['wi']['kernel'].value
   assert kernel.sharding.spec == jax.sharding.PartitionSpec('fsdp', 'tensor')
   assert {s.data.shape for s in kernel.addressable_shards} == {
@@ -140,6 +142,23 @@ def test_bad_mesh_fields_are_config_errors(field, value, match):
     validation.validate(config)
 
 
+@pytest.mark.parametrize('mesh,shards,expected', [
+    ((2, 2, 2, 1), 4, [range(0, 2), range(2, 4)]),  # rows over data x fsdp: a block per host
+    ((1, 8, 1, 1), 8, [range(0, 4), range(4, 8)]),
+    ((1, 1, 1, 8), 4, [range(0, 4), range(0, 4)]),  # the batch replicated: every host reads all
+])
+def test_each_host_reads_the_shards_of_its_rows(mesh, shards, expected):
+  """Hosts = the two halves of the mesh's devices (4 each, as in the two-process test)."""
+  config = validation.resolve(default.get_config('quick'))
+  config.mesh.update(dict(zip(sharding.MESH_AXES, mesh)))
+  config.data.shards = shards
+  m = train.make_mesh(config)
+  rules = sharding.rules_of(config.mesh)
+  devices = m.devices.flatten()
+  hosts = [devices[:4], devices[4:]]
+  assert [train.data_shards(config, m, rules, host) for host in hosts] == expected
+
+
 @pytest.mark.parametrize('value', [0, -2, 3])
 def test_bad_data_shards_is_a_config_error(value):
   config = validation.resolve(default.get_config('quick'))
@@ -167,7 +186,7 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(data_dir, t
   """A preemption notice reaching one host only: both processes save the same step and stop (none
   waits forever in a collective), and the rerun resumes from that step."""
   flags = ['--config=configs/decoder_only.py:quick', f'--workdir={tmp_path}',
-           f'--config.data.data_dir={data_dir}', '--config.train.steps=400',
+           f'--config.data.data_dir={data_dir}', '--config.train.steps=5000',
            '--config.train.log_every=1', '--config.train.eval_every=1000',
            '--config.train.checkpoint_every=1000', '--config.mesh.data=2',
            '--config.data.shards=2']  # each process reads its own half of the data
@@ -191,9 +210,9 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(data_dir, t
   assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, '\n'.join(
       o[-3000:] for o in outputs)
   saved = [int(d) for d in os.listdir(tmp_path / 'checkpoints') if d.isdigit()]
-  assert len(saved) == 1 and 3 <= saved[0] < 400
+  assert len(saved) == 1 and 3 <= saved[0] < 5000
   assert all(f'after step {saved[0]}' in o for o in outputs), outputs
-  outputs = run_processes('train.py', [f.replace('steps=400', f'steps={saved[0] + 2}')
+  outputs = run_processes('train.py', [f.replace('steps=5000', f'steps={saved[0] + 2}')
                                        for f in flags], devices=1)
   assert f'resumed from step {saved[0]}' in outputs[0]
   # Interrupted, resumed, two processes reading one shard each = one process reading both.
@@ -213,6 +232,8 @@ def test_two_processes_evaluate_as_one(one_device_workdir):
   os.remove(one_device_workdir / 'eval.json')
   outputs = run_processes('eval.py', [f'--workdir={one_device_workdir}', *flags])
   assert 'exact_match' in outputs[0] and 'exact_match' not in outputs[1]
+  assert 'process 0 of 2 decodes sentences 0-6 of 12' in outputs[0]
+  assert 'process 1 of 2 decodes sentences 6-12 of 12' in outputs[1]
   with open(one_device_workdir / 'eval.json') as f:
     multi = json.load(f)
   for key in ('loss', 'accuracy'):
