@@ -77,27 +77,18 @@ def process_share(n, align=1):
 def gather_rows(rows):
   """Every process's `rows` (an array whose leading axis is its share), concatenated in process
   order; `rows` itself in a single-process run."""
-  rows = np.asarray(rows)
-  if jax.process_count() == 1:
-    return rows
-  counts = np.asarray(multihost_utils.process_allgather(np.int32(len(rows))))
-  padded = np.zeros((int(counts.max()), *rows.shape[1:]), rows.dtype)
-  padded[:len(rows)] = rows
-  every = np.asarray(multihost_utils.process_allgather(padded))  # [P, max count, ...]
-  return np.concatenate([every[p, :c] for p, c in enumerate(counts)])
+  return np.concatenate(train.allgather_ragged(rows))
 
 
 def gather_token_lists(lists):
   """`gather_rows` for lists of token ids of any lengths."""
   if jax.process_count() == 1:
     return lists
-  width = int(np.max(multihost_utils.process_allgather(
-      np.int32(max((len(x) for x in lists), default=0)))))
-  rows = np.zeros((len(lists), 1 + width), np.int32)
-  for i, x in enumerate(lists):
-    rows[i, 0] = len(x)
-    rows[i, 1:1 + len(x)] = x
-  return [r[1:1 + r[0]].tolist() for r in gather_rows(rows)]
+  lengths = gather_rows(np.int32([len(x) for x in lists]))
+  tokens = gather_rows(np.int32([t for x in lists for t in x]))
+  if not len(lengths):
+    return []
+  return [x.tolist() for x in np.split(tokens, np.cumsum(lengths)[:-1])]
 
 
 def gather_sums(sums):

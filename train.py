@@ -303,16 +303,23 @@ def data_shards(config, mesh, rules, devices=None):
   return range(start // per, -(-stop // per))
 
 
+def allgather_ragged(x):
+  """Every process's array `x`, whose leading axis may differ in length between processes, as a
+  list in process order (a collective: all must call; `[x]` with one process)."""
+  x = np.asarray(x)
+  if jax.process_count() == 1:
+    return [x]
+  sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(x))))
+  padded = np.zeros((int(sizes.max()),) + x.shape[1:], x.dtype)
+  padded[:len(x)] = x
+  every = np.asarray(multihost_utils.process_allgather(padded))  # [P, longest, ...]
+  return [block[:n] for block, n in zip(every, sizes)]
+
+
 def allgather_json(obj):
   """Every process's JSON-serialisable `obj`, in process order (a collective: all must call)."""
-  if jax.process_count() == 1:
-    return [obj]
   data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(data))))
-  padded = np.zeros(int(sizes.max()), np.uint8)
-  padded[:len(data)] = data
-  every = np.asarray(multihost_utils.process_allgather(padded))
-  return [json.loads(every[i, :n].tobytes()) for i, n in enumerate(sizes)]
+  return [json.loads(block.tobytes()) for block in allgather_ragged(data)]
 
 
 def global_batch(batch, first_row, batch_size):
@@ -320,17 +327,12 @@ def global_batch(batch, first_row, batch_size):
   pass, at log steps only)."""
   if jax.process_count() == 1:
     return batch
+  starts = [int(b[0]) for b in allgather_ragged(np.int32([first_row]))]
   out = {}
   for k, x in batch.items():
-    x = np.asarray(x)
-    padded = np.zeros((batch_size,) + x.shape[1:], x.dtype)
-    padded[:len(x)] = x
-    blocks = np.asarray(multihost_utils.process_allgather(padded))
-    starts = np.asarray(multihost_utils.process_allgather(np.int32(first_row)))
-    sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(x))))
-    full = np.zeros_like(padded)
-    for block, start, size in zip(blocks, starts, sizes):
-      full[start:start + size] = block[:size]
+    full = np.zeros((batch_size,) + np.shape(x)[1:], np.asarray(x).dtype)
+    for start, block in zip(starts, allgather_ragged(x)):
+      full[start:start + len(block)] = block  # blocks of processes reading the same rows agree
     out[k] = full
   return out
 
