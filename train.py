@@ -58,6 +58,8 @@ def define_flags():
                     'each finished cell.')
   define_distributed_flags()
   define_host_malloc_flag()
+  flags.DEFINE_integer('test_sigterm_after', None, 'Testing: this process sends itself SIGTERM '
+                       'after that step, as a preemption notice that reaches one host only.')
 
 
 def define_host_malloc_flag():
@@ -796,10 +798,11 @@ def agreed_signal(received):
   return int(np.max(multihost_utils.process_allgather(np.int32(mine))))
 
 
-def train_and_evaluate(config, workdir, _interrupt_after=None):
+def train_and_evaluate(config, workdir, _interrupt_after=None, _sigterm_after=None):
   """Trains `config` in `workdir`, resuming if a checkpoint exists. Returns the last train metrics.
 
-  `_interrupt_after` (tests only) raises KeyboardInterrupt after that step, as a kill would.
+  `_interrupt_after` (tests only) raises KeyboardInterrupt after that step, as a kill would;
+  `_sigterm_after` (tests only) sends this process SIGTERM after that step.
   """
   os.makedirs(workdir, exist_ok=True)
   lead = jax.process_index() == 0  # multi-process: only process 0 writes logs and reports
@@ -943,6 +946,8 @@ def train_and_evaluate(config, workdir, _interrupt_after=None):
       if step % t.eval_every == 0 or step == t.steps:
         writer.write(step, 'valid', evaluate(eval_fn, model_variables(state), config,
                                              'validation', t.eval_batches))
+      if _sigterm_after == step:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next line
       stop = agreed_signal(received)
       if step % t.checkpoint_every == 0 or step == t.steps or stop:
         save(step)
@@ -995,7 +1000,7 @@ def main(argv):
     print(f'config error: {e}', file=sys.stderr)
     sys.exit(2)
   try:
-    train_and_evaluate(config, FLAGS.workdir)
+    train_and_evaluate(config, FLAGS.workdir, _sigterm_after=FLAGS.test_sigterm_after)
   except IncompatibleResume as e:
     print(f'train: {e}', file=sys.stderr)
     sys.exit(2)
