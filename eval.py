@@ -49,7 +49,7 @@ _PLOT_ATTENTION = flags.DEFINE_integer('plot_attention', 0, 'Draw attention heat
                                        'per head) of this many test sentences (0 = none).')
 _ROPE_SCALING = flags.DEFINE_string('rope_scaling', None, 'Override RoPE scaling at evaluation '
                                     'only: none, pi:F, ntk:F or yarn:F (F the factor).')
-# Comparing runs (configs/compare.py): overlaid loss curves of workdirs or sweep directories.
+# Comparing runs (tools/compare.py): overlaid loss curves of workdirs or sweep directories.
 _COMPARE = flags.DEFINE_list('compare', [], 'Workdirs and/or sweep directories to compare '
                              '(instead of evaluating --workdir); writes --out and prints a table.')
 _SMOOTH = flags.DEFINE_string('smooth', None, 'With --compare: train-curve smoothing, ema:BETA '
@@ -508,7 +508,7 @@ def main(argv):
   if train.host_malloc_wanted(flags.FLAGS.host_malloc):
     train.tune_host_malloc()
   if _COMPARE.value:
-    from configs import compare  # pylint: disable=g-import-not-at-top
+    from tools import compare  # pylint: disable=g-import-not-at-top
     out = _OUT.value or os.path.join(_COMPARE.value[0], 'compare.png')
     try:
       table = compare.compare(_COMPARE.value, out, smoothing=_SMOOTH.value, logy=_LOGY.value,

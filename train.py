@@ -30,9 +30,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 import tqdm
 
-from configs import compare
+from tools import compare
 from configs import default as default_config
-from configs import validation
+from training import validation
 from data import pipeline
 from layers import block as block_lib
 from layers import masks
@@ -46,7 +46,7 @@ def define_flags():
   """The CLI flags, defined only when run as a program (eval.py imports this module)."""
   config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py).', lock_config=True)
   flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and logs.')
-  # Sweeps (configs/sweep.py): every cell of a configs/ablations/*.py grid in its own workdir.
+  # Sweeps (tools/sweep.py): every cell of a configs/ablations/*.py grid in its own workdir.
   flags.DEFINE_string('sweep', None, 'A sweep file (configs/ablations/NAME.py[:ARG]); runs every '
                       'cell into --sweep_dir/<cell name> instead of training --config.')
   flags.DEFINE_string('sweep_dir', None, 'Directory of the sweep: one workdir per cell.')
@@ -972,7 +972,7 @@ def main(argv):
   if host_malloc_wanted(FLAGS.host_malloc):
     tune_host_malloc()
   if FLAGS.sweep:
-    from configs import sweep  # pylint: disable=g-import-not-at-top
+    from tools import sweep  # pylint: disable=g-import-not-at-top
     if not FLAGS.sweep_dir:
       print('train: --sweep needs --sweep_dir', file=sys.stderr)
       sys.exit(2)

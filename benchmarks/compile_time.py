@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from configs import default
-from configs import validation
+from training import validation
 import train
 
 _DEPTHS = flags.DEFINE_list('depths', ['2', '6', '12', '24'], 'Numbers of layers.')

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from configs import default
-from configs import validation
+from training import validation
 from models import decoding
 import models
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 from configs import default  # pylint: disable=wrong-import-position
-from configs import validation  # pylint: disable=wrong-import-position
+from training import validation  # pylint: disable=wrong-import-position
 from models import accounting  # pylint: disable=wrong-import-position
 import train  # pylint: disable=wrong-import-position
 

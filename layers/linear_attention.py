@@ -167,7 +167,7 @@ class _Kernel(attention_lib.Attention):
     qf, kf = self.features(q.reshape(b, t, kh, n // kh, h), k)
     if context_segment_ids is not None:
       # Padding keys (segment 0) are hidden by zeroing their features. Packed segments are not
-      # supported (configs/validation.py rejects data.packing='segments' for these variants).
+      # supported (training/validation.py rejects data.packing='segments' for these variants).
       kf = kf * (context_segment_ids > 0)[:, :, None, None].astype(kf.dtype)
     return qf, kf, v
 
@@ -337,7 +337,7 @@ class LinformerAttention(attention_lib.Attention):
   @classmethod
   def from_config(cls, cfg, *, rngs):
     if not cfg.get('linformer_length', 0):
-      raise ValueError('model.linformer_length is 0: run configs.validation.resolve first')
+      raise ValueError('model.linformer_length is 0: run training.validation.resolve first')
     return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, k=cfg.linformer_k,
                max_length=cfg.linformer_length, rngs=rngs, **_common(cfg))
 

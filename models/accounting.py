@@ -20,7 +20,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 import models
-from configs import validation
+from training import validation
 from layers import sharding
 
 MIB = 2 ** 20

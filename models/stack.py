@@ -64,7 +64,7 @@ class Stack(nnx.Module):
       raise ValueError(f'remat {self.remat!r} unknown; valid: {sorted(REMAT_POLICIES)}')
     if self.scan_layers:
       # One Block whose variables are the layers' stacked on a leading [L] axis. All layers share
-      # one config, so the per-layer `attention_seed` cannot apply (configs.validation refuses the
+      # one config, so the per-layer `attention_seed` cannot apply (training.validation refuses the
       # variants that read it).
       self.blocks = stacked_blocks(cfg, cfg.num_layers, cross_attention=cross_attention,
                                    rngs=rngs)

@@ -4,7 +4,7 @@ import json
 import os
 
 from configs import decoder_only
-from configs import validation
+from training import validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,7 +12,7 @@ from flax import nnx
 
 from configs import decoder_only
 from configs import default
-from configs import validation
+from training import validation
 from layers import sharding
 import models
 from models import accounting

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from configs import default
-from configs import validation
+from training import validation
 from data import pipeline
 import models
 from layers import attention

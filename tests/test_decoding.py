@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from configs import default
-from configs import validation
+from training import validation
 from layers import attention
 from layers import positions
 from models import decoding

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from configs import decoder_only
-from configs import validation
+from training import validation
 import train
 
 VOCAB, B, T = 50, 4, 16

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from configs import decoder_only
-from configs import validation
+from training import validation
 from models import decoding
 import eval as eval_lib
 import models

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from configs import default
-from configs import validation
+from training import validation
 from layers import attention
 from layers import block
 from layers import feed_forward

@@ -11,7 +11,7 @@ import pytest
 from configs import encoder_decoder
 from configs import encoder_only
 from configs import rnn_seq2seq
-from configs import validation
+from training import validation
 from data import tokenizer as tokenizer_lib
 from models import encoder_only as encoder_only_lib
 import eval as eval_lib

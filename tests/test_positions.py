@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from configs import default
-from configs import validation
+from training import validation
 from layers import positions
 from layers import rope
 from models import decoder_only

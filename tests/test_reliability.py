@@ -15,7 +15,7 @@ import pytest
 
 from configs import decoder_only
 from configs import default
-from configs import validation
+from training import validation
 from data import pipeline
 from tests.helpers import ROOT, metric_rows, quick_config
 import train

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from configs import default
-from configs import validation
+from training import validation
 from layers import sharding
 from models import stack
 from tests.helpers import metric_rows, quick_config

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from configs import default
-from configs import validation
+from training import validation
 import eval as eval_lib
 from layers import sharding
 import models

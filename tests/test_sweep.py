@@ -1,4 +1,4 @@
-"""Sweeps (configs/sweep.py) and comparisons (configs/compare.py): expansion, names, skip/resume,
+"""Sweeps (tools/sweep.py) and comparisons (tools/compare.py): expansion, names, skip/resume,
 --dry_run, and the comparison's band, divergence, plateau and steps-to-target on synthetic runs."""
 
 import glob
@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from configs import compare
-from configs import sweep
+from tools import compare
+from tools import sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ABLATIONS = sorted(glob.glob(os.path.join(ROOT, 'configs', 'ablations', '[!_]*.py')))

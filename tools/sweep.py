@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from configs import validation
+from training import validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP_KEYS = ('grid', 'cells', 'seeds', 'eval_flags', 'eval_variants')

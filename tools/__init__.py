@@ -1,0 +1,1 @@
+"""Command-line tools over the training library: sweeps, comparisons, accounting."""

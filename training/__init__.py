@@ -1,0 +1,1 @@
+"""The training library: state, steps, loop, checkpointing, evaluation, validation."""
