@@ -1,0 +1,139 @@
+"""Evaluation shared by the training loop and eval.py: summed metrics over a split, and a whole
+run's evaluation (loss and perplexity per split, translation, length extrapolation)."""
+
+import functools
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from data import pipeline
+from layers import positions as positions_lib
+import models
+from training import checkpointing
+from training import distributed
+from training import extrapolation
+from training import state as state_lib
+from training import steps
+from training import translation
+
+
+def evaluate(eval_fn, variables, config, split, num_batches, length=None):
+  """Mean loss/accuracy over the first `num_batches` batches (0 = all) of `split`, in order."""
+  return steps.finalize(evaluate_sums(eval_fn, variables, config, split, num_batches, length))
+
+
+def evaluate_sums(eval_fn, variables, config, split, num_batches, length=None, share=(0, 1)):
+  """The summed metrics of `evaluate`; with `share` = (i, n), only of batches i, i + n, ... (one
+  process's part of a split that n processes evaluate side by side; their sums add up)."""
+  it = pipeline.make_iterator(config.data, split, config.train.batch_size,
+                              arch=models.batch_format(config.model.arch),
+                              loss_on=config.train.loss_on, shuffle=False, repeat=False,
+                              drop_remainder=False, length=length)
+  index, count = share
+  total = {'loss_sum': 0.0, 'correct_sum': 0.0, 'weight_sum': 0.0}
+  for i, batch in enumerate(it):
+    if num_batches and i >= num_batches:
+      break
+    if i % count == index:
+      total = jax.tree.map(jnp.add, total, eval_fn(variables, batch))
+  return total
+
+
+def load_run(workdir):
+  """Returns (config, graphdef, variables, step) of the newest checkpoint in `workdir`, where
+  `nnx.merge(graphdef, variables)` is the model (parameters and buffers in one `nnx.State`)."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'eval: {workdir} has no config.json; is it a train.py workdir?')
+  with open(path) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  if config.model.get('attention_impl') == 'ring':
+    # Ring attention needs the training mesh; eval runs on one device, and `xla` is the same
+    # exact attention.
+    config.model.attention_impl = 'xla'
+  mngr = checkpointing.checkpoint_manager(workdir, config)
+  if mngr.latest_step() is None:
+    raise FileNotFoundError(f'eval: no checkpoint in {os.path.join(workdir, "checkpoints")}')
+  tokenizer = pipeline.get_tokenizer(config.data)
+  graphdef, _, state = state_lib.create_state(config, tokenizer.vocab_size)
+  state, _ = checkpointing.restore_state(mngr, state)
+  mngr.close()
+  graphdef, variables = nnx.split(nnx.merge(graphdef, *state_lib.model_variables(state)))
+  return config, graphdef, variables, int(state['step'])
+
+
+def parse_rope_scaling(text):
+  """'ntk:4' -> ('ntk', 4.0); 'none' -> ('none', 1.0)."""
+  name, _, factor = text.partition(':')
+  return name, float(factor) if factor else 1.0
+
+
+class Run:
+  """What `evaluate_run` evaluated, for the pictures drawn afterwards (tools.plots)."""
+
+  def __init__(self, config, model, tokenizer, per_position):
+    self.config, self.model, self.tokenizer = config, model, tokenizer
+    self.per_position = per_position  # {length: mean loss per window position} or {}
+
+
+def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), lengths=(),
+                 modes=('non_overlapping', 'sliding'), stride=0.5, stream_split='test',
+                 rope_scaling=None, decode=None):
+  """Evaluates the newest checkpoint in `workdir`; returns (the eval.json dict, a `Run`).
+
+  Every process evaluates its share of the batches, sentences and windows; the shares are
+  gathered in process order, so every process holds the whole result. Nothing is written here:
+  eval.py writes eval.json and the pictures from process 0.
+
+  Args:
+    workdir: a train.py workdir.
+    splits: splits for loss/perplexity and translation.
+    max_examples: translate at most this many examples per split (0 = all).
+    translate_splits: further splits for translation only (longer sentences; no loss).
+    lengths: extrapolation multiples of the training length (empty = none).
+    modes, stride, stream_split: see `training.extrapolation.extrapolate`.
+    rope_scaling: None or e.g. 'ntk:4', applied at evaluation only.
+    decode: None (greedy) or a dict of `models.decoding.generate` options, e.g.
+      {'method': 'beam', 'num_beams': 4, 'length_penalty': 0.6}.
+  """
+  config, graphdef, params, step = load_run(workdir)
+  tokenizer = pipeline.get_tokenizer(config.data)
+  model = nnx.merge(graphdef, params)
+  if rope_scaling is not None:
+    name, factor = parse_rope_scaling(rope_scaling)
+    positions_lib.with_rope_scaling(model, name, factor)
+    graphdef, params = nnx.split(model)
+  if lengths and config.model.arch != 'decoder_only':
+    raise ValueError(f'--lengths (stream extrapolation) needs a decoder_only run, not '
+                     f'{config.model.arch!r}')
+  for multiple in lengths:  # before any compilation: a learned table cannot embed longer inputs
+    model.decoder.position.check_length(int(multiple * config.data.max_length))
+  decode = dict(decode or {})
+  eval_fn = jax.jit(functools.partial(steps.eval_step, graphdef))
+  result = {'step': step, 'loss': {}, 'perplexity': {}, 'accuracy': {}, 'translation': {}}
+  for split in splits:
+    m = steps.finalize(distributed.gather_sums(evaluate_sums(
+        eval_fn, params, config, split, 0, share=(jax.process_index(), jax.process_count()))))
+    result['loss'][split] = m['loss']
+    result['perplexity'][split] = math.exp(min(m['loss'], 50.0))
+    result['accuracy'][split] = m['accuracy']
+  for split in list(splits) + [s for s in translate_splits if s not in splits]:
+    examples = pipeline.load_examples(config.data, split)
+    if max_examples:
+      examples = examples[:max_examples]
+    result['translation'][split] = translation.translate(config, model, examples, tokenizer,
+                                                         **decode)
+  per_position = {}
+  if lengths:
+    result['rope_scaling'] = rope_scaling or 'as trained'
+    result['extrapolation'], per_position = extrapolation.extrapolate(
+        config, model, lengths, modes, stride, stream_split)
+  main_split = 'test' if 'test' in splits else splits[-1]
+  result['exact_match'] = result['translation'][main_split]['exact_match']
+  result['token_accuracy'] = result['translation'][main_split]['token_accuracy']
+  return result, Run(config, model, tokenizer, per_position)

@@ -1,0 +1,113 @@
+"""The training state: model, optimiser and schedule, built (and sharded) from a config."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+import numpy as np
+import optax
+
+from layers import sharding
+import models
+
+# Floating dtypes the forward/backward passes may run in (float16 is left out: its gradients
+# underflow without loss scaling, which the step does not do).
+COMPUTE_DTYPES = ('float32', 'bfloat16')
+
+
+def make_schedule(t):
+  """Linear warmup to `learning_rate` over `warmup_steps`, then `schedule` (optax)."""
+  decay_steps = t.steps - t.warmup_steps
+  after = {
+      'cosine': optax.cosine_decay_schedule(t.learning_rate, decay_steps),
+      'linear': optax.linear_schedule(t.learning_rate, 0.0, decay_steps),
+      'constant': optax.constant_schedule(t.learning_rate),
+  }[t.schedule]
+  if t.warmup_steps == 0:
+    return after
+  warmup = optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps)
+  return optax.join_schedules([warmup, after], [t.warmup_steps])
+
+
+def make_optimizer(t):
+  """AdamW with the schedule, after optional global-norm clipping."""
+  chain = [optax.clip_by_global_norm(t.grad_clip_norm)] if t.grad_clip_norm > 0 else []
+  chain.append(optax.adamw(make_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay))
+  return optax.chain(*chain)
+
+
+def create_state(config, vocab_size, mesh=None):
+  """Builds the model and optimiser; returns (graphdef, optimizer, state pytree).
+
+  With a `mesh` (layers.sharding.make_mesh), the state is placed on it: parameters and buffers by
+  their logical axis names under `config.mesh.rules`, the optimiser state like its parameters.
+
+  `state['params']` are the trained `nnx.Param`s; `state['buffers']` every other model variable
+  (e.g. the Performer's random features: checkpointed, not optimised; often empty). Rebuild the
+  model with `nnx.merge(graphdef, *model_variables(state))`.
+  """
+  def build():
+    return models.build(config.model, vocab_size, config.data.max_length,
+                        rngs=nnx.Rngs(params=config.train.seed))
+
+  tx = make_optimizer(config.train)
+  if mesh is None:
+    graphdef, params, buffers = nnx.split(build(), nnx.Param, ...)
+    opt_state = tx.init(params)
+  else:
+    # Initialised inside jit straight into their shardings: each device computes only its shard,
+    # so a model that fits the mesh but not one device can be built (FSDP).
+    rules = sharding.rules_of(config.get('mesh', {}))
+    graphdef, params, buffers = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+    param_sharding, buffer_sharding = (
+        sharding.named(sharding.param_specs(v, mesh, rules), mesh) for v in (params, buffers))
+    params, buffers = jax.jit(lambda: nnx.split(build(), nnx.Param, ...)[1:],
+                              out_shardings=(param_sharding, buffer_sharding))()
+    # Each moment lives where its parameter lives; counters are replicated.
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_sharding = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params),
+                                         param_sharding, transform_non_params=lambda _: replicated)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
+  state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'buffers': buffers,
+           'opt_state': opt_state, 'skipped': jnp.zeros((), jnp.int32)}
+  if mesh is not None:  # from the host: no device holds anything placed elsewhere afterwards
+    state.update(jax.device_put({'step': np.zeros((), np.int32), 'skipped': np.zeros((), np.int32)},
+                                replicated))
+  return graphdef, tx, state
+
+
+def model_variables(state):
+  """(params, buffers) of a training state: `nnx.merge(graphdef, *model_variables(state))`."""
+  return state['params'], state['buffers']
+
+
+def merge(graphdef, variables):
+  """The model from `variables`: one `nnx.State` or a tuple of them (`model_variables`)."""
+  return nnx.merge(graphdef, *(variables if isinstance(variables, tuple) else (variables,)))
+
+
+def redraw_features(graphdef, state, step):
+  """The state with every layer's random features redrawn as due at `step` (host-side).
+
+  A layer with `redraw_every` = R > 0 (the Performer with `model.performer_redraw` = R) gets draw
+  number step // R when R divides `step`; the draws are functions of (layer seed, draw number),
+  so resuming from a checkpoint redraws exactly as an uninterrupted run. Returns `state` itself
+  when nothing is due.
+  """
+  model = nnx.merge(graphdef, *model_variables(state))
+  due = [m for _, m in nnx.iter_modules(model)
+         if getattr(m, 'redraw_every', 0) > 0 and step % m.redraw_every == 0]
+  if not due:
+    return state
+  for module in due:
+    module.redraw(step // module.redraw_every)
+  return {**state, 'buffers': nnx.split(model, nnx.Param, ...)[2]}
+
+
+def cast_params(params, dtype):
+  """Floating parameters cast to the compute dtype (a no-op for float32): mixed precision."""
+  if dtype == 'float32':
+    return params
+  return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+                      params)
+
+

@@ -1,0 +1,112 @@
+"""The train and eval steps: pure functions of the state and a batch (jit them, donate the state)."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+import numpy as np
+import optax
+
+from training import diagnostics
+from training import state as state_lib
+
+
+def compute_metrics(logits, targets, weights):
+  """Weighted sums (reduced across batches, then divided): loss, correct tokens, token count."""
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # [B, T]
+  correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)  # [B, T]
+  return {'loss_sum': jnp.sum(ce * weights), 'correct_sum': jnp.sum(correct * weights),
+          'weight_sum': jnp.sum(weights)}
+
+
+def finalize(sums):
+  """Turns summed metrics into means."""
+  denom = max(float(sums['weight_sum']), 1.0)
+  out = {'loss': float(sums['loss_sum']) / denom, 'accuracy': float(sums['correct_sum']) / denom}
+  out.update({k: float(v) for k, v in sums.items() if not k.endswith('_sum')})
+  return out
+
+
+def count_tokens(batch):
+  """Real (non-padding) tokens of a batch, source and target sides together."""
+  groups = [k for k in ('segment_ids', 'src_segment_ids', 'tgt_segment_ids') if k in batch]
+  if not groups:
+    return int(np.sum(batch['weights'] > 0))
+  return int(sum(np.sum(batch[k] > 0) for k in groups))
+
+
+def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonfinite=False,
+               accum_steps=1, compute_dtype='float32'):
+  """One optimisation step, a pure function of the state (jit it with the state donated).
+
+  With `accum_steps` = k > 1 the batch is k micro-batches whose gradients of the summed loss are
+  accumulated in a scan and divided by the whole batch's weight: the full-batch gradient, with the
+  activations of one micro-batch in memory. `compute_dtype` ('bfloat16'): the forward and
+  backward passes run on parameters cast to it, while the parameters, their gradients and the
+  optimiser stay float32 (and logits, loss and softmax statistics are float32 in the models).
+
+  With `skip_nonfinite`, a step whose loss or gradient norm is not finite leaves the parameters and
+  optimiser state unchanged (the data and the step counter still advance) and counts in
+  `state['skipped']`.
+
+  With `leaf_groups` (from `param_groups`), `sums['diag']` holds `[G]` squared norms per group of
+  the gradient, the update and the parameters before the update (a few reductions: cheap).
+  """
+  # Fold the step into the key: a resumed run draws the same dropout/masks as an uninterrupted one.
+  dropout_rng, mask_rng = jax.random.split(jax.random.fold_in(base_rng, state['step']))
+
+  def sums_fn(params, batch, dropout_rng, mask_rng):
+    model = nnx.merge(graphdef, state_lib.cast_params(params, compute_dtype), state['buffers'])
+    logits, targets, weights = model.loss_terms(batch, rngs=nnx.Rngs(dropout=dropout_rng, mask=mask_rng))
+    return compute_metrics(logits, targets, weights)
+
+  if accum_steps == 1:
+    def loss_fn(params):
+      sums = sums_fn(params, batch, dropout_rng, mask_rng)
+      return sums['loss_sum'] / jnp.maximum(sums['weight_sum'], 1.0), sums
+
+    (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
+  else:
+    # Micro-batch i takes rows i, i + k, i + 2k, ...: each data shard keeps its own rows.
+    micro = jax.tree.map(
+        lambda x: x.reshape(-1, accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)
+    grad_sum = jax.grad(lambda p, *a: (lambda s: (s['loss_sum'], s))(sums_fn(p, *a)), has_aux=True)
+
+    def accumulate(carry, inputs):
+      micro_batch, i = inputs
+      g, s = grad_sum(state['params'], micro_batch, jax.random.fold_in(dropout_rng, i),
+                      jax.random.fold_in(mask_rng, i))
+      return jax.tree.map(jnp.add, carry, (g, s)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+        grad_sum, state['params'], jax.tree.map(lambda x: x[0], micro), dropout_rng, mask_rng))
+    (grads, sums), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(accum_steps)))
+    grads = jax.tree.map(lambda g: g / jnp.maximum(sums['weight_sum'], 1.0), grads)
+  updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
+  params = optax.apply_updates(state['params'], updates)
+  sums['grad_norm'] = optax.global_norm(grads)
+  sums['param_norm'] = optax.global_norm(params)
+  if leaf_groups is not None:
+    g = diagnostics.num_groups(leaf_groups)
+    sums['diag'] = {'grad_sq': diagnostics.group_sq_norms(grads, leaf_groups, g),
+                    'update_sq': diagnostics.group_sq_norms(updates, leaf_groups, g),
+                    'param_sq': diagnostics.group_sq_norms(state['params'], leaf_groups, g)}
+  new = {'step': state['step'] + 1, 'params': params, 'buffers': state['buffers'],
+         'opt_state': opt_state, 'skipped': state['skipped']}
+  if skip_nonfinite:
+    ok = jnp.isfinite(sums['loss_sum']) & jnp.isfinite(sums['grad_norm'])
+    new['params'], new['opt_state'] = jax.tree.map(
+        lambda a, b: jnp.where(ok, a, b), (params, opt_state),
+        (state['params'], state['opt_state']))
+    new['skipped'] = state['skipped'] + (~ok).astype(jnp.int32)
+    # Report the skipped step's values as zeros so that window sums stay finite.
+    for k in ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'param_norm'):
+      sums[k] = jnp.where(ok, sums[k], 0.0)
+  return new, sums
+
+
+def eval_step(graphdef, variables, batch):
+  """Summed metrics of one batch without dropout; `variables` as in `diagnostic_pass`."""
+  model = state_lib.merge(graphdef, variables)
+  return compute_metrics(*model.loss_terms(batch))
+
+
