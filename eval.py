@@ -5,7 +5,6 @@ accuracy) and DIR/loss_curve.png (train and validation loss from metrics.jsonl).
 `training.evaluation` and the pictures by `tools.plots`; this file holds the flags and main.
 """
 
-import json
 import os
 import sys
 
@@ -14,7 +13,6 @@ from absl import flags
 from absl import logging
 import jax
 
-from data import pipeline
 from tools import plots
 from training import distributed
 from training import evaluation
@@ -64,21 +62,6 @@ def _decode_options():
           'top_p': _TOP_P.value}
 
 
-def write_outputs(workdir, result, run, splits):
-  """Process 0: eval.json and the pictures (extrapolation, attention maps, loss curve)."""
-  if run.per_position:
-    result['extrapolation_plot'] = plots.plot_per_position(
-        workdir, run.per_position,
-        f'{run.config.model.position}, rope_scaling={result["rope_scaling"]}')
-  with open(os.path.join(workdir, 'eval.json'), 'w') as f:
-    json.dump(result, f, indent=2)
-  if _PLOT_ATTENTION.value:
-    examples = pipeline.load_examples(run.config.data, 'test' if 'test' in splits else splits[-1])
-    result['attention_plots'] = plots.plot_attention_maps(
-        workdir, run.config, run.model, examples[:_PLOT_ATTENTION.value], run.tokenizer)
-  result['loss_curve'] = plots.plot_loss_curve(workdir)
-
-
 def print_summary(result, splits):
   """One line per split (loss only where it was computed) and per extrapolation row."""
   for split in splits:
@@ -124,7 +107,7 @@ def main(argv):
     sys.exit(1)
   if jax.process_index() > 0:  # process 0 writes the results and draws the pictures
     return
-  write_outputs(_WORKDIR.value, result, run, splits)
+  plots.write_eval_outputs(_WORKDIR.value, result, run, splits, _PLOT_ATTENTION.value)
   print_summary(result, list(result['translation']))
   print(f'wrote {os.path.join(_WORKDIR.value, "eval.json")} and {result["loss_curve"]}')
 

@@ -2,8 +2,8 @@
 
   python -m benchmarks.compile_time [--depths=2,6,12,24] [--remats=none,full]
 
-For each depth and layout: `train.create_state` (timed as "init"), then
-`jax.jit(train.train_step ...).lower(state, batch)` ("lower": tracing to StableHLO) and
+For each depth and layout: `state_lib.create_state` (timed as "init"), then
+`jax.jit(training.steps.train_step ...).lower(state, batch)` ("lower": tracing to StableHLO) and
 `.compile()` ("compile": XLA), each timed once on the default backend. Decoder-only, D=128, N=4,
 F=512, T=64, B=8, float32; one warm-up compile first so that the first row does not pay for
 loading XLA. Prints a markdown table; the issue's goal is scanned 24 layers at most 1.5x the
@@ -20,7 +20,8 @@ import numpy as np
 
 from configs import default
 from training import validation
-import train
+from training import state as state_lib
+from training import steps as steps_lib
 
 _DEPTHS = flags.DEFINE_list('depths', ['2', '6', '12', '24'], 'Numbers of layers.')
 _REMATS = flags.DEFINE_list('remats', ['none', 'full'], 'Remat policies of the scanned rows.')
@@ -45,10 +46,10 @@ def measure(config):
            'targets': rng.integers(1, _VOCAB.value, (B, T)).astype(np.int32),
            'weights': np.ones((B, T), np.float32)}
   t0 = time.perf_counter()
-  graphdef, tx, state = train.create_state(config, _VOCAB.value)
+  graphdef, tx, state = state_lib.create_state(config, _VOCAB.value)
   jax.block_until_ready(state)
   t1 = time.perf_counter()
-  step = jax.jit(functools.partial(train.train_step, graphdef, tx, jax.random.key(0)),
+  step = jax.jit(functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0)),
                  donate_argnums=(0,))
   lowered = step.lower(state, batch)
   t2 = time.perf_counter()

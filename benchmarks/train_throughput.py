@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/train_throughput.py [--steps=20] [--dropout=0,0.1]
         [--host_malloc=tuned,default]
 
-For each size below (the issue's (a) and (b)), times the jitted `train.train_step` on random tokens
+For each size below (the issue's (a) and (b)), times the jitted `training.steps.train_step` on random tokens
 (no input pipeline: the step alone) and prints tokens/s and the model FLOPs utilisation
 
     MFU = 3 · (forward FLOPs per token) · tokens/s / (float32 matmul FLOP/s measured in the same run)
@@ -13,7 +13,7 @@ prints and tests against XLA's cost analysis): every weight matmul including the
 projection, plus the full T x T attention scores QK^T and PV, i.e. PaLM appendix B's 6·N + 12·L·T·D
 with N the parameters that take part in a matmul (as nanoGPT counts them). The peak is the best of
 five rounds of a 2048³ float32 matmul jitted on all cores. Each `--host_malloc` setting runs in its
-own process (glibc reads the arena limit before threads start): 'tuned' is `train.tune_host_malloc`,
+own process (glibc reads the arena limit before threads start): 'tuned' is `host.tune_host_malloc`,
 what train.py applies, 'default' glibc as it comes. Run it alone: the numbers are a share of this
 machine, so any other load lowers them.
 """
@@ -36,7 +36,9 @@ import numpy as np  # pylint: disable=wrong-import-position
 from configs import default  # pylint: disable=wrong-import-position
 from training import validation  # pylint: disable=wrong-import-position
 from models import accounting  # pylint: disable=wrong-import-position
-import train  # pylint: disable=wrong-import-position
+from training import host
+from training import state as state_lib
+from training import steps as steps_lib
 
 _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps per size (after 2 warm-up steps).')
 _DROPOUT = flags.DEFINE_list('dropout', ['0', '0.1'], 'Dropout rates to time.')
@@ -84,14 +86,14 @@ def model_flops_per_token(config):
 
 
 def time_steps(config, steps):
-  graphdef, tx, state = train.create_state(config, VOCAB)
+  graphdef, tx, state = state_lib.create_state(config, VOCAB)
   flops_per_token = model_flops_per_token(config)
   b, t = config.train.batch_size, config.data.max_length
   rng = np.random.default_rng(0)
   tokens = rng.integers(4, VOCAB, (b, t + 1)).astype(np.int32)
   batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
            'weights': np.ones((b, t), np.float32)}
-  step = jax.jit(functools.partial(train.train_step, graphdef, tx, jax.random.key(0)),
+  step = jax.jit(functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0)),
                  donate_argnums=(0,))
   for _ in range(2):
     state, sums = step(state, batch)
@@ -137,5 +139,5 @@ def main(argv):
 
 if __name__ == '__main__':
   if '--host_malloc=tuned' in sys.argv and any(a.startswith('--peak=') for a in sys.argv):
-    train.tune_host_malloc()  # before JAX starts its threads
+    host.tune_host_malloc()  # before JAX starts its threads
   app.run(main)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 
 from configs import decoder_only
 from training import validation
@@ -16,6 +17,24 @@ def quick_config(data_dir, **train_overrides):
   config.train.update(train_overrides)
   validation.validate(config)
   return config
+
+
+def interrupt_after(step):
+  """A training hook that raises KeyboardInterrupt after `step`, as a kill would (no save)."""
+  def hook(s, state):
+    del state
+    if s == step:
+      raise KeyboardInterrupt(f'test interruption after step {step}')
+  return hook
+
+
+def sigterm_after(step):
+  """A training hook that sends this process SIGTERM after `step` (a preemption notice)."""
+  def hook(s, state):
+    del state
+    if s == step:
+      os.kill(os.getpid(), signal.SIGTERM)
+  return hook
 
 
 def metric_rows(workdir, split='train'):

@@ -1,4 +1,5 @@
-"""models.accounting: DESIGN.md's numbers, counts equal to the real model, FLOPs equal to XLA's."""
+"""models.accounting and the tools.accounting CLI: the textbook numbers (ARCHITECTURE.md, "Facts the
+tests check"), counts equal to the real model, FLOPs equal to XLA's."""
 
 import math
 import os
@@ -17,7 +18,8 @@ from layers import sharding
 import models
 from models import accounting
 from tests.helpers import ROOT
-import train
+from tools import accounting as accounting_cli
+from training import state as state_lib
 
 V = 166  # the toy task's vocabulary
 MIB = 2 ** 20
@@ -37,7 +39,7 @@ def param_count(model):
   return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-# --- DESIGN.md, "Facts to check against" ----------------------------------------------------------
+# --- The textbook facts (ARCHITECTURE.md, "Facts the tests check") -------------------------------
 
 def test_layer_of_d512_is_12_d_squared_with_two_thirds_in_the_ffn():
   attn = accounting.attention_params(512, 8)
@@ -66,9 +68,10 @@ def test_gqa_and_mqa_shrink_only_the_key_value_projections():
   assert accounting.ffn_params(d, 2048, 'swiglu') == 3 * d * 2048
 
 
-def test_kv_cache_of_the_design_example():
+def test_kv_cache_of_the_textbook_example():
+  """2 (K and V) x 32 layers x 32 heads x head_dim 64 x length 2048."""
   mha = accounting.kv_cache_elements(32, 32, 64, 2048)
-  assert mha == 268_435_456  # elements (the "268 MB" of one chapter), not bytes
+  assert mha == 268_435_456  # elements (a source chapter prints "268 MB": the count, not bytes)
   assert mha * 2 == 512 * MIB  # fp16
   assert accounting.kv_cache_elements(32, 8, 64, 2048) * 4 == mha  # GQA, 8 KV heads
   assert accounting.kv_cache_elements(32, 1, 64, 2048) * 32 == mha  # MQA
@@ -119,8 +122,9 @@ def test_counted_parameters_equal_the_closed_form_and_the_real_model(name):
     assert sum(counted.values()) == param_count(real)
 
 
-def test_design_layer_in_the_real_model():
-  """D 512, 8 heads, F 2048: the built model's per-layer attention and FFN are DESIGN.md's."""
+def test_textbook_layer_in_the_real_model():
+  """D 512, 8 heads, F 2048: the built model's per-layer attention is 4·D² = 1,048,576 and its FFN
+  8·D² = 2,097,152 parameters."""
   config = validation.resolve(default.get_config('size=base'))
   counted = accounting.counted_params(accounting.abstract_model(config.model, V, 64))
   assert counted['attention'] == 1_048_576 * 6
@@ -213,7 +217,7 @@ def test_adam_moments_are_two_parameter_copies():
   config = tiny()
   model = accounting.abstract_model(config.model, V, 64)
   params = nnx.state(model, nnx.Param)
-  opt = jax.eval_shape(train.make_optimizer(config.train).init, params)
+  opt = jax.eval_shape(state_lib.make_optimizer(config.train).init, params)
   moments = sum(math.prod(x.shape) for x in jax.tree.leaves(opt) if x.ndim > 0)
   assert moments == 2 * sum(accounting.counted_params(model).values())
 
@@ -228,7 +232,7 @@ def test_activations_split_over_the_batch_axes():
 # --- The CLI ------------------------------------------------------------------------------------
 
 def run_cli(*args):
-  return subprocess.run([sys.executable, '-m', 'models.accounting', *args], cwd=ROOT,
+  return subprocess.run([sys.executable, '-m', 'tools.accounting', *args], cwd=ROOT,
                         capture_output=True, text=True, timeout=120,
                         env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
 
@@ -241,11 +245,20 @@ def test_cli_prints_the_table_for_decoder_only():
   out = proc.stdout
   assert '| **total** | ' in out and f'**{total:,}**' in out
   assert '| attention | 65,536 | 3 | 196,608 | 4·D² |' in out
-  assert '268,435,456' in out and '512.00 MiB' in out  # the DESIGN.md cache row (fp16)
+  assert '268,435,456' in out and '512.00 MiB' in out  # the textbook cache example (fp16)
+  assert 'DESIGN.md' not in out
 
 
 def test_a_non_transformer_is_refused():
-  """The CLI prints this as one `config error:` line and exits 2."""
   config = tiny(arch='rnn_seq2seq')
-  with pytest.raises(validation.ConfigError, match='Transformer archs'):
-    accounting.report(config, V)
+  with pytest.raises(ValueError, match='Transformer archs'):
+    accounting_cli.report(config, V)
+  proc = run_cli('--config=configs/rnn_seq2seq.py')
+  assert proc.returncode == 2 and proc.stdout == ''
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "config error: model.arch='rnn_seq2seq': accounting covers the Transformer archs; valid "
+      'values: decoder_only, encoder_only, encoder_decoder')
+
+
+def test_the_cli_counts_the_toy_vocabulary():
+  assert accounting_cli.toy_vocab_size() == V

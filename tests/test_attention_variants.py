@@ -18,9 +18,11 @@ from layers import attention_xla
 from layers import linear_attention
 from layers import masks
 from layers import sparse_attention
-import eval as eval_lib
 from tests import helpers
-import train
+from training import evaluation
+from training import loop
+from training import state as state_lib
+from training import steps as steps_lib
 
 D, N, K, T = 16, 4, 2, 13  # T not a multiple of any block below; N/K = 2 (GQA)
 
@@ -246,15 +248,15 @@ def test_performer_redraw_schedule_is_checkpointed_and_resumed(data_dir, tmp_pat
   validation.validate(config)
 
   def layers_at(workdir, want_step):
-    _, graphdef, variables, step = eval_lib.load_run(str(workdir))
+    _, graphdef, variables, step = evaluation.load_run(str(workdir))
     assert step == want_step
     return _performer_layers(nnx.merge(graphdef, variables))
 
   with pytest.raises(KeyboardInterrupt):  # the checkpoint at step 3 holds draw 1
-    train.train_and_evaluate(config, str(tmp_path), _interrupt_after=4)
+    loop.train_and_evaluate(config, str(tmp_path), hooks=[helpers.interrupt_after(4)])
   for when, draw_number in ((3, 1), (7, 3)):
     if when == 7:
-      train.train_and_evaluate(config, str(tmp_path))  # resumes at 3; redraws at 4 and 6
+      loop.train_and_evaluate(config, str(tmp_path))  # resumes at 3; redraws at 4 and 6
     layers = layers_at(tmp_path, when)
     assert len(layers) == 2 and layers[0].seed != layers[1].seed
     for layer in layers:
@@ -265,8 +267,8 @@ def test_performer_redraw_schedule_is_checkpointed_and_resumed(data_dir, tmp_pat
     assert np.abs(layers[0].features_w.value - layers[1].features_w.value).max() > 0.1
   # Fixed features (R = 0): nothing is ever due.
   config.model.performer_redraw = 0
-  graphdef, _, state = train.create_state(config, 166)
-  assert train.redraw_features(graphdef, state, 4) is state
+  graphdef, _, state = state_lib.create_state(config, 166)
+  assert state_lib.redraw_features(graphdef, state, 4) is state
 
 
 @pytest.mark.parametrize('arch,variant', [('encoder_only', v) for v in ALL] +
@@ -275,10 +277,10 @@ def test_variant_trains_and_loss_falls(data_dir, arch, variant):
   """train.py's own state and step on the toy task (no eval/checkpoints: one compile per case)."""
   config = _train_config(data_dir, arch, variant)
   t = config.train
-  graphdef, tx, state = train.create_state(config, pipeline.get_tokenizer(config.data).vocab_size)
+  graphdef, tx, state = state_lib.create_state(config, pipeline.get_tokenizer(config.data).vocab_size)
   it = pipeline.make_iterator(config.data, 'train', t.batch_size,
                               arch=models.batch_format(config.model.arch), loss_on=t.loss_on)
-  step = jax.jit(functools.partial(train.train_step, graphdef, tx, jax.random.key(0)))
+  step = jax.jit(functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0)))
   losses = []
   for _, batch in zip(range(t.steps), it):
     state, sums = step(state, batch)

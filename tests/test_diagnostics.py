@@ -14,7 +14,10 @@ from flax import nnx
 
 from configs import decoder_only
 from training import validation
-import train
+from training import diagnostics
+from training import loop
+from training import state as state_lib
+from training import steps as steps_lib
 
 VOCAB, B, T = 50, 4, 16
 
@@ -41,8 +44,8 @@ def batch(seed=0, segments=False):
 
 
 def test_parameter_groups_are_the_blocks_plus_the_rest():
-  graphdef, _, state = train.create_state(tiny_config(), VOCAB)
-  groups, leaf_groups, sizes = train.param_groups(state['params'])
+  graphdef, _, state = state_lib.create_state(tiny_config(), VOCAB)
+  groups, leaf_groups, sizes = diagnostics.param_groups(state['params'])
   assert groups == ['decoder/blocks/0', 'decoder/blocks/1', 'decoder/blocks/2', 'decoder/embed',
                     'decoder/final_norm']
   assert len(leaf_groups) == len(jax.tree.leaves(state['params']))
@@ -50,18 +53,18 @@ def test_parameter_groups_are_the_blocks_plus_the_rest():
   # 4·D² attention + 2·D·F feed-forward + two LayerNorms (scale and bias) per block.
   assert sizes['decoder/blocks/0'] == 4 * 32 ** 2 + 2 * 32 * 64 + 4 * 32
   assert sizes['decoder/embed'] == VOCAB * 32
-  assert train.param_group(('encoder', 'blocks', 11, 'ffn', 'wi', 'kernel')) == 'encoder/blocks/11'
+  assert diagnostics.param_group(('encoder', 'blocks', 11, 'ffn', 'wi', 'kernel')) == 'encoder/blocks/11'
   # Ordered by block number, not as text (10 after 9).
-  assert train._group_sort_key('decoder/blocks/10') > train._group_sort_key('decoder/blocks/9')
+  assert diagnostics._group_sort_key('decoder/blocks/10') > diagnostics._group_sort_key('decoder/blocks/9')
 
 
 def test_group_norms_add_up_to_the_global_norms():
   config = tiny_config(norm_position='post')
   config.train.warmup_steps = 0  # the first update is not zero
-  graphdef, tx, state = train.create_state(config, VOCAB)
-  groups, leaf_groups, _ = train.param_groups(state['params'])
+  graphdef, tx, state = state_lib.create_state(config, VOCAB)
+  groups, leaf_groups, _ = diagnostics.param_groups(state['params'])
   before = jax.tree.map(np.asarray, state['params'])
-  state, sums = jax.jit(functools.partial(train.train_step, graphdef, tx, jax.random.key(0),
+  state, sums = jax.jit(functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0),
                                           leaf_groups=leaf_groups))(state, batch())
   diag = jax.device_get(sums['diag'])
   assert diag['grad_sq'].shape == (len(groups),)
@@ -75,7 +78,7 @@ def test_group_norms_add_up_to_the_global_norms():
   for leaf, g in zip(jax.tree.leaves(delta), leaf_groups):
     manual[g] += np.sum(leaf ** 2)
   np.testing.assert_allclose(diag['update_sq'], manual, rtol=1e-3)
-  metrics = train.diagnostic_metrics(groups, sums['diag'])
+  metrics = diagnostics.diagnostic_metrics(groups, sums['diag'])
   assert set(metrics) == {'update_ratio'} | {f'{k}/{g}' for g in groups
                                               for k in ('grad_norm', 'update_ratio')}
   assert 0 < metrics['update_ratio'] < 0.1
@@ -87,9 +90,9 @@ def test_group_norms_add_up_to_the_global_norms():
 @pytest.mark.parametrize('segments', [False, True])
 def test_attention_entropy_matches_the_attention_maps(segments):
   config = tiny_config(position='alibi')
-  graphdef, _, state = train.create_state(config, VOCAB)
+  graphdef, _, state = state_lib.create_state(config, VOCAB)
   x = batch(1, segments)
-  diag = jax.jit(functools.partial(train.diagnostic_pass, graphdef))(state['params'], x)
+  diag = jax.jit(functools.partial(diagnostics.diagnostic_pass, graphdef))(state['params'], x)
   keys = {f'{k}/decoder/blocks/{i}' for i in range(3)
           for k in ('act_rms', 'attn_max_logit', 'attn_entropy')}
   assert set(diag) == keys
@@ -111,11 +114,11 @@ def test_golden_values_zero_queries_and_post_ln_rms():
   """Zero query kernels: every logit is 0, so the max logit is 0 and each causal row's entropy is
   log(i + 1); Post-LN's block outputs are LayerNorm outputs (unit scale at init): RMS 1."""
   config = tiny_config(norm_position='post', position='sinusoidal')
-  graphdef, _, state = train.create_state(config, VOCAB)
+  graphdef, _, state = state_lib.create_state(config, VOCAB)
   params = jax.tree_util.tree_map_with_path(
       lambda path, v: jnp.zeros_like(v) if 'query' in jax.tree_util.keystr(path) else v,
       state['params'])
-  diag = jax.jit(functools.partial(train.diagnostic_pass, graphdef))(params, batch())
+  diag = jax.jit(functools.partial(diagnostics.diagnostic_pass, graphdef))(params, batch())
   expected = np.mean(np.log(np.arange(1, T + 1)))
   for i in range(3):
     assert float(diag[f'attn_max_logit/decoder/blocks/{i}']) == 0.0
@@ -127,7 +130,7 @@ def test_a_run_logs_diagnostics_and_writes_its_reports(tmp_path):
   config = tiny_config()
   config.data.data_dir = str(tmp_path / 'tfds')
   config.train.update(steps=2, log_every=1, eval_every=100, checkpoint_every=100, warmup_steps=0)
-  train.train_and_evaluate(config, str(tmp_path / 'run'))
+  loop.train_and_evaluate(config, str(tmp_path / 'run'))
   with open(tmp_path / 'run' / 'metrics.jsonl') as f:
     rows = [json.loads(line) for line in f]
   train_rows = [r for r in rows if r['split'] == 'train']

@@ -12,9 +12,10 @@ from flax import nnx
 from configs import decoder_only
 from training import validation
 from models import decoding
-import eval as eval_lib
 import models
-import train
+from tools import plots
+from training import evaluation
+from training import loop
 
 
 def test_greedy_translate_equals_python_argmax_loop():
@@ -40,9 +41,10 @@ def test_eval_writes_json_and_plot(tmp_path):
   config.data.data_dir = str(tmp_path / 'tfds')
   workdir = str(tmp_path / 'run')
   with pytest.raises(FileNotFoundError, match='config.json'):
-    eval_lib.evaluate_run(workdir, ['test'])
-  train.train_and_evaluate(config, workdir)
-  result = eval_lib.evaluate_run(workdir, ['validation', 'test'], max_examples=20)
+    evaluation.evaluate_run(workdir, ['test'])
+  loop.train_and_evaluate(config, workdir)
+  result, run = evaluation.evaluate_run(workdir, ['validation', 'test'], max_examples=20)
+  plots.write_eval_outputs(workdir, result, run, ['validation', 'test'])
   with open(os.path.join(workdir, 'eval.json')) as f:
     saved = json.load(f)
   assert saved['step'] == config.train.steps

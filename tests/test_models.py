@@ -14,11 +14,20 @@ from configs import rnn_seq2seq
 from training import validation
 from data import tokenizer as tokenizer_lib
 from models import encoder_only as encoder_only_lib
-import eval as eval_lib
-import train
+from tools import plots
+from training import evaluation
+from training import loop
 
 CONFIGS = {'encoder_only': encoder_only, 'encoder_decoder': encoder_decoder,
            'rnn_seq2seq': rnn_seq2seq}
+IDS = encoder_only_lib.SpecialIds.from_tokenizer(tokenizer_lib.Tokenizer.from_words(['a', 'b']))
+
+
+def test_special_ids_come_from_the_tokenizer():
+  assert IDS == encoder_only_lib.SpecialIds(pad=tokenizer_lib.PAD, bos=tokenizer_lib.BOS,
+                                            eos=tokenizer_lib.EOS, sep=tokenizer_lib.SEP,
+                                            mask=tokenizer_lib.MASK, first_word=6)
+  assert IDS.layout == (0, 1, 2, 3)  # <unk> (5) may be chosen: it stands for a word
 
 
 def mlm_batch(b=512, t=40, vocab=50):
@@ -36,9 +45,10 @@ def mlm_batch(b=512, t=40, vocab=50):
 
 def test_mlm_masking_rates_and_specials():
   inputs, weights = mlm_batch()
-  corrupted, chosen = encoder_only_lib.mlm_mask(jax.random.key(0), inputs, weights, 50)
+  corrupted, chosen = encoder_only_lib.mlm_mask(jax.random.key(0), inputs, weights, 50,
+                                                special_ids=IDS)
   inputs, corrupted, chosen = map(np.asarray, (inputs, corrupted, chosen))
-  special = np.isin(inputs, encoder_only_lib.SPECIALS)
+  special = np.isin(inputs, IDS.layout)
   candidates = (np.asarray(weights) > 0) & ~special
   assert not chosen[~candidates].any()  # pad/bos/sep/eos never chosen
   np.testing.assert_array_equal(corrupted[~candidates], inputs[~candidates])
@@ -57,21 +67,21 @@ def test_mlm_masking_rates_and_specials():
 def test_mlm_target_rate_masks_whole_targets():
   inputs, weights = mlm_batch()
   corrupted, chosen = encoder_only_lib.mlm_mask(jax.random.key(1), inputs, weights, 50,
-                                                target_rate=0.5)
+                                                special_ids=IDS, target_rate=0.5)
   inputs, corrupted, chosen = map(np.asarray, (inputs, corrupted, chosen))
   after_sep = np.cumsum(inputs == tokenizer_lib.SEP, 1) > 0
-  target = after_sep & ~np.isin(inputs, encoder_only_lib.SPECIALS) & (np.asarray(weights) > 0)
+  target = after_sep & ~np.isin(inputs, IDS.layout) & (np.asarray(weights) > 0)
   whole = np.array([(corrupted[i][target[i]] == tokenizer_lib.MASK).all()
                     and (chosen[i] == target[i]).all() for i in range(len(inputs))])
   assert abs(whole.mean() - 0.5) < 0.07
-  assert not chosen[np.isin(inputs, encoder_only_lib.SPECIALS)].any()
+  assert not chosen[np.isin(inputs, IDS.layout)].any()
 
 
 def test_mlm_eval_masks_are_deterministic():
   config = validation.resolve(encoder_only.get_config('quick'))
   from flax import nnx  # pylint: disable=g-import-not-at-top
   import models  # pylint: disable=g-import-not-at-top
-  model = models.build(config.model, 50, 40, rngs=nnx.Rngs(0))
+  model = models.build(config.model, 50, 40, rngs=nnx.Rngs(0), special_ids=IDS)
   inputs, weights = mlm_batch(b=8)
   batch = {'inputs': inputs, 'targets': inputs, 'weights': weights}
   a, b = model.loss_terms(batch), model.loss_terms(batch)
@@ -79,6 +89,11 @@ def test_mlm_eval_masks_are_deterministic():
   assert float(a[2].sum()) > 0
   c = model.loss_terms(batch, rngs=nnx.Rngs(dropout=1, mask=1))
   assert not np.array_equal(a[2], c[2])
+  # Built without the ids, the forward pass runs (accounting, attention maps), masking refuses.
+  bare = models.build(config.model, 50, 40, rngs=nnx.Rngs(0))
+  assert bare(batch).shape == (8, 40, 50)
+  with pytest.raises(ValueError, match='special_ids'):
+    bare.loss_terms(batch)
 
 
 @pytest.fixture(scope='module')
@@ -99,10 +114,11 @@ def test_loss_falls_and_eval_translates(arch, data_dir, tmp_path):
   config.train.update(steps=30, log_every=5, learning_rate=3e-3, eval_every=30,
                       checkpoint_every=30)
   validation.validate(config)
-  train.train_and_evaluate(config, str(tmp_path))
+  loop.train_and_evaluate(config, str(tmp_path))
   losses = read_losses(tmp_path)
   assert losses[30] < 0.8 * losses[5], losses
-  result = eval_lib.evaluate_run(str(tmp_path), ['test'], max_examples=8, plot_attention=1)
+  result, run = evaluation.evaluate_run(str(tmp_path), ['test'], max_examples=8)
+  plots.write_eval_outputs(str(tmp_path), result, run, ['test'], plot_attention=1)
   t = result['translation']['test']
   assert t['n'] == 8 and 0.0 <= t['exact_match'] <= 1.0 and 0.0 <= t['bleu'] <= 100.0
   assert result['attention_plots'] and all(os.path.getsize(p) > 1000

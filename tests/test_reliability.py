@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import shutil
 import sys
 import time
 
@@ -18,7 +19,9 @@ from configs import default
 from training import validation
 from data import pipeline
 from tests.helpers import ROOT, metric_rows, quick_config
-import train
+from training import checkpointing
+from training import loop
+from training import state as state_lib
 
 
 
@@ -85,7 +88,7 @@ def test_eval_beyond_learned_table_is_one_line(tmp_path, data_dir):
   config = quick_config(data_dir, steps=2, warmup_steps=0, checkpoint_every=2, eval_every=2,
                         log_every=1)
   config.model.position = 'learned'
-  train.train_and_evaluate(config, str(tmp_path))
+  loop.train_and_evaluate(config, str(tmp_path))
   out = cli(os.path.join(ROOT, 'eval.py'), f'--workdir={tmp_path}', '--lengths=1,2')
   assert out.returncode == 2, out.stderr
   lines = out.stderr.strip().splitlines()
@@ -135,11 +138,11 @@ def _damage(step_dir, how):
 @pytest.mark.parametrize('how', ['truncate', 'missing'])
 def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, data_dir, how, capsys):
   config = quick_config(data_dir, steps=10, checkpoint_every=5, log_every=1, eval_every=100)
-  train.train_and_evaluate(config, str(tmp_path))
+  loop.train_and_evaluate(config, str(tmp_path))
   _damage(tmp_path / 'checkpoints' / '10', how)
   capsys.readouterr()
   config.train.steps = 12
-  train.train_and_evaluate(config, str(tmp_path))
+  loop.train_and_evaluate(config, str(tmp_path))
   err = capsys.readouterr().err
   assert 'checkpoint step 10' in err and 'unreadable' in err, err
   assert 'resumed from step 5' in err
@@ -150,11 +153,11 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, data_dir, ho
 def test_resume_with_a_different_model_is_refused(tmp_path, data_dir):
   config = quick_config(data_dir, steps=2, warmup_steps=0, checkpoint_every=2, log_every=1,
                         eval_every=100)
-  train.train_and_evaluate(config, str(tmp_path))
+  loop.train_and_evaluate(config, str(tmp_path))
   config.model.d_model = 32
   config.model.num_layers = 3
-  with pytest.raises(train.IncompatibleResume) as e:
-    train.train_and_evaluate(config, str(tmp_path))
+  with pytest.raises(checkpointing.IncompatibleResume) as e:
+    loop.train_and_evaluate(config, str(tmp_path))
   assert 'model.d_model (64 -> 32)' in str(e.value) and 'model.num_layers (2 -> 3)' in str(e.value)
   assert '\n' not in str(e.value)
 
@@ -190,10 +193,10 @@ def test_non_finite_loss_stops_or_is_skipped(tmp_path, data_dir, monkeypatch, sk
   config = quick_config(data_dir, steps=8, checkpoint_every=2, log_every=1, eval_every=100,
                         skip_nonfinite=skip)
   if not skip:
-    with pytest.raises(train.NonFiniteLoss, match='non-finite loss .* at step 4.*step 2'):
-      train.train_and_evaluate(config, str(tmp_path))
+    with pytest.raises(loop.NonFiniteLoss, match='non-finite loss .* at step 4.*step 2'):
+      loop.train_and_evaluate(config, str(tmp_path))
     return
-  train.train_and_evaluate(config, str(tmp_path))
+  loop.train_and_evaluate(config, str(tmp_path))
   rows = metrics(tmp_path)
   assert [r['step'] for r in rows] == list(range(1, 9))
   assert rows[-1]['skipped_steps'] == 1
@@ -202,8 +205,8 @@ def test_non_finite_loss_stops_or_is_skipped(tmp_path, data_dir, monkeypatch, sk
 
 def test_same_seed_gives_bitwise_identical_metrics(tmp_path, data_dir):
   config = quick_config(data_dir, steps=6, log_every=1, eval_every=3)
-  train.train_and_evaluate(config, str(tmp_path / 'a'))
-  train.train_and_evaluate(config, str(tmp_path / 'b'))
+  loop.train_and_evaluate(config, str(tmp_path / 'a'))
+  loop.train_and_evaluate(config, str(tmp_path / 'b'))
   keys = ('step', 'split', 'loss', 'accuracy', 'grad_norm', 'param_norm')
   strip = lambda rows: [tuple(r.get(k) for k in keys) for r in rows]
   assert strip(metrics(tmp_path / 'a', 'train')) == strip(metrics(tmp_path / 'b', 'train'))
@@ -214,17 +217,37 @@ def test_checkpoint_written_before_model_buffers_existed_still_restores(tmp_path
   """Runs saved before `state['buffers']` existed (no entry in the checkpoint) restore into a model
   without buffers; the config fields added since (at their defaults) do not block the resume."""
   config = validation.resolve(default.get_config('quick'))
-  graphdef, _, state = train.create_state(config, 166)
+  graphdef, _, state = state_lib.create_state(config, 166)
   old = {k: v for k, v in state.items() if k != 'buffers'}
-  mngr = train.checkpoint_manager(str(tmp_path), config)
+  mngr = checkpointing.checkpoint_manager(str(tmp_path), config)
   mngr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(old),
                                        data=ocp.args.JsonSave({'position': 0})))
   mngr.wait_until_finished()
-  restored, data_state = train.restore_state(mngr, state)
+  restored, data_state = checkpointing.restore_state(mngr, state)
   mngr.close()
   assert data_state == {'position': 0} and not jax.tree.leaves(restored['buffers'])
   jax.tree.map(np.testing.assert_array_equal, restored['params'], state['params'])
   flat = json.loads(config.to_json_best_effort())
   del flat['mesh'], flat['train']['grad_accum_steps']  # fields an older attnlab did not write
   (tmp_path / 'config.json').write_text(json.dumps(flat))
-  assert train.check_resume_config(str(tmp_path), config) == []
+  assert checkpointing.check_resume_config(str(tmp_path), config) == []
+
+
+def test_checkpoint_of_the_old_layout_resumes_to_its_losses(tmp_path, data_dir):
+  """A workdir written at 15689df (train.py as one file) restores at step 2 and trains steps 3-4
+  to the losses that run logged."""
+  fixture = os.path.join(ROOT, 'tests', 'fixtures', 'checkpoint_15689df')
+  workdir = tmp_path / 'run'
+  shutil.copytree(fixture, workdir)
+  config = validation.resolve(decoder_only.get_config('quick'))
+  config.data.data_dir = str(data_dir)
+  config.model.update(num_layers=1, d_model=32, num_heads=2, num_kv_heads=2, d_ff=64)
+  config.train.update(steps=4, warmup_steps=0, checkpoint_every=2, log_every=1, eval_every=4,
+                      batch_size=4)
+  validation.validate(config)
+  loop.train_and_evaluate(config, str(workdir))
+  with open(os.path.join(fixture, 'expected_metrics.jsonl')) as f:
+    expected = [json.loads(line) for line in f]
+  got = metric_rows(workdir) + metric_rows(workdir, 'valid')
+  assert [(r['step'], r['split']) for r in got] == [(r['step'], r['split']) for r in expected]
+  np.testing.assert_allclose([r['loss'] for r in got], [r['loss'] for r in expected], rtol=1e-6)

@@ -16,7 +16,8 @@ from layers import sharding
 from models import stack
 from tests.helpers import metric_rows, quick_config
 import models
-import train
+from training import diagnostics
+from training import loop
 
 V, L = 23, 2
 # Positions applied inside attention (T5 bias, RoPE) are closed over by the scanned block body:
@@ -153,20 +154,20 @@ def test_param_groups_split_the_stacked_leaves_per_layer_and_diagnostics_match()
   params, out = results('decoder_only')
   grads = out['unrolled'][1]
   scanned = stacked_like(params)
-  u_groups, u_leaf, u_sizes = train.param_groups(params)
-  s_groups, s_leaf, s_sizes = train.param_groups(scanned)
+  u_groups, u_leaf, u_sizes = diagnostics.param_groups(params)
+  s_groups, s_leaf, s_sizes = diagnostics.param_groups(scanned)
   assert s_groups == u_groups == ['decoder/blocks/0', 'decoder/blocks/1', 'decoder/embed',
                                   'decoder/final_norm', 'decoder/position']
   assert s_sizes == u_sizes
   assert (0, 1) in s_leaf  # a stacked leaf: row i in block i's group
-  assert train.num_groups(s_leaf) == train.num_groups(u_leaf) == len(u_groups)
+  assert diagnostics.num_groups(s_leaf) == diagnostics.num_groups(u_leaf) == len(u_groups)
   np.testing.assert_allclose(
-      train.group_sq_norms(stacked_like(grads), s_leaf, len(s_groups)),
-      train.group_sq_norms(grads, u_leaf, len(u_groups)), rtol=1e-6)
+      diagnostics.group_sq_norms(stacked_like(grads), s_leaf, len(s_groups)),
+      diagnostics.group_sq_norms(grads, u_leaf, len(u_groups)), rtol=1e-6)
   # The activation/attention pass names and measures the scanned blocks as the unrolled ones.
   u_diag, s_diag = quick_jit(
-      lambda p, s, x: (train.diagnostic_pass(graphdef('decoder_only'), p, x),
-                       train.diagnostic_pass(graphdef('decoder_only', scan_layers=True), s, x)),
+      lambda p, s, x: (diagnostics.diagnostic_pass(graphdef('decoder_only'), p, x),
+                       diagnostics.diagnostic_pass(graphdef('decoder_only', scan_layers=True), s, x)),
       params, scanned, batch('decoder_only'))
   assert set(s_diag) == set(u_diag) and 'attn_entropy/decoder/blocks/1' in s_diag
   for key in u_diag:
@@ -178,7 +179,7 @@ def test_a_few_scanned_steps_lower_the_loss_with_diagnostics(data_dir, tmp_path)
                         eval_every=100, checkpoint_every=100)
   config.model.update(scan_layers=True, remat='full')
   validation.validate(config)
-  train.train_and_evaluate(config, str(tmp_path))
+  loop.train_and_evaluate(config, str(tmp_path))
   rows = {r['step']: r for r in metric_rows(tmp_path)}
   assert rows[20]['loss'] < 0.8 * rows[5]['loss'], {s: r['loss'] for s, r in rows.items()}
   # Per-layer reports of the scanned stack, as an unrolled run writes them.

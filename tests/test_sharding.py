@@ -14,11 +14,13 @@ from flax import nnx
 
 from configs import default
 from training import validation
-import eval as eval_lib
 from layers import sharding
 import models
 from tests.helpers import ROOT, metric_rows, quick_config
-import train
+from training import distributed
+from training import evaluation
+from training import loop
+from training import state as state_lib
 
 MESHES = [(8, 1, 1, 1), (2, 2, 2, 1), (1, 8, 1, 1), (1, 1, 1, 8)]
 
@@ -29,7 +31,7 @@ def run(data_dir, workdir, mesh=(1, 1, 1, 1), **model):
   config.mesh.update(dict(zip(sharding.MESH_AXES, mesh)))
   config.model.update(model)
   validation.validate(config)
-  train.train_and_evaluate(config, str(workdir))
+  loop.train_and_evaluate(config, str(workdir))
   return np.asarray([r['loss'] for r in metric_rows(workdir)])
 
 
@@ -86,7 +88,7 @@ def test_ring_attention_training_equals_one_device(data_dir, tmp_path, one_devic
 def test_parameters_are_placed_by_their_logical_names():
   config = validation.resolve(default.get_config('quick'))
   config.mesh.update(data=1, fsdp=2, tensor=4, sequence=1)
-  mesh = train.make_mesh(config)
+  mesh = distributed.make_mesh(config)
   model = models.build(config.model, 166, 40, rngs=nnx.Rngs(0))
   params = nnx.state(model, nnx.Param)
   specs = sharding.param_specs(params, mesh, sharding.rules_of(config.mesh))
@@ -106,11 +108,11 @@ def test_state_is_initialised_into_its_shardings_with_the_one_device_values():
   """create_state on a mesh builds the parameters inside jit, each device only its shards; the
   values are those of the plain (unsharded) initialisation."""
   config = validation.resolve(default.get_config('quick'))
-  _, _, plain = train.create_state(config, 166)
+  _, _, plain = state_lib.create_state(config, 166)
   config.mesh.update(data=1, fsdp=2, tensor=4, sequence=1)
-  mesh = train.make_mesh(config)
+  mesh = distributed.make_mesh(config)
   with jax.transfer_guard_device_to_device('disallow'):  # nothing built on one device, then moved
-    _, _, placed = train.create_state(config, 166, mesh)
+    _, _, placed = state_lib.create_state(config, 166, mesh)
   kernel = placed['params']['decoder']['blocks'][0]['ffn']['wi']['kernel'].value
   assert kernel.sharding.spec == jax.sharding.PartitionSpec('fsdp', 'tensor')
   assert {s.data.shape for s in kernel.addressable_shards} == {
@@ -127,7 +129,7 @@ def test_mesh_that_does_not_cover_the_devices_is_one_line(mesh, match):
   config = validation.resolve(default.get_config('quick'))
   config.mesh.update(dict(zip(sharding.MESH_AXES, mesh)))
   with pytest.raises(validation.ConfigError, match=match) as e:
-    train.make_mesh(config)
+    distributed.make_mesh(config)
   assert '\n' not in str(e.value) and 'mesh.data' in str(e.value)
 
 
@@ -154,11 +156,11 @@ def test_each_host_reads_the_shards_of_its_rows(mesh, shards, expected):
   config = validation.resolve(default.get_config('quick'))
   config.mesh.update(dict(zip(sharding.MESH_AXES, mesh)))
   config.data.shards = shards
-  m = train.make_mesh(config)
+  m = distributed.make_mesh(config)
   rules = sharding.rules_of(config.mesh)
   devices = m.devices.flatten()
   hosts = [devices[:4], devices[4:]]
-  assert [train.data_shards(config, m, rules, host) for host in hosts] == expected
+  assert [distributed.data_shards(config, m, rules, host) for host in hosts] == expected
 
 
 @pytest.mark.parametrize('value', [0, -2, 3])
@@ -179,7 +181,7 @@ def test_two_processes_of_four_devices_equal_one_device(data_dir, tmp_path, one_
            '--config.train.log_every=1', '--config.train.eval_every=100',
            '--config.train.checkpoint_every=100', '--config.mesh.data=2', '--config.mesh.fsdp=2',
            '--config.mesh.tensor=2', '--config.data.shards=2']
-  outputs = run_processes('train.py', flags, per_process=[[], ['--test_sigterm_after=7']],
+  outputs = run_processes('tests/train_worker.py', flags, per_process=[[], ['--sigterm_after=7']],
                           returncode=128 + signal.SIGTERM)
   assert all('stopped by SIGTERM after step 7' in o for o in outputs)
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['7']
@@ -195,7 +197,7 @@ def test_two_processes_evaluate_as_one(one_device_workdir):
   """eval.py as two processes (each its share of the batches, sentences and extrapolation windows,
   gathered) gives the one-process eval.json; only process 0 writes it."""
   flags = ['--split=validation', '--max_examples=12', '--lengths=1,2', '--stride=0.5']
-  single = eval_lib.evaluate_run(str(one_device_workdir), ['validation'], 12, lengths=[1.0, 2.0])
+  single, _ = evaluation.evaluate_run(str(one_device_workdir), ['validation'], 12, lengths=[1.0, 2.0])
   os.remove(one_device_workdir / 'eval.json')
   outputs = run_processes('eval.py', [f'--workdir={one_device_workdir}', *flags])
   assert 'exact_match' in outputs[0] and 'exact_match' not in outputs[1]

@@ -12,8 +12,10 @@ import pytest
 
 from data import pipeline
 import models
-from tests.helpers import ROOT, metric_rows, quick_config
-import train
+from tests.helpers import ROOT, interrupt_after, metric_rows, quick_config
+from training import loop
+from training import state as state_lib
+from training import steps as steps_lib
 
 
 def read_metrics(workdir, split='train'):
@@ -22,7 +24,7 @@ def read_metrics(workdir, split='train'):
 
 def test_a_few_steps_lower_the_loss(data_dir, tmp_path):
   config = quick_config(data_dir, steps=30, log_every=5, learning_rate=3e-3)
-  train.train_and_evaluate(config, str(tmp_path))
+  loop.train_and_evaluate(config, str(tmp_path))
   losses = read_metrics(tmp_path)
   assert losses[30] < 0.8 * losses[5], losses
   assert set(os.listdir(tmp_path)) >= {'config.json', 'checkpoints', 'metrics.jsonl'}
@@ -32,13 +34,13 @@ def test_a_few_steps_lower_the_loss(data_dir, tmp_path):
 def test_resume_reproduces_the_uninterrupted_run(data_dir, tmp_path):
   config = quick_config(data_dir, steps=16, log_every=1, checkpoint_every=5, eval_every=100)
   full = tmp_path / 'full'
-  train.train_and_evaluate(config, str(full))
+  loop.train_and_evaluate(config, str(full))
   # Interrupted: stop after step 13 (checkpoint at 10), then rerun the same config.
   cut = tmp_path / 'cut'
   with pytest.raises(KeyboardInterrupt):
-    train.train_and_evaluate(config, str(cut), _interrupt_after=13)
+    loop.train_and_evaluate(config, str(cut), hooks=[interrupt_after(13)])
   assert read_metrics(cut)[13]
-  train.train_and_evaluate(config, str(cut))
+  loop.train_and_evaluate(config, str(cut))
   a, b = read_metrics(full), read_metrics(cut)
   assert sorted(a) == sorted(b) == list(range(1, 17))
   for step in a:
@@ -65,7 +67,7 @@ def test_sigkill_then_rerun_resumes(data_dir, tmp_path):
   assert proc.returncode == -signal.SIGKILL, 'run finished before it could be killed'
   subprocess.run(base + [f'--workdir={killed}'], cwd=ROOT, check=True, stderr=subprocess.DEVNULL)
   config = quick_config(data_dir, steps=40, checkpoint_every=5, log_every=1, eval_every=100)
-  train.train_and_evaluate(config, str(tmp_path / 'clean'))
+  loop.train_and_evaluate(config, str(tmp_path / 'clean'))
   a, b = read_metrics(killed), read_metrics(tmp_path / 'clean')
   assert sorted(a) == list(range(1, 41))
   assert a[40] == pytest.approx(b[40], abs=1e-6)
@@ -89,7 +91,7 @@ def test_blockwise_training_curve_equals_xla(data_dir, tmp_path):
   for impl in ('xla', 'blockwise'):
     config = quick_config(data_dir, steps=8, log_every=1, eval_every=100)
     config.model.attention_impl = impl
-    train.train_and_evaluate(config, str(tmp_path / impl))
+    loop.train_and_evaluate(config, str(tmp_path / impl))
     curves[impl] = read_metrics(tmp_path / impl)
   for step, loss in curves['xla'].items():
     assert curves['blockwise'][step] == pytest.approx(loss, abs=1e-5), step
@@ -97,11 +99,11 @@ def test_blockwise_training_curve_equals_xla(data_dir, tmp_path):
 
 def _step_losses(config, steps, **step_kwargs):
   """Losses of `steps` train steps (train.py's state and step, without the loop's I/O)."""
-  graphdef, tx, state = train.create_state(config, pipeline.get_tokenizer(config.data).vocab_size)
+  graphdef, tx, state = state_lib.create_state(config, pipeline.get_tokenizer(config.data).vocab_size)
   it = pipeline.make_iterator(config.data, 'train', config.train.batch_size,
                               arch=models.batch_format(config.model.arch),
                               loss_on=config.train.loss_on)
-  step = jax.jit(functools.partial(train.train_step, graphdef, tx, jax.random.key(0),
+  step = jax.jit(functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0),
                                    **step_kwargs))
   losses = []
   for _, batch in zip(range(steps), it):

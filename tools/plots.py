@@ -5,6 +5,8 @@ import os
 
 import numpy as np
 
+from data import pipeline
+
 
 def _save(fig, ax, path):
   """Legend, grid, tight layout; writes the PNG and frees the figure."""
@@ -115,3 +117,24 @@ def plot_loss_curve(workdir):
   return _save(fig, ax, os.path.join(workdir, 'loss_curve.png'))
 
 
+
+
+def write_eval_outputs(workdir, result, run, splits, plot_attention=0):
+  """Writes eval.json and the pictures of `training.evaluation.evaluate_run`'s (result, run).
+
+  The extrapolation plot (with lengths), `plot_attention` attention maps of test sentences, and
+  the loss curve; their paths are added to `result` (the plot paths drawn after eval.json is
+  written stay out of the file).
+  """
+  if run.per_position:
+    result['extrapolation_plot'] = plot_per_position(
+        workdir, run.per_position,
+        f'{run.config.model.position}, rope_scaling={result["rope_scaling"]}')
+  with open(os.path.join(workdir, 'eval.json'), 'w') as f:
+    json.dump(result, f, indent=2)
+  if plot_attention:
+    examples = pipeline.load_examples(run.config.data, 'test' if 'test' in splits else splits[-1])
+    result['attention_plots'] = plot_attention_maps(
+        workdir, run.config, run.model, examples[:plot_attention], run.tokenizer)
+  result['loss_curve'] = plot_loss_curve(workdir)
+  return result
