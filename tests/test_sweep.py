@@ -206,18 +206,46 @@ def test_finished_cells_are_skipped_interrupted_ones_resumed(tmp_path, parallel)
   assert not launched and set(results.values()) == {'skipped', 'diverged'}
 
 
+def run_tool(module, *args):
+  return subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+
+
 def test_cli_dry_run(tmp_path):
-  """Smoke test of the train.py flags: --sweep with --dry_run and --seeds."""
-  result = subprocess.run(
-      [sys.executable, 'train.py', '--sweep=configs/ablations/ffn_norm.py',
-       f'--sweep_dir={tmp_path}/sw', '--dry_run', '--seeds=4,5'],
-      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  """`python -m tools.sweep` with --dry_run and --seeds prints one train.py command per cell."""
+  result = run_tool('tools.sweep', '--sweep=configs/ablations/ffn_norm.py',
+                    f'--sweep_dir={tmp_path}/sw', '--dry_run', '--seeds=4,5')
   assert result.returncode == 0, result.stderr
   lines = result.stdout.splitlines()
   assert len(lines) == 16 and all(l.startswith('python train.py') for l in lines)
   assert lines[0].endswith('--config.model.ffn=relu --config.model.norm=layernorm '
                            '--config.train.seed=4')
   assert not os.path.exists(tmp_path / 'sw')
+
+
+def test_cli_exit_codes(tmp_path):
+  """2 without --sweep_dir or on a sweep file that cannot be expanded; 1 when a cell fails."""
+  result = run_tool('tools.sweep', '--sweep=configs/ablations/ffn_norm.py')
+  assert result.returncode == 2 and 'required' in result.stderr
+  spec = write_sweep(tmp_path, "{'grid': {'model.norm_position': ['pre', 'middle']}}")
+  result = run_tool('tools.sweep', f'--sweep={spec}', f'--sweep_dir={tmp_path}/sw')
+  assert result.returncode == 2 and 'sweep error: cell ' in result.stderr
+  assert not os.path.exists(tmp_path / 'sw')
+  # A cell whose train.py exits non-zero (a data_dir under a file: config error) fails the sweep.
+  (tmp_path / 'a_file').write_text('')
+  spec = write_sweep(tmp_path, "{'grid': {'data.data_dir': [%r]}}" % str(tmp_path / 'a_file/d'))
+  result = run_tool('tools.sweep', f'--sweep={spec}', f'--sweep_dir={tmp_path}/sw')
+  assert result.returncode == 1, result.stderr
+  assert ': failed (rc 2' in result.stdout
+
+
+def test_attention_sweep_names_every_registered_variant():
+  """configs/ imports no layers: the sweep lists the variants as strings, this keeps it complete."""
+  from layers import attention  # pylint: disable=g-import-not-at-top
+  module = sweep.load_sweep_module(os.path.join(ROOT, 'configs', 'ablations',
+                                                'attention_variants.py'))
+  cells = sweep.expand(sweep.get_sweep(module))
+  assert sorted(c['overrides']['model.attention'] for c in cells) == sorted(attention.VARIANTS)
 
 
 # --- compare -------------------------------------------------------------------------------------
@@ -340,3 +368,25 @@ def test_compare_fills_fields_added_since_with_their_defaults(tmp_path):
   table = compare.compare([str(tmp_path / 'sw')], str(tmp_path / 'cmp.png'))
   rows = [line for line in table.splitlines() if line.startswith('| ') and '---' not in line][1:]
   assert len(rows) == 1 and rows[0].split(' | ')[1] == '2', table
+
+
+def test_compare_cli_prints_the_table_and_the_png(tmp_path):
+  """`python -m tools.compare DIR ...`: workdirs with commas in their names, the table, `wrote OUT`;
+  exit 2 on a missing run or a bad option."""
+  for seed in (0, 1):
+    write_run(tmp_path / f'sw/model.ffn=relu,seed={seed}', [(10, 3.0), (20, 2.0 + seed)],
+              [(20, 2.5)], steps=20, seed=seed, fields={'ffn': 'relu'})
+  write_run(tmp_path / 'other', [(10, 3.0), (20, 2.2)], steps=20, fields={'ffn': 'gelu'})
+  out = tmp_path / 'cmp.png'
+  result = run_tool('tools.compare', str(tmp_path / 'sw/model.ffn=relu,seed=0'),
+                    str(tmp_path / 'sw/model.ffn=relu,seed=1'), str(tmp_path / 'other'),
+                    f'--out={out}', '--logy', '--smooth=ema:0.5', '--target_loss=2.6')
+  assert result.returncode == 0, result.stderr
+  assert '| ffn=relu | 2 | 2.5000 [2.5000, 2.5000] |' in result.stdout
+  assert '| ffn=gelu | 1 |' in result.stdout
+  assert result.stdout.rstrip().endswith(f'wrote {out}') and out.stat().st_size > 10000
+  result = run_tool('tools.compare', str(tmp_path / 'sw'))  # a sweep directory: its default PNG
+  assert result.returncode == 0 and (tmp_path / 'sw' / 'compare.png').exists(), result.stderr
+  for args in ([str(tmp_path / 'nope')], [str(tmp_path / 'sw'), '--smooth=gauss:3'], []):
+    result = run_tool('tools.compare', *args)
+    assert result.returncode == 2 and result.stderr.strip(), (args, result.stderr)

@@ -1,5 +1,8 @@
 """Compares train.py runs: overlaid loss curves (PNG), divergence/plateau flags, a markdown table.
 
+    python -m tools.compare DIR [DIR ...] [--out=PNG] [--smooth=ema:0.9] [--logy] [--logx]
+        [--target_loss=3.0]
+
 Runs are workdirs (metrics.jsonl, config.json, run_info.json); a sweep directory stands for every
 workdir inside it. Runs whose configs differ only in `train.seed` form one group, drawn as the mean
 across seeds with a min-max band. Groups are labelled by the config fields that differ between them.
@@ -17,7 +20,10 @@ import functools
 import json
 import math
 import os
+import sys
 
+from absl import app
+from absl import flags
 import numpy as np
 
 SPIKE_FACTOR = 2.0  # diverged: train loss > this x the running minimum ...
@@ -354,3 +360,42 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   title = ', '.join(os.path.basename(os.path.normpath(p)) for p in paths)
   plot(groups, summary, out, smoothing=smoothing, logy=logy, logx=logx, title=title)
   return markdown_table(summary, target_loss)
+
+
+# --- The command line -----------------------------------------------------------------------------
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """The CLI flags, defined only when run as a program (tests import this module)."""
+  flags.DEFINE_string('smooth', None, 'Train-curve smoothing: ema:BETA (or BETA), ma:K, or none.')
+  flags.DEFINE_bool('logy', False, 'Log-scale loss axis.')
+  flags.DEFINE_bool('logx', False, 'Log-scale step axis.')
+  flags.DEFINE_float('target_loss', None, 'Report the first step whose validation loss is at most '
+                     'this.')
+  flags.DEFINE_string('out', None, 'The PNG to write (default: DIR/compare.png of the first DIR).')
+
+
+def main(argv):
+  """Prints the table and `wrote OUT`; exits 2 on a missing run or a bad option."""
+  # Positional arguments, not a comma-separated flag: cell workdirs have commas in their names.
+  paths = argv[1:]
+  if not paths:
+    print('compare: name at least one workdir or sweep directory: python -m tools.compare DIR '
+          '[DIR ...]', file=sys.stderr)
+    sys.exit(2)
+  out = FLAGS.out or os.path.join(paths[0], 'compare.png')
+  try:
+    table = compare(paths, out, smoothing=FLAGS.smooth, logy=FLAGS.logy, logx=FLAGS.logx,
+                    target_loss=FLAGS.target_loss)
+  except (FileNotFoundError, ValueError) as e:
+    print(str(e), file=sys.stderr)
+    sys.exit(2)
+  print(table)
+  print(f'\nwrote {out}')
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

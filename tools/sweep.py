@@ -1,5 +1,8 @@
 """Sweeps: expand a configs/ablations/*.py grid into named cells and run each with train.py.
 
+    python -m tools.sweep --sweep=configs/ablations/NAME.py[:ARG] --sweep_dir=DIR
+        [--dry_run] [--seeds=0,1,2] [--parallel=N] [--sweep_eval]
+
 A sweep file defines `get_config(arg=None)`, the base config of every cell, and `get_sweep()` (or
 `get_sweep(arg=None)`, given the same `:ARG` as get_config, e.g. to shorten a `quick` sweep):
 
@@ -35,6 +38,9 @@ import shlex
 import subprocess
 import sys
 import time
+
+from absl import app
+from absl import flags
 
 from training import validation
 
@@ -340,6 +346,48 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
       for future in concurrent.futures.as_completed(futures):
         report(*future.result())
   done = sum(r in ('done', 'skipped') for r in results.values())
-  print(f'sweep: {done}/{n} cells finished in {sweep_dir}; compare with: python eval.py '
-        f'--compare={sweep_dir} --out={os.path.join(sweep_dir, "compare.png")}', file=out)
+  print(f'sweep: {done}/{n} cells finished in {sweep_dir}; compare with: python -m tools.compare '
+        f'{shlex.quote(sweep_dir)} --out={shlex.quote(os.path.join(sweep_dir, "compare.png"))}',
+        file=out)
   return results
+
+
+# --- The command line -----------------------------------------------------------------------------
+
+FLAGS = flags.FLAGS
+FINISHED = ('done', 'skipped', 'diverged', 'dry_run')  # results that leave nothing to rerun
+
+
+def define_flags():
+  """The CLI flags, defined only when run as a program (tests import this module)."""
+  flags.DEFINE_string('sweep', None, 'The sweep file, configs/ablations/NAME.py[:ARG]; every cell '
+                      'trains with train.py into --sweep_dir/<cell name>.')
+  flags.DEFINE_string('sweep_dir', None, 'Directory of the sweep: one workdir per cell.')
+  flags.DEFINE_bool('dry_run', False, 'Print the train.py (and eval.py) command of every cell and '
+                    'run nothing (for launching cells on a cluster).')
+  flags.DEFINE_list('seeds', None, 'Seeds to run (default: the sweep file\'s).')
+  flags.DEFINE_integer('parallel', 1, 'Cells run side by side, each on one XLA/OpenMP thread.')
+  flags.DEFINE_bool('sweep_eval', False, 'Run the sweep file\'s eval.py flags on each finished '
+                    'cell.')
+
+
+def main(argv):
+  """Exits 0 when every cell finished (done, skipped, diverged or dry run), 1 when one failed, 2 on
+  a missing flag or a sweep file that cannot be expanded."""
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not FLAGS.sweep or not FLAGS.sweep_dir:
+    print('sweep: --sweep and --sweep_dir are required', file=sys.stderr)
+    sys.exit(2)
+  try:
+    results = run_sweep(FLAGS.sweep, FLAGS.sweep_dir, seeds=FLAGS.seeds, dry_run=FLAGS.dry_run,
+                        parallel=FLAGS.parallel, run_eval=FLAGS.sweep_eval)
+  except SweepError as e:
+    print(f'sweep error: {e}', file=sys.stderr)
+    sys.exit(2)
+  sys.exit(0 if all(r in FINISHED for r in results.values()) else 1)
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)
