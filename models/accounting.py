@@ -1,29 +1,23 @@
 """Parameters, FLOPs and memory of a config: counted on the real model, checked in closed form.
 
-    python -m models.accounting --config=configs/decoder_only.py [--config.FIELD=VALUE ...]
-
-Parameters are counted on `jax.eval_shape` of `models.build` (shapes only, nothing allocated) and
-compared with the closed forms below; FLOPs, KV-cache, score and per-device memory are closed forms
-over the config's sizes, the per-device part read from the same logical-axis rules that train.py
-places the state with (`layers.sharding`), on an abstract mesh of `config.mesh`'s sizes (any sizes:
-no devices are needed). Legend: B batch, T length, S key length, D d_model, N heads, K KV heads,
-H head dim, F d_ff, V vocabulary, L layers per stack.
+The library under `python -m tools.accounting`, which prints these numbers as tables. Parameters
+are counted on `jax.eval_shape` of `models.build` (shapes only, nothing allocated) and compared
+with the closed forms below; FLOPs, KV-cache, score and per-device memory are closed forms over the
+config's sizes, the per-device part read from the same logical-axis rules that training places the
+state with (`layers.sharding`), on an abstract mesh of `config.mesh`'s sizes (any sizes: no devices
+are needed). Every function takes a resolved config (`d_ff` and `num_kv_heads` filled in). Legend:
+B batch, T length, S key length, D d_model, N heads, K KV heads, H head dim, F d_ff, V vocabulary,
+L layers per stack.
 """
 
 import math
-import sys
 
 import jax
-from absl import app
-from absl import flags
 from flax import nnx
-from ml_collections import config_flags
 
 import models
-from training import validation
 from layers import sharding
 
-MIB = 2 ** 20
 COMPONENTS = ('embedding', 'positions', 'attention', 'cross_attention', 'ffn', 'norms', 'output')
 TRANSFORMER_ARCHS = ('decoder_only', 'encoder_only', 'encoder_decoder')
 GATED_FFNS = ('swiglu', 'geglu')
@@ -54,11 +48,15 @@ def norm_params(d_model, norm):
   return 2 * d_model if norm == 'layernorm' else d_model
 
 
-def _stacks(arch):
-  """(number of stacks, whether the decoder stack has cross-attention) of a Transformer arch."""
+def stack_layout(arch):
+  """(number of stacks, whether the decoder stack has cross-attention) of a Transformer arch.
+
+  Raises:
+    ValueError: `arch` is not a Transformer (the closed forms cover only those).
+  """
   if arch not in TRANSFORMER_ARCHS:
-    raise validation.ConfigError(f'model.arch={arch!r}: accounting covers the Transformer archs; '
-                                 f'valid values: {", ".join(TRANSFORMER_ARCHS)}')
+    raise ValueError(f'model.arch={arch!r}: accounting covers the Transformer archs; '
+                     f'valid values: {", ".join(TRANSFORMER_ARCHS)}')
   return (2, True) if arch == 'encoder_decoder' else (1, False)
 
 
@@ -82,7 +80,7 @@ def formula_params(cfg, vocab_size, max_length):
     {component: count} over `COMPONENTS`; the output projection is tied to the (decoder's) token
     embedding in every Transformer arch here, so 'output' is 0.
   """
-  stacks, cross = _stacks(cfg.arch)
+  stacks, cross = stack_layout(cfg.arch)
   d, layers = cfg.d_model, cfg.num_layers * stacks
   per_stack_position = {'learned': max_length * d, 't5_bias': cfg.t5_num_buckets * cfg.num_heads}
   norms_per_layer = 2 * layers + (cfg.num_layers if cross else 0)  # self, ffn (+ cross) norms
@@ -125,7 +123,7 @@ def forward_flops(cfg, vocab_size, length):
   Returns:
     {'matmul', 'scores', 'scores_causal'} FLOPs per row.
   """
-  stacks, cross = _stacks(cfg.arch)
+  stacks, cross = stack_layout(cfg.arch)
   t, d, n = length, cfg.d_model, cfg.num_heads
   h, k = d // n, cfg.num_kv_heads
   layer_weights = (attention_params(d, n, k) + ffn_params(d, cfg.d_ff, cfg.ffn))  # no biases
@@ -199,7 +197,7 @@ def shard_factor(spec, mesh):
 
 def param_shards(model, mesh_config):
   """Per parameter: (path, count, bytes, shard factor) under `config.mesh` and its rules, the
-  placement train.py gives it (`layers.sharding.param_specs`)."""
+  placement training gives it (`layers.sharding.param_specs`)."""
   params = nnx.state(model, nnx.Param)
   mesh = abstract_mesh(mesh_config)
   specs = dict(_leaves(sharding.param_specs(params, mesh, sharding.rules_of(mesh_config))))
@@ -231,7 +229,7 @@ def activation_bytes(cfg, vocab_size, batch_size, length, mesh_config, bytes_per
   Returns:
     bytes per device.
   """
-  stacks, cross = _stacks(cfg.arch)
+  stacks, cross = stack_layout(cfg.arch)
   mesh = abstract_mesh(mesh_config)
   rows = mesh.shape['data'] * mesh.shape['fsdp']
   b = -(-batch_size // rows)
@@ -252,176 +250,3 @@ def activation_bytes(cfg, vocab_size, batch_size, length, mesh_config, bytes_per
     per_token += attn(length) * cfg.num_layers
   per_token += split(2 * vocab_size, vocab_size)
   return int(b * t * per_token * bytes_per_element)
-
-
-# --- The report -----------------------------------------------------------------------------------
-
-def toy_vocab_size():
-  """V of the toy translation task (its tokenizer's vocabulary), without generating the data."""
-  from data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
-  from data import toy_translation  # pylint: disable=g-import-not-at-top
-  return tokenizer_lib.Tokenizer.from_words(toy_translation.vocabulary()).vocab_size
-
-
-def _n(x):
-  return f'{int(round(x)):,}'
-
-
-def _mib(x):
-  """Bytes in the largest binary unit that keeps the number >= 1."""
-  for unit, size in (('GiB', 2 ** 30), ('MiB', MIB), ('KiB', 2 ** 10)):
-    if x >= size:
-      return f'{x / size:,.2f} {unit}'
-  return f'{int(x)} B'
-
-
-def _table(header, rows):
-  lines = ['| ' + ' | '.join(header) + ' |', '|' + '|'.join('---' for _ in header) + '|']
-  return lines + ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows]
-
-
-def report(config, vocab_size=None):
-  """The accounting of a resolved, validated config as markdown text.
-
-  Raises:
-    validation.ConfigError: a non-Transformer arch.
-    RuntimeError: counted parameters that disagree with the closed form (a bug here or there).
-  """
-  m, length = config.model, config.data.max_length
-  vocab_size = toy_vocab_size() if vocab_size is None else vocab_size
-  model = abstract_model(m, vocab_size, length)
-  counted, formula = counted_params(model), formula_params(m, vocab_size, length)
-  if counted != formula:  # an 'other' component (a parameter no rule names) also lands here
-    raise RuntimeError(f'counted parameters {counted} disagree with the closed form {formula}')
-  stacks, cross = _stacks(m.arch)
-  layers, d, h = m.num_layers * stacks, m.d_model, m.d_model // m.num_heads
-  total = sum(counted.values())
-  out = [f'# Accounting: arch={m.arch}, L={m.num_layers} per stack, D={d}, N={m.num_heads}, '
-         f'K={m.num_kv_heads}, H={h}, F={m.d_ff}, V={vocab_size}, T={length}, ffn={m.ffn}, '
-         f'norm={m.norm}, position={m.position}, attention={m.attention}, use_bias={m.use_bias}',
-         '', '## Parameters (counted on jax.eval_shape of models.build = closed form)', '']
-  gated = m.ffn in GATED_FFNS
-  layer = (counted['attention'] + counted['ffn']) / layers  # self-attention + FFN
-  attn_form = ('4·D²' if m.num_kv_heads == m.num_heads else '2·D² + 2·D·K·H')
-  rows = [
-      ('embedding', '', '', _n(counted['embedding']), 'V·D' + ('' if stacks == 1 or m.get(
-          'share_embeddings', True) else ' x2 (not shared)')),
-      ('positions', '', '', _n(counted['positions']),
-       {'learned': 'T_max·D per stack', 't5_bias': 'buckets·N per stack'}.get(m.position, '0')),
-      ('attention', _n(counted['attention'] / layers), layers, _n(counted['attention']),
-       attn_form + (' + biases' if m.use_bias else '') + (
-           ' + 2·k·T (E, F)' if m.attention == 'linformer' else '')),
-  ]
-  if cross:
-    rows.append(('cross-attention', _n(counted['cross_attention'] / m.num_layers), m.num_layers,
-                 _n(counted['cross_attention']), attn_form + (' + biases' if m.use_bias else '')))
-  rows += [
-      ('FFN', _n(counted['ffn'] / layers), layers, _n(counted['ffn']),
-       ('3·D·F' if gated else '2·D·F') + (' + biases' if m.use_bias else '')),
-      ('norms', '', '', _n(counted['norms']),
-       ('2·D' if m.norm == 'layernorm' else 'D') + ' per norm'),
-      ('output', '', '', '0', 'tied to the embedding'),
-      ('**total**', _n(layer) if not cross else
-       f'enc {_n(layer)}, dec {_n(layer + counted["cross_attention"] / m.num_layers)}', layers,
-       f'**{_n(total)}**', ''),
-  ]
-  out += _table(('component', 'per layer', 'layers', 'total', 'closed form'), rows)
-  out += ['', f'A layer (self-attention + FFN) holds {_n(layer)} = {layer / d ** 2:.2f}·D² '
-          f'parameters, {100 * counted["ffn"] / layers / layer:.1f}% of them in the FFN.']
-
-  fl = forward_flops(m, vocab_size, length)
-  fwd_full = fl['matmul'] + fl['scores']
-  fwd_causal = fl['matmul'] + fl['scores_causal']
-  out += ['', f'## FLOPs per token (T={length}; per row / T; training = 3 x forward: the backward '
-          'pass costs two matmuls per forward matmul)', '']
-  rows = [('matmuls (2 x weights touched, incl. D x V output)', _n(fl['matmul'] / length),
-           _n(3 * fl['matmul'] / length)),
-          ('attention scores, full T x S (as the xla kernel computes them)',
-           _n(fl['scores'] / length), _n(3 * fl['scores'] / length)),
-          ('attention scores, only the pairs the mask keeps (causal: about half)',
-           _n(fl['scores_causal'] / length),
-           _n(3 * fl['scores_causal'] / length)),
-          ('**total** (full scores)', _n(fwd_full / length), _n(3 * fwd_full / length)),
-          ('total (kept pairs only)', _n(fwd_causal / length), _n(3 * fwd_causal / length))]
-  out += _table(('', 'inference (forward)', 'training'), rows)
-  out += ['', f'Per step (batch {config.train.batch_size} x {length} tokens): '
-          f'{3 * fwd_full * config.train.batch_size:,.3g} training FLOPs.']
-  if m.attention != 'dense':
-    out.append(f'Scores are counted as exact dense attention; model.attention={m.attention!r} '
-               'computes its own pattern, so its score FLOPs differ.')
-
-  out += ['', '## KV cache (2 x layers x K x H x length x bytes)', '']
-  rows = []
-  if m.arch == 'encoder_only':
-    out += ['Encoder-only: no autoregressive decoding, no KV cache.']
-  else:
-    elems = kv_cache_elements(m.num_layers, m.num_kv_heads, h, length)
-    if cross:
-      elems *= 2  # the cross-attention keys/values of the source (length T), cached once
-    rows.append((f'this config, one sequence of {length}' + (' (self + cross)' if cross else ''),
-                 _n(elems), _mib(4 * elems), _mib(2 * elems)))
-  for name, kv in (('MHA', 32), ('GQA, 8 KV heads', 8), ('MQA', 1)):
-    elems = kv_cache_elements(32, kv, 64, 2048)
-    rows.append((f'DESIGN.md: 32 layers, 32 heads, H 64, length 2048, {name}', _n(elems),
-                 _mib(4 * elems), _mib(2 * elems)))
-  out += _table(('', 'elements', 'fp32', 'fp16/bf16'), rows)
-
-  out += ['', '## Attention scores (T x S per head; the softmax output doubles it)', '']
-  rows = [(f'this config, T={length}: one head', _mib(score_bytes(length, 4)),
-           _mib(score_bytes(length, 2)), _mib(score_bytes(length, 2, with_softmax=True))),
-          (f'this config: one layer ({m.num_heads} heads)',
-           _mib(m.num_heads * score_bytes(length, 4)), _mib(m.num_heads * score_bytes(length, 2)),
-           _mib(m.num_heads * score_bytes(length, 2, with_softmax=True))),
-          ('DESIGN.md: one head, T=8192', _mib(score_bytes(8192, 4)), _mib(score_bytes(8192, 2)),
-           _mib(score_bytes(8192, 2, with_softmax=True)))]
-  out += _table(('', 'fp32', 'fp16', 'fp16 + softmax output'), rows)
-
-  mesh_config = config.get('mesh', {})
-  mesh = abstract_mesh(mesh_config)
-  shards = param_shards(model, mesh_config)
-  p_dev = per_device_param_bytes(model, mesh_config)
-  act = activation_bytes(m, vocab_size, config.train.batch_size, length, mesh_config)
-  sizes = ' x '.join(f'{a}={mesh.shape[a]}' for a in sharding.MESH_AXES)
-  plural = 's' if mesh.size > 1 else ''
-  out += ['', f'## Per device under the mesh {sizes} ({mesh.size} device{plural}; float32)', '']
-  rows = [('parameters', _mib(p_dev)), ('gradients (sharded like the parameters)', _mib(p_dev)),
-          ('AdamW moments mu, nu (2 x parameters)', _mib(2 * p_dev)),
-          ('**state total**', f'**{_mib(4 * p_dev)}**'),
-          (f'activations, batch {config.train.batch_size} (estimate, see activation_bytes)',
-           _mib(act)),
-          ('**total**', f'**{_mib(4 * p_dev + act)}**')]
-  out += _table(('', 'bytes per device'), rows)
-  by_factor = {}
-  for path, count, _, factor in shards:
-    entry = by_factor.setdefault(factor, [0, set()])
-    entry[0] += count
-    entry[1].add(component_of(path))
-  out += ['', 'Parameters by the number of pieces the rules cut them into (the rest of the '
-          'mesh holds copies; the data axis always does):']
-  for factor in sorted(by_factor, reverse=True):
-    count, comps = by_factor[factor]
-    out.append(f'- /{factor}: {_n(count)} ({100 * count / total:.1f}%): {", ".join(sorted(comps))}')
-  return '\n'.join(out)
-
-
-FLAGS = flags.FLAGS
-
-
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  config = validation.resolve(FLAGS.config.unlock())
-  try:
-    validation.validate(config)
-    text = report(config, FLAGS.vocab_size or None)
-  except validation.ConfigError as e:
-    print(f'config error: {e}', file=sys.stderr)
-    sys.exit(2)
-  print(text)
-
-
-if __name__ == '__main__':
-  config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py).', lock_config=True)
-  flags.DEFINE_integer('vocab_size', 0, 'V; 0 = the toy translation task\'s vocabulary.')
-  flags.mark_flag_as_required('config')
-  app.run(main)
