@@ -5,6 +5,8 @@ from models import encoder_decoder
 from models import encoder_only
 from models import rnn_seq2seq
 
+SpecialIds = encoder_only.SpecialIds  # the token ids `build(..., special_ids=)` takes
+
 ARCHS = {
     'decoder_only': decoder_only.DecoderOnly,
     'encoder_only': encoder_only.EncoderOnly,
@@ -28,8 +30,20 @@ def batch_format(arch):
   return BATCH_FORMATS[arch]
 
 
-def build(cfg, vocab_size, max_length, *, rngs):
-  """Builds `config.model.arch` for a vocabulary of `vocab_size` and sequences up to `max_length`."""
+def build(cfg, vocab_size, max_length, *, rngs, special_ids=None):
+  """Builds `config.model.arch` for a vocabulary of `vocab_size` and sequences up to `max_length`.
+
+  Args:
+    cfg: a resolved `config.model`.
+    vocab_size: V, the tokenizer's vocabulary size.
+    max_length: the longest sequence (learned position tables).
+    rngs: `nnx.Rngs` for the initialisation.
+    special_ids: a `SpecialIds` (`SpecialIds.from_tokenizer(tokenizer)`): the ids encoder_only
+      masks by; the other archs take none. An encoder_only model built without them runs its
+      forward pass (parameter counts, attention maps) but refuses to mask.
+  """
   if cfg.arch not in ARCHS:
     raise ValueError(f'arch {cfg.arch!r} unknown; valid: {sorted(ARCHS)}')
+  if cfg.arch == 'encoder_only':
+    return ARCHS[cfg.arch](cfg, vocab_size, max_length, rngs=rngs, special_ids=special_ids)
   return ARCHS[cfg.arch](cfg, vocab_size, max_length, rngs=rngs)

@@ -1,20 +1,50 @@
 """Encoder-only (BERT-style) masked-token prediction over `<bos> source <sep> target <eos>`."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from data import tokenizer as tokenizer_lib
 from models import stack
 
-# Never masked: they carry the layout of the row, not content to predict.
-SPECIALS = (tokenizer_lib.PAD, tokenizer_lib.BOS, tokenizer_lib.EOS, tokenizer_lib.SEP)
-FIRST_WORD_ID = len(tokenizer_lib.SPECIAL_TOKENS)  # random replacements are drawn from the words
 EVAL_MASK_SEED = 0  # evaluation masks with this fixed key, so its numbers are deterministic
 
 
-def mlm_mask(rng, inputs, weights, vocab_size, *, rate=0.15, mask_prob=0.8, random_prob=0.1,
-             target_rate=0.0):
+@dataclasses.dataclass(frozen=True)
+class SpecialIds:
+  """The token ids the masking treats apart; they come from the tokenizer, through the caller.
+
+  Attributes:
+    pad, bos, eos, sep: never chosen for prediction: they carry the layout of the row, not
+      content to predict (`sep` also marks where the target side starts).
+    mask: the id that replaces a chosen token.
+    first_word: random replacements are drawn from the ids in [first_word, V).
+  """
+  pad: int
+  bos: int
+  eos: int
+  sep: int
+  mask: int
+  first_word: int
+
+  @property
+  def layout(self):
+    """The ids that are never masked: (pad, bos, eos, sep)."""
+    return (self.pad, self.bos, self.eos, self.sep)
+
+  @classmethod
+  def from_tokenizer(cls, tokenizer):
+    """The ids of a tokenizer with `pad_id`, `bos_id`, `eos_id`, `sep_id`, `mask_id` and `unk_id`
+    whose words follow its special ids (`data.tokenizer.Tokenizer`)."""
+    specials = (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, tokenizer.sep_id,
+                tokenizer.mask_id, tokenizer.unk_id)
+    return cls(pad=tokenizer.pad_id, bos=tokenizer.bos_id, eos=tokenizer.eos_id,
+               sep=tokenizer.sep_id, mask=tokenizer.mask_id, first_word=max(specials) + 1)
+
+
+def mlm_mask(rng, inputs, weights, vocab_size, *, special_ids, rate=0.15, mask_prob=0.8,
+             random_prob=0.1, target_rate=0.0):
   """BERT's masking (Devlin et al. 2019): choose `rate` of the real tokens to predict; replace 80%
   of those by `<mask>`, 10% by a random word, keep 10%.
 
@@ -22,7 +52,8 @@ def mlm_mask(rng, inputs, weights, vocab_size, *, rate=0.15, mask_prob=0.8, rand
     rng: a jax key.
     inputs: `[B, T]` token ids.
     weights: `[B, T]`, > 0 on real tokens (0 on padding).
-    vocab_size: V (random replacements are words, ids in [FIRST_WORD_ID, V)).
+    vocab_size: V (random replacements are words, ids in [special_ids.first_word, V)).
+    special_ids: a `SpecialIds`: the layout ids never chosen, the `<mask>` id, the first word id.
     rate, mask_prob, random_prob: the chosen share, and the <mask> / random shares of it.
     target_rate: share of rows whose whole target side (after `<sep>`) is chosen and replaced by
       `<mask>` instead (non-autoregressive translation; 0 = plain BERT).
@@ -30,31 +61,36 @@ def mlm_mask(rng, inputs, weights, vocab_size, *, rate=0.15, mask_prob=0.8, rand
   Returns:
     (corrupted inputs `[B, T]`, chosen `[B, T]` float32: 1 where the loss is taken).
   """
+  ids = special_ids
   k_choose, k_kind, k_random, k_row = jax.random.split(rng, 4)
-  special = jnp.isin(inputs, jnp.asarray(SPECIALS, inputs.dtype))
+  special = jnp.isin(inputs, jnp.asarray(ids.layout, inputs.dtype))
   candidate = (weights > 0) & ~special  # [B, T]
   chosen = candidate & jax.random.bernoulli(k_choose, rate, inputs.shape)  # [B, T]
   u = jax.random.uniform(k_kind, inputs.shape)
-  random_ids = jax.random.randint(k_random, inputs.shape, FIRST_WORD_ID, vocab_size,
+  random_ids = jax.random.randint(k_random, inputs.shape, ids.first_word, vocab_size,
                                   dtype=inputs.dtype)
-  corrupted = jnp.where(chosen & (u < mask_prob), tokenizer_lib.MASK, inputs)
+  corrupted = jnp.where(chosen & (u < mask_prob), ids.mask, inputs)
   corrupted = jnp.where(chosen & (u >= mask_prob) & (u < mask_prob + random_prob), random_ids,
                         corrupted)
   if target_rate > 0:
-    after_sep = jnp.cumsum(inputs == tokenizer_lib.SEP, axis=1) > 0  # [B, T]
+    after_sep = jnp.cumsum(inputs == ids.sep, axis=1) > 0  # [B, T]
     whole = jax.random.bernoulli(k_row, target_rate, inputs.shape[:1])[:, None]  # [B, 1]
     target = whole & candidate & after_sep
     chosen = jnp.where(whole, target, chosen)
-    corrupted = jnp.where(whole, jnp.where(target, tokenizer_lib.MASK, inputs), corrupted)
+    corrupted = jnp.where(whole, jnp.where(target, ids.mask, inputs), corrupted)
   return corrupted.astype(inputs.dtype), chosen.astype(jnp.float32)
 
 
 class EncoderOnly(nnx.Module):
-  """Bidirectional stack; the output projection is tied to the token embedding."""
+  """Bidirectional stack; the output projection is tied to the token embedding.
 
-  def __init__(self, cfg, vocab_size, max_length, *, rngs):
+  The forward pass needs no token ids; masking (`mask`, `loss_terms`) needs `special_ids`.
+  """
+
+  def __init__(self, cfg, vocab_size, max_length, *, rngs, special_ids=None):
     self.encoder = stack.Stack(cfg, vocab_size, max_length, rngs=rngs)
     self.vocab_size = vocab_size
+    self.special_ids = special_ids
     self.rate = cfg.get('mlm_rate', 0.15)
     self.mask_prob = cfg.get('mlm_mask_prob', 0.8)
     self.random_prob = cfg.get('mlm_random_prob', 0.1)
@@ -74,8 +110,12 @@ class EncoderOnly(nnx.Module):
 
   def mask(self, batch, rng, *, target_rate=None):
     """Returns (corrupted inputs, chosen) of `batch` with this model's masking config."""
-    return mlm_mask(rng, batch['inputs'], batch['weights'], self.vocab_size, rate=self.rate,
-                    mask_prob=self.mask_prob, random_prob=self.random_prob,
+    if self.special_ids is None:
+      raise ValueError('encoder_only masks tokens by their ids: build it with '
+                       'models.build(..., special_ids=models.SpecialIds.from_tokenizer(tokenizer))')
+    return mlm_mask(rng, batch['inputs'], batch['weights'], self.vocab_size,
+                    special_ids=self.special_ids, rate=self.rate, mask_prob=self.mask_prob,
+                    random_prob=self.random_prob,
                     target_rate=self.target_rate if target_rate is None else target_rate)
 
   def loss_terms(self, batch, *, rngs=None):
