@@ -1,7 +1,7 @@
 """Feed-forward activation (relu, gelu, swiglu, geglu) x normalisation (layernorm, rmsnorm).
 
-Run:     python train.py --sweep=configs/ablations/ffn_norm.py --sweep_dir=DIR
-Compare: python eval.py --compare=DIR --out=DIR/compare.png
+Run:     python -m tools.sweep --sweep=configs/ablations/ffn_norm.py --sweep_dir=DIR
+Compare: python -m tools.compare DIR --out=DIR/compare.png
 The gated FFNs (swiglu, geglu) have a third projection: the table's parameter column shows it.
 """
 

@@ -6,8 +6,8 @@ after the (optional) linear warmup. The question: does Post-LN train without war
 Compare the init gradient norms per layer too (DIR/<cell>/init_grad_norms.json): Post-LN's grow
 toward the top layers, Pre-LN's stay flat.
 
-Run:     python train.py --sweep=configs/ablations/postln_vs_preln.py --sweep_dir=DIR
-Compare: python eval.py --compare=DIR --out=DIR/compare.png --logy
+Run:     python -m tools.sweep --sweep=configs/ablations/postln_vs_preln.py --sweep_dir=DIR
+Compare: python -m tools.compare DIR --out=DIR/compare.png --logy
 A smoke run of the same cells with a few steps each: --sweep=configs/ablations/postln_vs_preln.py:quick
 """
 
