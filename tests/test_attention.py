@@ -105,7 +105,8 @@ def test_fully_masked_row_is_zero_and_gradient_finite():
 
 
 def test_scaling_brings_score_variance_to_one():
-  # Var(q·k) = d_k for unit-variance components; 1/sqrt(d_k) brings it to 1 (DESIGN.md "Facts").
+  # Var(q·k) = d_k for independent unit-variance components (a sum of d_k products of variance 1);
+  # 1/sqrt(d_k) brings it to 1 (ARCHITECTURE.md, "Facts the tests check").
   d = 64
   q = jax.random.normal(jax.random.key(4), (200000, d))
   k = jax.random.normal(jax.random.key(5), (200000, d))

@@ -169,8 +169,8 @@ def test_kv_cache_holds_2_layers_kv_heads_head_dim_length(heads):
   assert cache['self'][0]['k'].shape == (1, length, k, head_dim)
 
 
-def test_design_kv_cache_example():
-  """DESIGN.md: 32 layers, 32 heads, head_dim 64, length 2048 -> 268,435,456 elements; GQA-8 a
+def test_textbook_kv_cache_example():
+  """2 (K and V) x 32 layers x 32 heads x head_dim 64 x length 2048 = 268,435,456 elements; GQA-8 a
   quarter, MQA a 32nd (the cache of one layer's attention, shapes only, times 32 layers)."""
   for k, want in ((32, 268_435_456), (8, 268_435_456 // 4), (1, 268_435_456 // 32)):
     layer = nnx.eval_shape(lambda k=k: attention.Attention(2048, 32, k, rngs=nnx.Rngs(0)))

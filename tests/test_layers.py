@@ -1,4 +1,5 @@
-"""Parameter counts, positions, norms, feed-forwards and blocks against the facts of DESIGN.md."""
+"""Parameter counts, positions, norms, feed-forwards and blocks against the textbook facts
+(ARCHITECTURE.md, "Facts the tests check")."""
 
 import jax
 import jax.numpy as jnp
