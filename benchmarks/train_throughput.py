@@ -8,7 +8,7 @@ For each size below (the issue's (a) and (b)), times the jitted `training.steps.
 
     MFU = 3 · (forward FLOPs per token) · tokens/s / (float32 matmul FLOP/s measured in the same run)
 
-with the forward FLOPs of `models.accounting.forward_flops` (the count `python -m models.accounting`
+with the forward FLOPs of `models.accounting.forward_flops` (the count `python -m tools.accounting`
 prints and tests against XLA's cost analysis): every weight matmul including the tied D x V output
 projection, plus the full T x T attention scores QK^T and PV, i.e. PaLM appendix B's 6·N + 12·L·T·D
 with N the parameters that take part in a matmul (as nanoGPT counts them). The peak is the best of
