@@ -9,6 +9,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -69,7 +70,7 @@ def test_group_norms_add_up_to_the_global_norms():
   diag = jax.device_get(sums['diag'])
   assert diag['grad_sq'].shape == (len(groups),)
   np.testing.assert_allclose(np.sqrt(diag['grad_sq'].sum()), sums['grad_norm'], rtol=1e-5)
-  np.testing.assert_allclose(np.sqrt(diag['param_sq'].sum()), train.optax.global_norm(before),
+  np.testing.assert_allclose(np.sqrt(diag['param_sq'].sum()), optax.global_norm(before),
                              rtol=1e-5)
   # The update group norms are those of the parameter change of each block.
   after = jax.tree.map(np.asarray, state['params'])

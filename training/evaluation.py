@@ -60,7 +60,8 @@ def load_run(workdir):
   if mngr.latest_step() is None:
     raise FileNotFoundError(f'eval: no checkpoint in {os.path.join(workdir, "checkpoints")}')
   tokenizer = pipeline.get_tokenizer(config.data)
-  graphdef, _, state = state_lib.create_state(config, tokenizer.vocab_size)
+  graphdef, _, state = state_lib.create_state(
+      config, tokenizer.vocab_size, special_ids=models.SpecialIds.from_tokenizer(tokenizer))
   state, _ = checkpointing.restore_state(mngr, state)
   mngr.close()
   graphdef, variables = nnx.split(nnx.merge(graphdef, *state_lib.model_variables(state)))

@@ -35,7 +35,7 @@ def make_optimizer(t):
   return optax.chain(*chain)
 
 
-def create_state(config, vocab_size, mesh=None):
+def create_state(config, vocab_size, mesh=None, *, special_ids=None):
   """Builds the model and optimiser; returns (graphdef, optimizer, state pytree).
 
   With a `mesh` (layers.sharding.make_mesh), the state is placed on it: parameters and buffers by
@@ -47,7 +47,7 @@ def create_state(config, vocab_size, mesh=None):
   """
   def build():
     return models.build(config.model, vocab_size, config.data.max_length,
-                        rngs=nnx.Rngs(params=config.train.seed))
+                        rngs=nnx.Rngs(params=config.train.seed), special_ids=special_ids)
 
   tx = make_optimizer(config.train)
   if mesh is None:
