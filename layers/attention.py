@@ -1,23 +1,20 @@
 """Multi-head attention: the `dot_product_attention` contract, its implementations, and the NNX layer."""
 
-import importlib
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from layers import attention_blockwise
+from layers import attention_pallas
+from layers import attention_ring
 from layers import attention_xla
 from layers import masks
+from layers import options
 from layers import paged_attention
+from layers import positions as positions_lib
 from layers import sharding
-
-
-def _lazy(module, name):
-  """Imports an implementation on first use (Pallas and the GPU paths are not needed for `xla`)."""
-  def call(*args, **kwargs):
-    return getattr(importlib.import_module(module), name)(*args, **kwargs)
-  return call
 
 
 def _cudnn(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
@@ -38,10 +35,10 @@ def _cudnn(query, key, value, bias=None, mask=None, *, scale, is_causal=False, w
 # Exact softmax attention kernels, keyed by `config.model.attention_impl`.
 IMPLEMENTATIONS = {
     'xla': attention_xla.attention,
-    'blockwise': _lazy('layers.attention_blockwise', 'attention'),
-    'pallas': _lazy('layers.attention_pallas', 'attention'),
+    'blockwise': attention_blockwise.attention,
+    'pallas': attention_pallas.attention,
     'cudnn': _cudnn,
-    'ring': _lazy('layers.attention_ring', 'ring_attention'),  # needs a mesh with sequence > 1
+    'ring': attention_ring.ring_attention,  # needs a mesh with sequence > 1
 }
 
 
@@ -90,13 +87,43 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       q_segment_ids=q_seg, kv_segment_ids=kv_seg)
 
 
-class Attention(nnx.Module):
+class Attention(nnx.Module, options.Configurable):
   """Multi-head attention with `num_kv_heads` key/value heads (MHA, GQA, MQA) and q/k/v/o projections.
 
   Self-attention when called with one input, cross-attention with a `context` (queries from `x`,
   keys/values from `context`). Positions that act inside attention (RoPE, ALiBi, T5 bias) come in
   through `position`, an object of `layers.positions` that may rotate q/k or add a score term.
+
+  The registered variants (layers.attention_variants.VARIANTS) subclass this one and declare what
+  they can do in the class attributes below; nothing outside the layer infers it from the methods
+  a subclass overrides or the attributes it has. A new variant that changes the attention pattern
+  sets the ones it does not support to False.
+
+  Attributes:
+    has_scores: the layer's softmax runs over the `[T, S]` scores of its own q/k projections,
+      `local_window_size` applied (attention_xla.scores): `score_stats` gives the training
+      diagnostics its max logit and entropy. False for the sparse patterns, kernels and low-rank
+      projections, whose diagnostics are the activation RMS only.
+    takes_score_terms: position methods that add to the scores (ALiBi, T5 bias) can be used.
+    supports_causal: causal self-attention (decoders) is possible.
+    supports_segments: packed segments (data.packing='segments') stay apart; False where only
+      padding (segment 0) is hidden.
+    scannable: the layers can be built by one trace for a scanned stack (model.scan_layers);
+      False where each layer draws its own random pattern or features from a per-layer seed.
+    has_dense_decode: the dense KV-cache step of this class (`decode`) is this layer's cached
+      step; a variant with another pattern sets False and brings its own `decode` (or has none).
+    has_paged_cache: `decode` reads a paged KV cache (`init_paged_cache`).
+    options: the `config.model` fields `from_config` reads beyond the sizes.
   """
+
+  has_scores = True
+  takes_score_terms = True
+  supports_causal = True
+  supports_segments = True
+  scannable = True
+  has_dense_decode = True
+  has_paged_cache = True
+  options = ('use_bias', 'attention_impl', 'unscaled')
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, head_dim=None, use_bias=False,
                implementation='xla', local_window_size=None, scale=None, rngs):
@@ -127,6 +154,21 @@ class Attention(nnx.Module):
                implementation=cfg.attention_impl,
                scale=1.0 if cfg.get('unscaled', False) else None, rngs=rngs)
 
+  @classmethod
+  def check_config(cls, model_cfg, data_cfg):
+    """`model.unscaled`, and a position method that adds score terms only where they are taken.
+
+    Variants extend this (calling it first) with their own options.
+    """
+    del data_cfg
+    m = model_cfg
+    options.boolean('model.unscaled', m.unscaled)
+    if not cls.takes_score_terms and positions_lib.POSITIONS[m.position].score_terms:
+      valid = [k for k, p in positions_lib.POSITIONS.items() if not p.score_terms]
+      raise options.ConfigError(
+          f'model.position={m.position!r} adds a score term that model.attention={m.attention!r} '
+          f'does not take; valid values: {", ".join(sorted(valid))}')
+
   def positions_without_scores(self, q, k, positions, position, is_causal):
     """q, k after `position`'s rotation (RoPE); a method that adds a score term (ALiBi, T5 bias)
     is a ValueError: for the variants whose kernels have no [T, S] scores to add it to."""
@@ -146,6 +188,40 @@ class Attention(nnx.Module):
     kv_names = ('batch', 'length', 'kv_heads', 'head_dim')
     return (sharding.constrain(self.query(x), names), sharding.constrain(self.key(context), kv_names),
             sharding.constrain(self.value(context), kv_names))
+
+  def score_stats(self, x, *, segment_ids=None, positions=None, is_causal=False, position=None):
+    """The training diagnostics' softmax statistics of this layer's self-attention on `x`.
+
+    Only for layers with `has_scores`; the scores are those `__call__` computes with the same
+    arguments (attention_xla.scores: scaled q·k plus the ALiBi/T5 terms, the window, causality
+    and segments applied).
+
+    Args:
+      x: `[B, T, D]` the self-attention's input (after the block's norm under Pre-LN).
+      segment_ids: `[B, T]` or None; queries with id 0 are padding and are not averaged.
+      positions: `[B, T]` token positions, for `position`.
+      is_causal: decoder self-attention.
+      position: None or a `layers.positions` object acting inside attention.
+
+    Returns:
+      {'attn_max_logit': scalar, 'attn_entropy': scalar (nats)}, see
+      `attention_xla.score_statistics`.
+    """
+    if not self.has_scores:
+      raise NotImplementedError(f'{type(self).__name__} has no [T, S] score matrix (has_scores '
+                                'is False): its diagnostics are the activation RMS only')
+    q, k, _ = self.project(x)  # [B, T, N, H], [B, T, K, H]
+    kwargs = {}
+    if position is not None:
+      q, k, kwargs = position.in_attention(q, k, positions, positions, is_causal=is_causal)
+    scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    logits, vis = attention_xla.scores(
+        q, k, scale=scale, is_causal=is_causal,
+        window=masks.normalize_window(self.local_window_size), q_segment_ids=segment_ids,
+        kv_segment_ids=segment_ids, **kwargs)  # [B, N, T, S]
+    real = (jnp.ones(x.shape[:2], jnp.float32) if segment_ids is None
+            else (segment_ids > 0).astype(jnp.float32))  # [B, T]
+    return attention_xla.score_statistics(logits, vis, real)
 
   def __call__(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
                is_causal=False, positions=None, context_positions=None, position=None):
@@ -194,7 +270,7 @@ class Attention(nnx.Module):
     Returns:
       {'k_pages': `[P, page_size, K, H]`, 'v_pages': `[P, page_size, K, H]`} zeros.
     """
-    if type(self).decode is not Attention.decode:
+    if not self.has_paged_cache:
       # Variants decode through their own `decode` (sparse patterns sized from cache['k'],
       # recurrent prefix sums): none of them reads a page pool yet.
       raise NotImplementedError(f'{type(self).__name__} has no paged KV cache; decode it with the '
@@ -217,7 +293,7 @@ class Attention(nnx.Module):
     Returns:
       (`[B, 1, D]`, the updated cache).
     """
-    if type(self).__call__ is not Attention.__call__:
+    if not self.has_dense_decode:
       # A variant with its own attention pattern needs its own cached step, not this dense one.
       raise NotImplementedError(f'{type(self).__name__} has no KV-cache decode path; decode with '
                                 "model.attention='dense' (or add one to the variant)")
@@ -302,31 +378,3 @@ class Attention(nnx.Module):
         q, k, scale=scale, is_causal=is_causal,
         window=masks.normalize_window(self.local_window_size),
         q_segment_ids=segment_ids, kv_segment_ids=context_segment_ids, **kwargs)
-
-
-class _LazyVariant:
-  """A variant class imported on first use (its module subclasses `Attention`, so it imports this one)."""
-
-  def __init__(self, module, name):
-    self.module, self.name = module, name
-
-  def resolve(self):
-    return getattr(importlib.import_module(self.module), self.name)
-
-  def from_config(self, cfg, *, rngs):
-    return self.resolve().from_config(cfg, rngs=rngs)
-
-  def __call__(self, *args, **kwargs):
-    return self.resolve()(*args, **kwargs)
-
-
-# Attention variants, keyed by `config.model.attention`; each has `from_config(config.model, rngs=)`.
-VARIANTS = {
-    'dense': Attention,
-    'sliding_window': _LazyVariant('layers.sparse_attention', 'SlidingWindowAttention'),
-    'longformer': _LazyVariant('layers.sparse_attention', 'LongformerAttention'),
-    'bigbird': _LazyVariant('layers.sparse_attention', 'BigBirdAttention'),
-    'linformer': _LazyVariant('layers.linear_attention', 'LinformerAttention'),
-    'performer': _LazyVariant('layers.linear_attention', 'PerformerAttention'),
-    'linear': _LazyVariant('layers.linear_attention', 'LinearAttention'),
-}

@@ -5,21 +5,27 @@ import jax.numpy as jnp
 
 from layers import masks
 
+# A large finite negative instead of -inf for hidden keys: a row with every key hidden stays finite
+# (uniform), and is zeroed after the softmax, so neither the output nor its gradient is NaN.
+NEG = float(jnp.finfo(jnp.float32).min)
 
-def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
-              alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None):
-  """Materialises the `[B, N, T, S]` scores; the arguments are those of `dot_product_attention`.
+
+def scores(query, key, bias=None, mask=None, *, scale, is_causal=False, window=None,
+           alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None):
+  """The logits the softmax sees and which keys each query sees: the one score computation that
+  `attention`, `attention_weights` and the training statistics (`score_statistics`) share.
 
   Args:
     query: `[B, T, N, H]`.
-    key, value: `[B, S, K, H]`, N a multiple of K (query head n reads key/value head n // G).
+    key: `[B, S, K, H]`, N a multiple of K (query head n reads key head n // G).
     bias: None or broadcastable to `[B, N, T, S]`, added to the scaled scores.
     mask: None or boolean broadcastable to `[B, N, T, S]`, True where a key is visible.
     scale: multiplies q·k (1/sqrt(H) keeps the scores at unit variance).
     is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids: see `layers.masks`.
 
   Returns:
-    `[B, T, N, H]` in the query's dtype; rows with no visible key are zeros.
+    (logits `[B, N, T, S]` float32: the scaled scores plus the bias and ALiBi terms, at every key;
+    vis: boolean `[B, N, T, S]`, True where a key is visible, or None when every key is).
   """
   b, t, n, h = query.shape
   s, k = key.shape[1], key.shape[2]
@@ -43,28 +49,70 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
   if mask is not None:
     vis = mask if vis is None else jnp.logical_and(vis, mask)
   if vis is not None:
-    vis = jnp.broadcast_to(vis, logits.shape)
-    # A large finite negative instead of -inf: a row with every key hidden stays finite (uniform),
-    # and is zeroed below, so neither the output nor its gradient is NaN.
-    logits = jnp.where(vis, logits, jnp.finfo(jnp.float32).min)
+    vis = jnp.broadcast_to(vis, logits.shape)  # [B, N, T, S]
+  return logits, vis
+
+
+def probabilities(logits, vis):
+  """Softmax over S of `scores`' logits at the visible keys; a row with no visible key is zeros."""
+  if vis is not None:
+    logits = jnp.where(vis, logits, NEG)
   probs = jax.nn.softmax(logits, axis=-1)  # [B, N, T, S]
   if vis is not None:
     probs = jnp.where(jnp.any(vis, axis=-1, keepdims=True), probs, 0.0)
-  probs = probs.reshape(b, k, g, t, s)
+  return probs
+
+
+def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
+              alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None):
+  """Materialises the `[B, N, T, S]` scores; the arguments are those of `dot_product_attention`.
+
+  Args:
+    query: `[B, T, N, H]`.
+    key, value: `[B, S, K, H]`, N a multiple of K (query head n reads key/value head n // G).
+    bias, mask, scale, is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids: see
+      `scores`.
+
+  Returns:
+    `[B, T, N, H]` in the query's dtype; rows with no visible key are zeros.
+  """
+  b, t, n, _ = query.shape
+  s, k = key.shape[1], key.shape[2]
+  logits, vis = scores(query, key, bias, mask, scale=scale, is_causal=is_causal, window=window,
+                       alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
+                       kv_segment_ids=kv_segment_ids)  # [B, N, T, S]
+  probs = probabilities(logits, vis).reshape(b, k, n // k, t, s)  # [B, K, G, T, S]
   out = jnp.einsum('BKGTS,BSKH->BTKGH', probs, value.astype(jnp.float32))  # [B, T, K, G, H]
   return out.reshape(b, t, n, value.shape[-1]).astype(query.dtype)
 
 
 def attention_weights(query, key, bias=None, mask=None, *, scale, is_causal=False, window=None,
                       alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None):
-  """The `[B, N, T, S]` attention probabilities of `attention` (for plots and tests)."""
-  b, t, n, h = query.shape
-  s = key.shape[1]
-  # Probabilities are the output of attention over one-hot values: reuse the reference itself so the
-  # maps can never disagree with what the model computes.
-  eye = jnp.broadcast_to(jnp.eye(s, dtype=jnp.float32)[None, :, None, :],
-                         (b, s, key.shape[2], s))  # [B, S, K, S]
-  probs = attention(query.astype(jnp.float32), key.astype(jnp.float32), eye, bias, mask,
-                    scale=scale, is_causal=is_causal, window=window, alibi_slopes=alibi_slopes,
-                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)  # [B, T, N, S]
-  return probs.transpose(0, 2, 1, 3)  # [B, N, T, S]
+  """The `[B, N, T, S]` float32 attention probabilities of `attention` (for plots and tests)."""
+  logits, vis = scores(query.astype(jnp.float32), key.astype(jnp.float32), bias, mask,
+                       scale=scale, is_causal=is_causal, window=window, alibi_slopes=alibi_slopes,
+                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  return probabilities(logits, vis)  # [B, N, T, S]
+
+
+def score_statistics(logits, vis, real):
+  """The softmax statistics the training diagnostics log, from `scores`' logits and visibility.
+
+  Args:
+    logits: `[B, N, T, S]` float32 from `scores`.
+    vis: boolean `[B, N, T, S]` or None (every key visible).
+    real: `[B, T]` float32, 1 on real query tokens (0 on padding).
+
+  Returns:
+    {'attn_max_logit': the largest logit at a visible key of a real query row that sees some key,
+     'attn_entropy': the softmax entropy in nats, averaged over heads and those query rows}.
+  """
+  if vis is None:
+    vis = jnp.ones(logits.shape, bool)
+  rows = real[:, None, :] * jnp.any(vis, -1)  # [B, N, T]: real queries that see some key
+  max_logit = jnp.max(jnp.where(vis & (rows[..., None] > 0), logits, NEG))
+  logp = jax.nn.log_softmax(jnp.where(vis, logits, NEG), -1)  # [B, N, T, S]
+  # Hidden keys have probability 0 and add nothing (0·log 0 = 0), not 0·(-huge).
+  entropy = -jnp.sum(jnp.where(vis, jnp.exp(logp) * logp, 0.0), -1)  # [B, N, T]
+  return {'attn_max_logit': max_logit,
+          'attn_entropy': jnp.sum(entropy * rows) / jnp.maximum(jnp.sum(rows), 1.0)}

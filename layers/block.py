@@ -1,11 +1,15 @@
 """The Transformer block: self-attention, optional cross-attention, feed-forward, Pre-LN or Post-LN."""
 
+import jax.numpy as jnp
 from flax import nnx
 
 from layers import attention
+from layers import attention_variants
 from layers import feed_forward
 from layers import norms
+from layers import options
 
+# Where the norm sits, keyed by `config.model.norm_position` (no options of their own).
 NORM_POSITIONS = ('pre', 'post')
 
 
@@ -16,7 +20,15 @@ class Block(nnx.Module):
   every layer unscaled and training is stable without warmup; the stack then needs a final norm.
   Post-LN (Vaswani et al. 2017): norm(x + f(x)); the original, which at depth needs learning-rate
   warmup because the gradients near the output are large at initialisation.
+
+  Attributes:
+    collect_stats: opt-in diagnostics (False by default, so the train step computes nothing
+      extra): while True, each `__call__` sows {'act_rms', and for self-attention with
+      `has_scores` 'attn_max_logit', 'attn_entropy'} as `nnx.Intermediate` 'stats' (read them
+      with `nnx.capture(..., nnx.Intermediate)` or `nnx.pop(model, nnx.Intermediate)`).
   """
+
+  collect_stats = False
 
   def __init__(self, cfg, *, cross_attention=False, rngs):
     """Args:
@@ -25,18 +37,14 @@ class Block(nnx.Module):
       cross_attention: add a cross-attention sublayer (encoder-decoder decoders).
       rngs: parameter initialisation.
     """
-    if cfg.attention not in attention.VARIANTS:
-      raise ValueError(f'attention {cfg.attention!r} unknown; valid: {sorted(attention.VARIANTS)}')
-    if cfg.norm not in norms.NORMS:
-      raise ValueError(f'norm {cfg.norm!r} unknown; valid: {sorted(norms.NORMS)}')
-    if cfg.norm_position not in NORM_POSITIONS:
-      raise ValueError(f'norm_position {cfg.norm_position!r} unknown; valid: {list(NORM_POSITIONS)}')
+    options.choice('model.norm_position', cfg.norm_position, NORM_POSITIONS)
     self.pre = cfg.norm_position == 'pre'
-    make_norm = norms.NORMS[cfg.norm]
+    make_norm = options.lookup('model.norm', norms.NORMS, cfg.norm)
+    variant = options.lookup('model.attention', attention_variants.VARIANTS, cfg.attention)
 
     # Each variant reads its own options from `cfg`. Cross-attention stays dense, as in Longformer
     # and BigBird's encoder-decoders: the sparse patterns are defined on one sequence's positions.
-    self.self_attention = attention.VARIANTS[cfg.attention].from_config(cfg, rngs=rngs)
+    self.self_attention = variant.from_config(cfg, rngs=rngs)
     self.self_norm = make_norm(cfg.d_model, rngs=rngs)
     self.cross_attention = (attention.Attention.from_config(cfg, rngs=rngs) if cross_attention
                             else None)
@@ -63,15 +71,27 @@ class Block(nnx.Module):
     Returns:
       `[B, T, D]`.
     """
-    x = self._sublayer(x, self.self_norm, lambda h: self.self_attention(
-        h, segment_ids=segment_ids, positions=positions, is_causal=is_causal,
-        position=position), rngs)
+    stats = {}
+
+    def self_attend(h):
+      if self.collect_stats and self.self_attention.has_scores:
+        # The scores of this very input (after the norm under Pre-LN), from the layer itself.
+        stats.update(self.self_attention.score_stats(
+            h, segment_ids=segment_ids, positions=positions, is_causal=is_causal,
+            position=position))
+      return self.self_attention(h, segment_ids=segment_ids, positions=positions,
+                                 is_causal=is_causal, position=position)
+
+    x = self._sublayer(x, self.self_norm, self_attend, rngs)
     if self.cross_attention is not None:
       # Cross-attention carries no position term (as in T5 and ALiBi's reference): alignment is
       # learned from content, and the encoder's positions are already in its outputs.
       x = self._sublayer(x, self.cross_norm, lambda h: self.cross_attention(
           h, context, segment_ids=segment_ids, context_segment_ids=context_segment_ids), rngs)
-    return self._sublayer(x, self.ffn_norm, self.ffn, rngs)
+    y = self._sublayer(x, self.ffn_norm, self.ffn, rngs)
+    if self.collect_stats:
+      self.sow(nnx.Intermediate, 'stats', {'act_rms': activation_rms(y, segment_ids), **stats})
+    return y
 
   # --- KV cache path and attention maps (additive; `__call__` is unchanged) ----------------------
 
@@ -126,3 +146,11 @@ class Block(nnx.Module):
       x = self._sublayer(x, self.cross_norm, lambda h: self.cross_attention(
           h, context, segment_ids=segment_ids, context_segment_ids=context_segment_ids), None)
     return maps, self._sublayer(x, self.ffn_norm, self.ffn, None)
+
+
+def activation_rms(y, segment_ids=None):
+  """The root mean square of `y` `[B, T, D]` over the real tokens (segment id > 0, or all)."""
+  real = (jnp.ones(y.shape[:2], jnp.float32) if segment_ids is None
+          else (segment_ids > 0).astype(jnp.float32))  # [B, T]
+  count = jnp.maximum(jnp.sum(real), 1.0)
+  return jnp.sqrt(jnp.sum(jnp.mean(jnp.square(y.astype(jnp.float32)), -1) * real) / count)

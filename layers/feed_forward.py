@@ -1,8 +1,11 @@
 """Position-wise feed-forward networks, keyed by `config.model.ffn`."""
 
+from typing import Callable, NamedTuple
+
 import jax
 from flax import nnx
 
+from layers import options
 from layers import sharding
 
 
@@ -13,7 +16,7 @@ def _linear(d_in, d_out, names, use_bias, rngs):
                     bias_init=sharding.partitioned(nnx.initializers.zeros, names[1]))
 
 
-class FeedForward(nnx.Module):
+class FeedForward(nnx.Module, options.Configurable):
   """D -> F -> D with an activation: 2·D·F weights (8·D² for F = 4·D, about 2/3 of a layer)."""
 
   def __init__(self, d_model, d_ff, activation, *, use_bias=False, rngs):
@@ -25,7 +28,7 @@ class FeedForward(nnx.Module):
     return self.wo(self.activation(self.wi(x)))  # [B, T, D]
 
 
-class GatedFeedForward(nnx.Module):
+class GatedFeedForward(nnx.Module, options.Configurable):
   """GLU family (Shazeer 2020): act(x W_gate) * (x W_up) W_down, 3·D·F weights."""
 
   def __init__(self, d_model, d_ff, activation, *, use_bias=False, rngs):
@@ -42,18 +45,33 @@ def _gelu(x):
   return jax.nn.gelu(x, approximate=False)
 
 
-# name -> (module class, activation)
+class FFN(NamedTuple):
+  """A registered feed-forward network: its module class and activation, whose options and checks
+  (layers.options.Configurable) are the module class's."""
+
+  module: type
+  activation: Callable
+
+  @property
+  def options(self):
+    return self.module.options
+
+  def check_options(self, model_cfg):
+    self.module.check_options(model_cfg)
+
+  def check_config(self, model_cfg, data_cfg):
+    self.module.check_config(model_cfg, data_cfg)
+
+
 FFNS = {
-    'relu': (FeedForward, jax.nn.relu),
-    'gelu': (FeedForward, _gelu),
-    'swiglu': (GatedFeedForward, jax.nn.silu),
-    'geglu': (GatedFeedForward, _gelu),
+    'relu': FFN(FeedForward, jax.nn.relu),
+    'gelu': FFN(FeedForward, _gelu),
+    'swiglu': FFN(GatedFeedForward, jax.nn.silu),
+    'geglu': FFN(GatedFeedForward, _gelu),
 }
 
 
 def make(name, d_model, d_ff, *, use_bias=False, rngs):
   """Builds the feed-forward network `name` (a key of FFNS)."""
-  if name not in FFNS:
-    raise ValueError(f'ffn {name!r} unknown; valid: {sorted(FFNS)}')
-  cls, act = FFNS[name]
+  cls, act = options.lookup('model.ffn', FFNS, name)
   return cls(d_model, d_ff, act, use_bias=use_bias, rngs=rngs)

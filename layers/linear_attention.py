@@ -15,6 +15,7 @@ from flax import nnx
 
 from layers import attention as attention_lib
 from layers import attention_xla
+from layers import options
 
 # Causal linear attention runs in chunks: inside a chunk the c×c masked form, across chunks the
 # prefix sum of phi(k)^T v carried per chunk. Memory is (T/c)·M·H + T·c per head: linear in T.
@@ -145,12 +146,14 @@ class _Kernel(attention_lib.Attention):
 
   name = 'kernel'
   chunk = DEFAULT_CHUNK
-
-  def __init__(self, *args, **kwargs):
-    super().__init__(*args, **kwargs)
-    # No `local_window_size`: train.py's diagnostics then report this layer's activation RMS only,
-    # rather than softmax statistics this layer never computes.
-    del self.local_window_size
+  # No softmax over [T, S] scores (the diagnostics report the activation RMS only), nothing to add
+  # a score term to, padding hidden but not packed segments (see `_features`), and a recurrent
+  # `decode` of its own.
+  has_scores = False
+  takes_score_terms = False
+  supports_segments = False
+  has_dense_decode = False
+  has_paged_cache = False
 
   def features(self, q, k):
     """(`[B, T, K, G, M]`, `[B, S, K, M]`) non-negative features of q `[B, T, N, H]`, k `[B, S, K, H]`."""
@@ -280,6 +283,11 @@ class PerformerAttention(_Kernel):
   """
 
   name = 'performer'
+  # Each layer draws its features from its own `attention_seed` (models/stack.py gives every layer
+  # one), which one trace shared by scanned layers cannot do.
+  scannable = False
+  options = attention_lib.Attention.options + ('performer_features', 'performer_redraw',
+                                               'attention_seed')
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, num_features=64, redraw_every=0,
                seed=0, **kwargs):
@@ -293,6 +301,17 @@ class PerformerAttention(_Kernel):
     return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, num_features=cfg.performer_features,
                redraw_every=cfg.performer_redraw, seed=cfg.attention_seed, rngs=rngs,
                **_common(cfg))
+
+  @classmethod
+  def check_config(cls, model_cfg, data_cfg):
+    super().check_config(model_cfg, data_cfg)
+    m = model_cfg
+    if not isinstance(m.performer_features, int) or m.performer_features <= 0:
+      raise options.ConfigError(f'model.performer_features={m.performer_features!r} must be a '
+                                'positive integer')
+    if not isinstance(m.performer_redraw, int) or m.performer_redraw < 0:
+      raise options.ConfigError(f'model.performer_redraw={m.performer_redraw!r} must be an integer '
+                                '>= 0 (0 = fixed features, R = redraw every R training steps)')
 
   def redraw(self, draw):
     """Replaces the directions by draw number `draw` (host-side, outside jit)."""
@@ -325,10 +344,18 @@ class LinformerAttention(attention_lib.Attention):
   """
 
   name = 'linformer'
+  # Softmax over the k projected rows, not over [T, S] scores; each row mixes every position (no
+  # causal form) and only padding is hidden; no cached step.
+  has_scores = False
+  takes_score_terms = False
+  supports_causal = False
+  supports_segments = False
+  has_dense_decode = False
+  has_paged_cache = False
+  options = attention_lib.Attention.options + ('linformer_k', 'linformer_length')
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, k=32, max_length, rngs, **kwargs):
     super().__init__(d_model, num_heads, num_kv_heads, rngs=rngs, **kwargs)
-    del self.local_window_size  # see _Kernel
     self.max_length = int(max_length)
     init = nnx.initializers.normal(stddev=1.0 / math.sqrt(max_length))
     self.proj_k = nnx.Param(init(rngs.params(), (k, max_length), jnp.float32))  # E
@@ -340,6 +367,16 @@ class LinformerAttention(attention_lib.Attention):
       raise ValueError('model.linformer_length is 0: run training.validation.resolve first')
     return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, k=cfg.linformer_k,
                max_length=cfg.linformer_length, rngs=rngs, **_common(cfg))
+
+  @classmethod
+  def check_config(cls, model_cfg, data_cfg):
+    super().check_config(model_cfg, data_cfg)
+    m, length = model_cfg, data_cfg.max_length
+    if not isinstance(m.linformer_k, int) or m.linformer_k <= 0:
+      raise options.ConfigError(f'model.linformer_k={m.linformer_k!r} must be a positive integer')
+    if not isinstance(m.linformer_length, int) or m.linformer_length < length:
+      raise options.ConfigError(f'model.linformer_length={m.linformer_length!r} must be >= '
+                                f'data.max_length={length} (0 = data.max_length)')
 
   def _project_kv(self, x, context, segment_ids, context_segment_ids, positions, position,
                   is_causal):

@@ -2,23 +2,29 @@
 
 from flax import nnx
 
+from layers import options
 from layers import sharding
 
 
-def layer_norm(d_model, *, rngs):
+class LayerNorm(nnx.LayerNorm, options.Configurable):
   """LayerNorm: subtract the mean, divide by the standard deviation, learned scale and shift."""
-  return nnx.LayerNorm(d_model, epsilon=1e-6, rngs=rngs,
-                       scale_init=sharding.partitioned(nnx.initializers.ones, 'embed'),
-                       bias_init=sharding.partitioned(nnx.initializers.zeros, 'embed'))
+
+  def __init__(self, d_model, *, rngs):
+    super().__init__(d_model, epsilon=1e-6, rngs=rngs,
+                     scale_init=sharding.partitioned(nnx.initializers.ones, 'embed'),
+                     bias_init=sharding.partitioned(nnx.initializers.zeros, 'embed'))
 
 
-def rms_norm(d_model, *, rngs):
+class RMSNorm(nnx.RMSNorm, options.Configurable):
   """RMSNorm: divide by the root mean square only (no centring, no shift), as in T5 and LLaMA."""
-  return nnx.RMSNorm(d_model, epsilon=1e-6, rngs=rngs,
+
+  def __init__(self, d_model, *, rngs):
+    super().__init__(d_model, epsilon=1e-6, rngs=rngs,
                      scale_init=sharding.partitioned(nnx.initializers.ones, 'embed'))
 
 
+# `NORMS[name](d_model, rngs=)` builds the norm; neither reads an option of its own.
 NORMS = {
-    'layernorm': layer_norm,
-    'rmsnorm': rms_norm,
+    'layernorm': LayerNorm,
+    'rmsnorm': RMSNorm,
 }

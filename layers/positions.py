@@ -12,13 +12,29 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layers import options
 from layers import rope
 
 rope_inv_freq = rope.rope_inv_freq  # re-exported: the RoPE frequencies under a scaling
 
 
-class Position(nnx.Module):
-  """No position information (NoPE): self-attention is then permutation-equivariant."""
+class Position(nnx.Module, options.Configurable):
+  """No position information (NoPE): self-attention is then permutation-equivariant.
+
+  The base of the position methods registered in POSITIONS (rope.RoPE has the same interface).
+
+  Attributes:
+    score_terms: `in_attention` adds a term to the `[T, S]` scores (ALiBi's slopes, T5's bias),
+      which only attention with such scores takes (`Attention.takes_score_terms`).
+  """
+
+  score_terms = False
+
+  @classmethod
+  def from_config(cls, cfg, max_length, *, rngs):
+    """From `config.model` and the training length `max_length`."""
+    del cfg, max_length, rngs
+    return cls()
 
   def embed(self, x, positions):
     del positions
@@ -56,6 +72,10 @@ class Sinusoidal(Position):
     del max_length, rngs
     self.d_model = d_model
 
+  @classmethod
+  def from_config(cls, cfg, max_length, *, rngs):
+    return cls(cfg.d_model, max_length, rngs=rngs)
+
   def embed(self, x, positions):
     return x + sinusoid_table(positions, self.d_model).astype(x.dtype)  # [B, T, D]
 
@@ -67,6 +87,10 @@ class Learned(Position):
     self.max_length = max_length
     self.table = nnx.Embed(max_length, d_model, rngs=rngs,
                            embedding_init=nnx.initializers.normal(stddev=0.02))
+
+  @classmethod
+  def from_config(cls, cfg, max_length, *, rngs):
+    return cls(cfg.d_model, max_length, rngs=rngs)
 
   def check_length(self, length):
     if length > self.max_length:
@@ -108,8 +132,15 @@ class ALiBi(Position):
   masked anyway). It is the paper's causal form in decoders and the symmetric form in encoders.
   """
 
+  score_terms = True
+
   def __init__(self, num_heads):
     self.num_heads = num_heads
+
+  @classmethod
+  def from_config(cls, cfg, max_length, *, rngs):
+    del max_length, rngs
+    return cls(cfg.num_heads)
 
   def in_attention(self, q, k, q_pos, k_pos, *, is_causal):
     del q_pos, k_pos, is_causal
@@ -152,11 +183,30 @@ def t5_relative_position_bucket(relative_position, *, bidirectional, num_buckets
 class T5Bias(Position):
   """A learned scalar per (relative-position bucket, head) added to the scores (Raffel et al.)."""
 
+  score_terms = True
+  options = ('t5_num_buckets', 't5_max_distance')
+
   def __init__(self, num_heads, d_model, *, num_buckets=32, max_distance=128, rngs):
     self.num_buckets, self.max_distance = num_buckets, max_distance
     # transformers' T5 init: normal with stddev d_model^-0.5.
     self.table = nnx.Embed(num_buckets, num_heads, rngs=rngs,
                            embedding_init=nnx.initializers.normal(stddev=d_model ** -0.5))
+
+  @classmethod
+  def from_config(cls, cfg, max_length, *, rngs):
+    del max_length
+    return cls(cfg.num_heads, cfg.d_model, num_buckets=cfg.t5_num_buckets,
+               max_distance=cfg.t5_max_distance, rngs=rngs)
+
+  @classmethod
+  def check_options(cls, model_cfg):
+    m = model_cfg
+    if (not isinstance(m.t5_num_buckets, int) or m.t5_num_buckets < 4 or m.t5_num_buckets % 2):
+      raise options.ConfigError(f'model.t5_num_buckets={m.t5_num_buckets!r} must be an even '
+                                'integer >= 4')
+    if not isinstance(m.t5_max_distance, int) or m.t5_max_distance <= m.t5_num_buckets // 2:
+      raise options.ConfigError(f'model.t5_max_distance={m.t5_max_distance!r} must be an integer '
+                                f'> model.t5_num_buckets // 2 = {m.t5_num_buckets // 2}')
 
   def in_attention(self, q, k, q_pos, k_pos, *, is_causal):
     if q_pos is None:
@@ -171,24 +221,15 @@ class T5Bias(Position):
     return q, k, {'bias': bias}
 
 
-def _rope(cfg, max_length, *, rngs):
-  del rngs
-  return rope.RoPE(cfg.d_model // cfg.num_heads, fraction=cfg.rope_fraction, base=cfg.rope_base,
-                   scaling=cfg.rope_scaling, factor=cfg.rope_scaling_factor,
-                   original_max_length=max_length)
-
-
-# Factories `(config.model, max_length, *, rngs) -> position object`, keyed by
-# `config.model.position`.
+# Position methods, keyed by `config.model.position`; each has `from_config(config.model,
+# max_length, rngs=)`, the checks of layers.options.Configurable and `score_terms`.
 POSITIONS = {
-    'nope': lambda cfg, max_length, *, rngs: Position(),
-    'sinusoidal': lambda cfg, max_length, *, rngs: Sinusoidal(cfg.d_model, max_length, rngs=rngs),
-    'learned': lambda cfg, max_length, *, rngs: Learned(cfg.d_model, max_length, rngs=rngs),
-    'rope': _rope,
-    'alibi': lambda cfg, max_length, *, rngs: ALiBi(cfg.num_heads),
-    't5_bias': lambda cfg, max_length, *, rngs: T5Bias(
-        cfg.num_heads, cfg.d_model, num_buckets=cfg.t5_num_buckets,
-        max_distance=cfg.t5_max_distance, rngs=rngs),
+    'nope': Position,
+    'sinusoidal': Sinusoidal,
+    'learned': Learned,
+    'rope': rope.RoPE,
+    'alibi': ALiBi,
+    't5_bias': T5Bias,
 }
 
 
@@ -200,9 +241,8 @@ def make(cfg, max_length, *, rngs):
     max_length: the training length (learned tables; YaRN's original context).
     rngs: parameter initialisation.
   """
-  if cfg.position not in POSITIONS:
-    raise ValueError(f'position {cfg.position!r} unknown; valid: {sorted(POSITIONS)}')
-  return POSITIONS[cfg.position](cfg, max_length, rngs=rngs)
+  return options.lookup('model.position', POSITIONS, cfg.position).from_config(
+      cfg, max_length, rngs=rngs)
 
 
 def with_rope_scaling(model, scaling, factor):

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from layers import options
+
 
 def _masked_softmax(scores, mask):
   """Softmax over S of `[B, S]` scores; hidden (mask False) entries get probability 0."""
@@ -14,7 +16,7 @@ def _masked_softmax(scores, mask):
   return jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
 
 
-class Bahdanau(nnx.Module):
+class Bahdanau(nnx.Module, options.Configurable):
   """score(s, h) = v^T tanh(W_s s + W_h h) (Bahdanau et al. 2015)."""
 
   def __init__(self, d_query, d_memory, d_attention, *, scale=True, rngs):
@@ -38,12 +40,18 @@ class Bahdanau(nnx.Module):
     return jnp.einsum('BS,BSD->BD', weights, memory), weights
 
 
-class Luong(nnx.Module):
+class Luong(nnx.Module, options.Configurable):
   """score(s, h) = s^T W h (Luong et al. 2015, "general"), optionally over sqrt(d).
 
   With unit-variance components, s^T W h has variance ~d; the 1/sqrt(d) scale (as in Transformer
   attention) keeps the softmax out of saturation at initialisation.
   """
+
+  options = ('rnn_luong_scale',)
+
+  @classmethod
+  def check_options(cls, model_cfg):
+    options.boolean('model.rnn_luong_scale', model_cfg.rnn_luong_scale)
 
   def __init__(self, d_query, d_memory, d_attention, *, scale=True, rngs):
     del d_attention
@@ -60,7 +68,7 @@ class Luong(nnx.Module):
     return jnp.einsum('BS,BSD->BD', weights, memory), weights
 
 
-class NoAttention(nnx.Module):
+class NoAttention(nnx.Module, options.Configurable):
   """No attention: the context is the encoder's final state, a fixed-size bottleneck (Sutskever et
   al. 2014) that the decoder sees at every step."""
 
@@ -86,6 +94,5 @@ RNN_ATTENTIONS = {
 
 def make(name, d_query, d_memory, d_attention, *, scale=True, rngs):
   """Builds the RNN attention `name` (a key of RNN_ATTENTIONS)."""
-  if name not in RNN_ATTENTIONS:
-    raise ValueError(f'rnn_attention {name!r} unknown; valid: {sorted(RNN_ATTENTIONS)}')
-  return RNN_ATTENTIONS[name](d_query, d_memory, d_attention, scale=scale, rngs=rngs)
+  return options.lookup('model.rnn_attention', RNN_ATTENTIONS, name)(
+      d_query, d_memory, d_attention, scale=scale, rngs=rngs)

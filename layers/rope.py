@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layers import options
+
 # Context-window scalings, keyed by `config.model.rope_scaling` (and eval.py's `--rope_scaling`).
 SCALINGS = ('none', 'pi', 'ntk', 'yarn')
 
@@ -114,12 +116,16 @@ def apply_rope(x, positions, inv_freq, scale=1.0):
   return out.astype(x.dtype)
 
 
-class RoPE(nnx.Module):
+class RoPE(nnx.Module, options.Configurable):
   """Rotates q and k by their positions: <R(i) q, R(j) k> depends on j - i only.
 
   The scaling is plain Python attributes (static in NNX's graph definition, not parameters), so
   `layers.positions.with_rope_scaling` can change it on a built or restored model at evaluation.
+  The position method 'rope' of `layers.positions.POSITIONS` (the interface of its `Position`).
   """
+
+  score_terms = False  # it rotates q and k; the scores get no term
+  options = ('rope_base', 'rope_fraction', 'rope_scaling', 'rope_scaling_factor')
 
   def __init__(self, head_dim, *, fraction=1.0, base=10000.0, scaling='none', factor=1.0,
                original_max_length=None):
@@ -135,6 +141,39 @@ class RoPE(nnx.Module):
     self.base = float(base)
     self.original_max_length = original_max_length
     self.set_scaling(scaling, factor)
+
+  @classmethod
+  def from_config(cls, cfg, max_length, *, rngs):
+    """From `config.model` (d_model, num_heads, rope_*); `max_length` is YaRN's original context."""
+    del rngs
+    return cls(cfg.d_model // cfg.num_heads, fraction=cfg.rope_fraction, base=cfg.rope_base,
+               scaling=cfg.rope_scaling, factor=cfg.rope_scaling_factor,
+               original_max_length=max_length)
+
+  @classmethod
+  def check_options(cls, model_cfg):
+    """The rope_* fields, checked whatever the position (every config carries them)."""
+    m = model_cfg
+    options.positive('model.rope_base', m.rope_base)
+    if m.rope_base <= 1:
+      raise options.ConfigError(f'model.rope_base={m.rope_base!r} must be > 1')
+    if not isinstance(m.rope_fraction, (int, float)) or not 0.0 < m.rope_fraction <= 1.0:
+      raise options.ConfigError(f'model.rope_fraction={m.rope_fraction!r} must be in (0, 1]')
+    options.choice('model.rope_scaling', m.rope_scaling, SCALINGS)
+    options.positive('model.rope_scaling_factor', m.rope_scaling_factor)
+    if m.rope_scaling != 'none' and m.rope_scaling_factor < 1:
+      raise options.ConfigError(f'model.rope_scaling_factor={m.rope_scaling_factor!r} must be >= '
+                                '1 (it is L_eval / L_train)')
+
+  @classmethod
+  def check_config(cls, model_cfg, data_cfg):
+    """At least one pair of each head's dimensions is rotated."""
+    del data_cfg
+    m = model_cfg
+    head_dim = m.d_model // m.num_heads
+    if rotary_dims(head_dim, m.rope_fraction) < 2:
+      raise options.ConfigError(f'model.rope_fraction={m.rope_fraction!r} rotates no pair of the '
+                                f'{head_dim} head dimensions; raise it')
 
   def set_scaling(self, scaling, factor):
     """Sets the context scaling ('none' | 'pi' | 'ntk' | 'yarn') and its factor."""

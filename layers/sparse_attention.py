@@ -15,6 +15,7 @@ import numpy as np
 from layers import attention as attention_lib
 from layers import attention_xla
 from layers import masks
+from layers import options
 
 NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -162,6 +163,12 @@ class _Sparse(attention_lib.Attention):
   """Shared call path: q/k/v/o projections of `Attention`, the blocked sparse kernel inside."""
 
   name = 'sparse'
+  # The blocked kernel adds no [T, S] score terms; decoding goes through this class's `decode`,
+  # which sizes the pattern from a contiguous cache.
+  has_scores = False
+  takes_score_terms = False
+  has_dense_decode = False
+  has_paged_cache = False
 
   def pattern(self, t, is_causal):
     raise NotImplementedError
@@ -211,13 +218,30 @@ def _common(cfg):
               scale=1.0 if cfg.get('unscaled', False) else None)
 
 
+def _check_window(m):
+  if not isinstance(m.window, int) or isinstance(m.window, bool) or m.window < 0:
+    raise options.ConfigError(f'model.window={m.window!r} must be an integer >= 0')
+
+
+def _check_global_tokens(m, length):
+  glob = tuple(m.global_tokens)
+  if any(not isinstance(p, int) or p < 0 for p in glob):
+    raise options.ConfigError(f'model.global_tokens={glob!r} must be positions >= 0')
+  if len(set(glob)) > length or any(p >= length for p in glob):
+    raise options.ConfigError(f'model.global_tokens={glob!r} must be fewer than data.max_length='
+                              f'{length} positions, each < {length}')
+
+
 class SlidingWindowAttention(_Sparse):
   """Each token sees keys within `window` positions: |i - j| <= w (encoder), i - w <= j <= i (decoder).
 
-  `local_window_size` is set too, so the training diagnostics apply the same window.
+  `local_window_size` is set too: the dense scores under that window are this layer's scores, so
+  it has `score_stats` (has_scores) although its kernel is the blocked one.
   """
 
   name = 'sliding_window'
+  has_scores = True
+  options = attention_lib.Attention.options + ('window',)
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, window, block=None, **kwargs):
     super().__init__(d_model, num_heads, num_kv_heads, local_window_size=int(window), **kwargs)
@@ -230,6 +254,11 @@ class SlidingWindowAttention(_Sparse):
     return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, window=cfg.window, rngs=rngs,
                **_common(cfg))
 
+  @classmethod
+  def check_config(cls, model_cfg, data_cfg):
+    super().check_config(model_cfg, data_cfg)
+    _check_window(model_cfg)
+
   def pattern(self, t, is_causal):
     return masks.SparsePattern(window=(self.window, self.window))
 
@@ -238,13 +267,11 @@ class LongformerAttention(_Sparse):
   """Sliding window plus global tokens that see every position and are seen by every position."""
 
   name = 'longformer'
+  options = attention_lib.Attention.options + ('window', 'global_tokens')
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, window, global_tokens=(0,),
                block=None, **kwargs):
     super().__init__(d_model, num_heads, num_kv_heads, **kwargs)
-    # No `local_window_size`: train.py's diagnostics then report this layer's activation RMS only,
-    # rather than dense attention statistics of scores it never computes.
-    del self.local_window_size
     self.window = int(window)
     self.global_tokens = tuple(sorted({int(p) for p in global_tokens}))
     self.block = block or max(16, min(self.window, 512))
@@ -253,6 +280,12 @@ class LongformerAttention(_Sparse):
   def from_config(cls, cfg, *, rngs):
     return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, window=cfg.window,
                global_tokens=tuple(cfg.global_tokens), rngs=rngs, **_common(cfg))
+
+  @classmethod
+  def check_config(cls, model_cfg, data_cfg):
+    super().check_config(model_cfg, data_cfg)
+    _check_window(model_cfg)
+    _check_global_tokens(model_cfg, data_cfg.max_length)
 
   def pattern(self, t, is_causal):
     return masks.SparsePattern(window=(self.window, self.window),
@@ -267,11 +300,15 @@ class BigBirdAttention(_Sparse):
   """
 
   name = 'bigbird'
+  # Each layer draws its random blocks from its own `attention_seed` (models/stack.py gives every
+  # layer one), which one trace shared by scanned layers cannot do.
+  scannable = False
+  options = attention_lib.Attention.options + ('bigbird_block', 'bigbird_random_blocks',
+                                               'global_tokens', 'attention_seed')
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, block=16, num_random=2,
                global_tokens=(0,), seed=0, **kwargs):
     super().__init__(d_model, num_heads, num_kv_heads, **kwargs)
-    del self.local_window_size  # see LongformerAttention
     self.block, self.num_random, self.seed = int(block), int(num_random), int(seed)
     self.global_tokens = tuple(sorted({int(p) for p in global_tokens}))
 
@@ -280,6 +317,18 @@ class BigBirdAttention(_Sparse):
     return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, block=cfg.bigbird_block,
                num_random=cfg.bigbird_random_blocks, global_tokens=tuple(cfg.global_tokens),
                seed=cfg.attention_seed, rngs=rngs, **_common(cfg))
+
+  @classmethod
+  def check_config(cls, model_cfg, data_cfg):
+    super().check_config(model_cfg, data_cfg)
+    m = model_cfg
+    _check_global_tokens(m, data_cfg.max_length)
+    if not isinstance(m.bigbird_block, int) or m.bigbird_block <= 0:
+      raise options.ConfigError(f'model.bigbird_block={m.bigbird_block!r} must be a positive '
+                                'integer')
+    if not isinstance(m.bigbird_random_blocks, int) or m.bigbird_random_blocks < 0:
+      raise options.ConfigError(f'model.bigbird_random_blocks={m.bigbird_random_blocks!r} must be '
+                                'an integer >= 0')
 
   def pattern(self, t, is_causal):
     nb = _ceil_div(t, self.block)

@@ -14,6 +14,7 @@ from training import validation
 from data import pipeline
 import models
 from layers import attention
+from layers import attention_variants
 from layers import attention_xla
 from layers import linear_attention
 from layers import masks
@@ -29,7 +30,7 @@ D, N, K, T = 16, 4, 2, 13  # T not a multiple of any block below; N/K = 2 (GQA)
 
 def _layer(name, **kwargs):
   rngs = nnx.Rngs(params=0)
-  cls = attention.VARIANTS[name].resolve()
+  cls = attention_variants.VARIANTS[name]
   return cls(D, N, K, rngs=rngs, **kwargs)
 
 

@@ -11,10 +11,12 @@ from flax import nnx
 from configs import default
 from training import validation
 from layers import attention
+from layers import attention_variants
 from layers import block
 from layers import feed_forward
 from layers import norms
 from layers import positions
+from layers import rnn_attention
 from models import stack
 
 jax.config.update('jax_default_matmul_precision', 'highest')
@@ -121,3 +123,84 @@ def test_block_placement(norm_position):
     h = blk.self_norm(x + attn(x))
     want = blk.ffn_norm(h + blk.ffn(h))
   np.testing.assert_allclose(blk(x), want, atol=1e-5)
+
+
+# --- Registries: every entry declares its options and checks them -------------------------------
+
+REGISTRIES = {'attention': attention_variants.VARIANTS, 'position': positions.POSITIONS,
+              'norm': norms.NORMS, 'ffn': feed_forward.FFNS,
+              'rnn_attention': rnn_attention.RNN_ATTENTIONS}
+
+
+@pytest.mark.parametrize('field', sorted(REGISTRIES))
+def test_every_registry_entry_declares_its_options_and_accepts_the_defaults(field):
+  config = validation.resolve(default.get_config())
+  for name, entry in REGISTRIES[field].items():
+    assert set(entry.options) <= set(config.model), (name, entry.options)
+    config.model[field] = name
+    entry.check_options(config.model)
+    if field == 'attention' and not entry.supports_causal:
+      config.model.arch = 'encoder_only'
+    entry.check_config(config.model, config.data)  # returns; a bad value raises ConfigError
+
+
+def test_a_variant_check_names_its_field_and_valid_values():
+  cfg = model_config(attention='longformer', position='t5_bias')
+  data = ml_collections.ConfigDict({'max_length': 64})
+  with pytest.raises(validation.ConfigError, match=r"^model\.position='t5_bias' adds a score term "
+                     r'.*; valid values: learned, nope, rope, sinusoidal$'):
+    attention_variants.VARIANTS['longformer'].check_config(cfg, data)
+  cfg.update(position='rope', window=-2)
+  with pytest.raises(validation.ConfigError, match=r'^model\.window=-2 must be an integer >= 0$'):
+    attention_variants.VARIANTS['longformer'].check_config(cfg, data)
+  with pytest.raises(validation.ConfigError, match=r"^model\.rope_scaling='x' is not valid; "
+                     'valid values: none, ntk, pi, yarn$'):
+    positions.POSITIONS['rope'].check_options(model_config(rope_scaling='x'))
+
+
+def test_block_sows_statistics_only_when_asked_and_they_match_a_numpy_softmax():
+  """collect_stats off: nothing sown. On: the output is unchanged, and the statistics equal a
+  NumPy softmax over the layer's own scores (GQA, ALiBi, causal, two segments and padding)."""
+  cfg = model_config(d_model=16, num_heads=4, num_kv_heads=2, d_ff=32, position='alibi')
+  blk = block.Block(cfg, rngs=nnx.Rngs(0))
+  alibi = positions.ALiBi(4)
+  x = jax.random.normal(jax.random.key(1), (2, 6, 16))  # [B, T, D]
+  seg = jnp.array([[1, 1, 1, 1, 0, 0], [1, 1, 2, 2, 2, 2]])
+  run = nnx.capture(lambda b: b(x, segment_ids=seg, is_causal=True, position=alibi),
+                    nnx.Intermediate)
+  y, sown = run(blk)
+  assert not nnx.to_flat_state(sown)
+  blk.collect_stats = True
+  y_stats, sown = run(blk)
+  np.testing.assert_array_equal(y_stats, y)
+  stats = sown['stats'].get_value()[-1]
+  assert set(stats) == {'act_rms', 'attn_max_logit', 'attn_entropy'}
+
+  q, k, _ = (np.asarray(a, np.float64) for a in blk.self_attention.project(blk.self_norm(x)))
+  k = np.repeat(k, 2, axis=2)  # [B, S, N, H]: query head n reads key head n // 2
+  i, j = np.arange(6)[:, None], np.arange(6)[None, :]
+  slopes = positions.alibi_slopes(4)[None, :, None, None]  # [1, N, 1, 1]
+  logits = np.einsum('BTNH,BSNH->BNTS', q, k) / np.sqrt(4) - slopes * np.abs(i - j)  # [B, N, T, S]
+  s = np.asarray(seg)
+  vis = (j <= i)[None, None] & (s[:, None, :, None] == s[:, None, None, :])  # [B, 1, T, S]
+  vis = np.broadcast_to(vis, logits.shape)
+  real = np.broadcast_to((s > 0)[:, None, :], logits.shape[:3])  # [B, N, T]
+  np.testing.assert_allclose(stats['attn_max_logit'], logits[vis & real[..., None]].max(),
+                             rtol=1e-5)
+  p = np.where(vis, np.exp(logits - np.where(vis, logits, -np.inf).max(-1, keepdims=True)), 0)
+  p = p / p.sum(-1, keepdims=True)
+  entropy = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0), -1)  # [B, N, T]
+  np.testing.assert_allclose(stats['attn_entropy'], entropy[real].mean(), rtol=1e-5)
+  y64 = np.asarray(y, np.float64)
+  np.testing.assert_allclose(stats['act_rms'], np.sqrt(np.mean(y64[s > 0] ** 2)), rtol=1e-5)
+
+
+def test_a_layer_without_scores_sows_the_activation_rms_only():
+  cfg = model_config(d_model=16, num_heads=4, d_ff=32, attention='linear', position='rope')
+  blk = block.Block(cfg, rngs=nnx.Rngs(0))
+  assert not blk.self_attention.has_scores
+  blk.collect_stats = True
+  _, sown = nnx.capture(lambda b: b(jnp.ones((1, 4, 16)), is_causal=True), nnx.Intermediate)(blk)
+  assert set(sown['stats'].get_value()[-1]) == {'act_rms'}
+  with pytest.raises(NotImplementedError, match='has_scores'):
+    blk.self_attention.score_stats(jnp.ones((1, 4, 16)))

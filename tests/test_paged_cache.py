@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from layers import attention
+from layers import attention_variants
 from layers import masks
 from layers import paged_attention
 from layers import positions
@@ -110,7 +111,7 @@ def test_paged_pool_layout_and_window_and_sparse_rules():
   assert np.any(np.diff(table, axis=1) != 1)
   with nnx.use_eager_sharding(False):  # as models.build: parameters only carry axis names
     window = attention.Attention(32, 4, 2, local_window_size=(2, 0), rngs=nnx.Rngs(0))
-    longformer = attention.VARIANTS['longformer'].resolve()(
+    longformer = attention_variants.VARIANTS['longformer'](
         32, 4, 2, window=1, global_tokens=(0, 5), rngs=nnx.Rngs(0))
     t5 = positions.T5Bias(4, 32, num_buckets=8, max_distance=16, rngs=nnx.Rngs(1))
   long_pattern = longformer.pattern(m * PAGE, True)

@@ -1,16 +1,12 @@
 """Training diagnostics: per-block gradient/update norms in the step, and activation and attention
 statistics of one batch read from the model's own forward pass."""
 
-import contextlib
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 import numpy as np
 
 from layers import block as block_lib
-from layers import masks
 from training import state as state_lib
 
 
@@ -90,78 +86,12 @@ def group_sq_norms(tree, leaf_groups, num_groups):
   return jnp.stack(sq)
 
 
-@contextlib.contextmanager
-def _capture_blocks(records):
-  """While active, every `Block.__call__` appends (block, input, kwargs, output) to `records`.
-
-  Used only while tracing `diagnostic_pass`: the blocks are captured from the model's own forward
-  pass (any architecture), without a hook in the layers or a slower train step.
-  """
-  original = block_lib.Block.__call__
-
-  def capture(self, x, **kwargs):
-    y = original(self, x, **kwargs)
-    records.append((self, x, kwargs, y))
-    return y
-
-  block_lib.Block.__call__ = capture
-  try:
-    yield
-  finally:
-    block_lib.Block.__call__ = original
-
-
-def block_stats(blk, x, kwargs, y):
-  """One block's diagnostics: output activation RMS, self-attention max logit and mean entropy.
-
-  The logits are the scaled scores plus the position terms (ALiBi, T5 bias) at visible keys, as the
-  softmax sees them; the entropy (nats) is averaged over heads and real query tokens. Attention
-  variants without q/k projections report the RMS only.
-  """
-  seg = kwargs.get('segment_ids')
-  real = (jnp.ones(y.shape[:2], jnp.float32) if seg is None
-          else (seg > 0).astype(jnp.float32))  # [B, T]
-  count = jnp.maximum(jnp.sum(real), 1.0)
-  out = {'act_rms': jnp.sqrt(jnp.sum(jnp.mean(jnp.square(y.astype(jnp.float32)), -1) * real) /
-                             count)}
-  attn = blk.self_attention
-  if not all(hasattr(attn, a) for a in ('project', 'scale', 'local_window_size')):
-    return out
-  h = blk.self_norm(x) if blk.pre else x
-  q, k, _ = attn.project(h)  # [B, T, N, H], [B, T, K, H]
-  positions, position = kwargs.get('positions'), kwargs.get('position')
-  is_causal = kwargs.get('is_causal', False)
-  extra = {}
-  if position is not None:
-    q, k, extra = position.in_attention(q, k, positions, positions, is_causal=is_causal)
-  if set(extra) - {'bias', 'alibi_slopes'}:
-    return out
-  k = jnp.repeat(k, q.shape[2] // k.shape[2], axis=2)  # [B, S, N, H]: head n reads K-head n // G
-  scale = attn.scale if attn.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-  logits = jnp.einsum('BTNH,BSNH->BNTS', q.astype(jnp.float32), k.astype(jnp.float32)) * scale
-  t = q.shape[1]
-  q_pos, k_pos = jnp.arange(t)[:, None], jnp.arange(t)[None, :]  # [T, 1], [1, S]
-  if 'bias' in extra:
-    logits = logits + extra['bias'].astype(jnp.float32)
-  if 'alibi_slopes' in extra:
-    logits = logits + masks.alibi_bias(extra['alibi_slopes'], q_pos, k_pos)[None]
-  vis = masks.visible(q_pos, k_pos, is_causal=is_causal,
-                      window=masks.normalize_window(attn.local_window_size),
-                      q_seg=None if seg is None else seg[:, :, None],
-                      k_seg=None if seg is None else seg[:, None, :])
-  vis = jnp.ones(logits.shape, bool) if vis is None else jnp.broadcast_to(
-      vis[:, None] if vis.ndim == 3 else vis, logits.shape)  # [B, N, T, S]
-  rows = real[:, None, :] * jnp.any(vis, -1)  # [B, N, T]: real queries that see some key
-  neg = jnp.finfo(jnp.float32).min
-  out['attn_max_logit'] = jnp.max(jnp.where(vis & (rows[..., None] > 0), logits, neg))
-  logp = jax.nn.log_softmax(jnp.where(vis, logits, neg), -1)  # [B, N, T, S]
-  entropy = -jnp.sum(jnp.where(vis, jnp.exp(logp) * logp, 0.0), -1)  # [B, N, T]
-  out['attn_entropy'] = jnp.sum(entropy * rows) / jnp.maximum(jnp.sum(rows), 1.0)
-  return out
-
-
 def diagnostic_pass(graphdef, variables, batch):
   """Per-block activation RMS and attention max logit/entropy on `batch` (no dropout; jit it).
+
+  The statistics come from the model's own forward pass: every `Block` is switched to
+  `collect_stats`, sows them (its self-attention's `score_stats` where it `has_scores`), and they
+  are read back with `nnx.capture`. The train step itself never collects them.
 
   `variables`: `model_variables(state)` (or the params alone for a model without buffers).
 
@@ -173,15 +103,17 @@ def diagnostic_pass(graphdef, variables, batch):
   # .../blocks/<i> as in an unrolled model (this pass is not differentiated: no remat to keep).
   for stack in [m for _, m in nnx.iter_modules(model) if getattr(m, 'scan_layers', False)]:
     stack.unroll()
-  names = {id(m): '/'.join(map(str, path)) for path, m in nnx.iter_modules(model)
-           if isinstance(m, block_lib.Block)}
-  records = []
-  with _capture_blocks(records):
-    model.loss_terms(batch)
+  for _, m in nnx.iter_modules(model):
+    if isinstance(m, block_lib.Block):
+      m.collect_stats = True
+  _, sown = nnx.capture(lambda m: m.loss_terms(batch), nnx.Intermediate)(model)
   out = {}
-  for blk, x, kwargs, y in records:
-    for key, value in block_stats(blk, x, kwargs, y).items():
-      out[f'{key}/{names[id(blk)]}'] = value
+  for path, var in nnx.to_flat_state(sown):
+    if path[-1] != 'stats':
+      continue
+    # One entry per call of the block; a block called more than once reports its last call.
+    for key, value in var.get_value()[-1].items():
+      out[f'{key}/{"/".join(map(str, path[:-1]))}'] = value
   return out
 
 

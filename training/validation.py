@@ -1,13 +1,20 @@
-"""Checks a resolved config before anything compiles; each problem is one line naming the field."""
+"""Checks a resolved config before anything compiles; each problem is one line naming the field.
+
+The layers' registries own their options: for each of them this module checks the key, then asks
+the entries (layers.options.Configurable: `check_options` of every entry, `check_config` of the
+chosen one) and cross-checks the chosen attention variant's declared capabilities. What is left
+here is the fields no layer owns: sizes, the architectures', train.*, data.*, mesh and scan.
+"""
 
 import models
 from layers import attention
+from layers import attention_variants
 from layers import block
 from layers import feed_forward
 from layers import norms
+from layers import options
 from layers import positions
 from layers import rnn_attention
-from layers import rope
 from layers import sharding
 from models import rnn_seq2seq
 from models import stack
@@ -15,22 +22,21 @@ from models import stack
 SCHEDULES = ('cosine', 'linear', 'constant')
 LOSS_ON = ('target', 'all')
 PACKINGS = ('none', 'segments', 'stream')
+# The archs whose Transformer self-attention is causal (their decoders), and the one whose is not.
+CAUSAL_ARCHS = ('decoder_only', 'encoder_decoder')
+BIDIRECTIONAL_ARCHS = ('encoder_only',)
+
+ConfigError = options.ConfigError  # re-exported: callers catch validation.ConfigError
+_choice = options.choice
+_positive = options.positive
 
 
-class ConfigError(ValueError):
-  """A config value that cannot work; the message is one line naming the field and what is valid."""
-
-
-def _choice(name, value, valid):
-  if value not in valid:
-    raise ConfigError(f'{name}={value!r} is not valid; valid values: {", ".join(sorted(valid))}')
-
-
-def _positive(name, value, zero_ok=False):
-  if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
-      value == 0 and not zero_ok):
-    raise ConfigError(f'{name}={value!r} must be {"a non-negative" if zero_ok else "a positive"} '
-                      'number')
+def _check_registry(name, registry, model_cfg, data_cfg):
+  """The entries' own checks for `model.<name>` (its key already checked by `_choice`): every
+  entry's `check_options`, then the chosen entry's `check_config`."""
+  for entry in registry.values():
+    entry.check_options(model_cfg)
+  registry[model_cfg[name]].check_config(model_cfg, data_cfg)
 
 
 def resolve(config):
@@ -49,7 +55,7 @@ def validate(config):
   """Raises ConfigError on the first invalid field of `config` (after `resolve`)."""
   m, t, d = config.model, config.train, config.data
   _choice('model.arch', m.arch, models.ARCHS)
-  _choice('model.attention', m.attention, attention.VARIANTS)
+  _choice('model.attention', m.attention, attention_variants.VARIANTS)
   _choice('model.attention_impl', m.attention_impl, attention.IMPLEMENTATIONS)
   _choice('model.position', m.position, positions.POSITIONS)
   _choice('model.norm', m.norm, norms.NORMS)
@@ -67,24 +73,9 @@ def validate(config):
     divisors = [k for k in range(1, m.num_heads + 1) if m.num_heads % k == 0]
     raise ConfigError(f'model.num_kv_heads={m.num_kv_heads} must divide model.num_heads='
                       f'{m.num_heads}; valid values: {", ".join(map(str, divisors))}')
-  _positive('model.rope_base', m.rope_base)
-  if m.rope_base <= 1:
-    raise ConfigError(f'model.rope_base={m.rope_base!r} must be > 1')
-  if not isinstance(m.rope_fraction, (int, float)) or not 0.0 < m.rope_fraction <= 1.0:
-    raise ConfigError(f'model.rope_fraction={m.rope_fraction!r} must be in (0, 1]')
-  if m.position == 'rope' and rope.rotary_dims(m.d_model // m.num_heads, m.rope_fraction) < 2:
-    raise ConfigError(f'model.rope_fraction={m.rope_fraction!r} rotates no pair of the '
-                      f'{m.d_model // m.num_heads} head dimensions; raise it')
-  _choice('model.rope_scaling', m.rope_scaling, rope.SCALINGS)
-  _positive('model.rope_scaling_factor', m.rope_scaling_factor)
-  if m.rope_scaling != 'none' and m.rope_scaling_factor < 1:
-    raise ConfigError(f'model.rope_scaling_factor={m.rope_scaling_factor!r} must be >= 1 (it is '
-                      'L_eval / L_train)')
-  if (not isinstance(m.t5_num_buckets, int) or m.t5_num_buckets < 4 or m.t5_num_buckets % 2):
-    raise ConfigError(f'model.t5_num_buckets={m.t5_num_buckets!r} must be an even integer >= 4')
-  if not isinstance(m.t5_max_distance, int) or m.t5_max_distance <= m.t5_num_buckets // 2:
-    raise ConfigError(f'model.t5_max_distance={m.t5_max_distance!r} must be an integer > '
-                      f'model.t5_num_buckets // 2 = {m.t5_num_buckets // 2}')
+  _check_registry('position', positions.POSITIONS, m, d)
+  _check_registry('norm', norms.NORMS, m, d)
+  _check_registry('ffn', feed_forward.FFNS, m, d)
   if not isinstance(m.share_embeddings, bool):
     raise ConfigError(f'model.share_embeddings={m.share_embeddings!r} must be True or False')
   for name in ('mlm_rate', 'mlm_mask_prob', 'mlm_random_prob', 'mlm_target_rate'):
@@ -97,15 +88,14 @@ def validate(config):
                       f'{m.mlm_mask_prob!r} must be at most 1')
   _choice('model.rnn_cell', m.rnn_cell, rnn_seq2seq.CELLS)
   _choice('model.rnn_attention', m.rnn_attention, rnn_attention.RNN_ATTENTIONS)
-  if not isinstance(m.rnn_luong_scale, bool):
-    raise ConfigError(f'model.rnn_luong_scale={m.rnn_luong_scale!r} must be True or False')
+  _check_registry('rnn_attention', rnn_attention.RNN_ATTENTIONS, m, d)
   if m.arch == 'rnn_seq2seq' and config.data.packing != 'none':
     raise ConfigError(f"data.packing={config.data.packing!r} is not valid for model.arch="
                       "'rnn_seq2seq' (a recurrence reads one pair per row); valid values: none")
   if m.arch in ('encoder_decoder', 'rnn_seq2seq') and config.data.packing == 'stream':
     raise ConfigError(f"data.packing='stream' is not valid for model.arch={m.arch!r}; valid "
                       'values: none, segments')
-  _validate_attention_variant(config)
+  _validate_attention(config)
   _validate_scan(config)
   if not 0.0 <= m.dropout < 1.0:
     raise ConfigError(f'model.dropout={m.dropout!r} must be in [0, 1)')
@@ -210,58 +200,27 @@ def _validate_scan(config):
     raise ConfigError("model.scan_layers=True is not valid for model.arch='rnn_seq2seq' (no "
                       'Transformer blocks); valid archs: decoder_only, encoder_decoder, '
                       'encoder_only')
-  if m.attention in ('bigbird', 'performer'):
+  if not attention_variants.VARIANTS[m.attention].scannable:
     raise ConfigError(f'model.scan_layers=True is not valid for model.attention={m.attention!r} '
                       '(its layers draw their own random blocks/features from '
                       'model.attention_seed, and scanned layers share one trace); use '
                       'scan_layers=False')
 
 
-def _validate_attention_variant(config):
-  """The options of `model.attention` (layers/sparse_attention.py, layers/linear_attention.py)."""
-  m, length = config.model, config.data.max_length
-  if not isinstance(m.unscaled, bool):
-    raise ConfigError(f'model.unscaled={m.unscaled!r} must be True or False')
-  if m.attention == 'dense':
-    return
-  if m.position in ('alibi', 't5_bias'):
-    raise ConfigError(f'model.position={m.position!r} adds a score term that model.attention='
-                      f'{m.attention!r} does not take; valid values: learned, nope, rope, sinusoidal')
-  if m.attention in ('sliding_window', 'longformer') and (
-      not isinstance(m.window, int) or isinstance(m.window, bool) or m.window < 0):
-    raise ConfigError(f'model.window={m.window!r} must be an integer >= 0')
-  if m.attention in ('longformer', 'bigbird'):
-    glob = tuple(m.global_tokens)
-    if any(not isinstance(p, int) or p < 0 for p in glob):
-      raise ConfigError(f'model.global_tokens={glob!r} must be positions >= 0')
-    if len(set(glob)) > length or any(p >= length for p in glob):
-      raise ConfigError(f'model.global_tokens={glob!r} must be fewer than data.max_length='
-                        f'{length} positions, each < {length}')
-  if m.attention == 'bigbird':
-    if not isinstance(m.bigbird_block, int) or m.bigbird_block <= 0:
-      raise ConfigError(f'model.bigbird_block={m.bigbird_block!r} must be a positive integer')
-    if not isinstance(m.bigbird_random_blocks, int) or m.bigbird_random_blocks < 0:
-      raise ConfigError(f'model.bigbird_random_blocks={m.bigbird_random_blocks!r} must be an '
-                        'integer >= 0')
-  if m.attention == 'linformer':
-    if m.arch in ('decoder_only', 'encoder_decoder'):
-      raise ConfigError(f"model.attention='linformer' is not causal and model.arch={m.arch!r} "
-                        'needs causal self-attention; valid archs: encoder_only')
-    if not isinstance(m.linformer_k, int) or m.linformer_k <= 0:
-      raise ConfigError(f'model.linformer_k={m.linformer_k!r} must be a positive integer')
-    if not isinstance(m.linformer_length, int) or m.linformer_length < length:
-      raise ConfigError(f'model.linformer_length={m.linformer_length!r} must be >= data.max_length'
-                        f'={length} (0 = data.max_length)')
-  if m.attention == 'performer':
-    if not isinstance(m.performer_features, int) or m.performer_features <= 0:
-      raise ConfigError(f'model.performer_features={m.performer_features!r} must be a positive '
-                        'integer')
-    if not isinstance(m.performer_redraw, int) or m.performer_redraw < 0:
-      raise ConfigError(f'model.performer_redraw={m.performer_redraw!r} must be an integer >= 0 '
-                        '(0 = fixed features, R = redraw every R training steps)')
-  if m.attention in ('linformer', 'performer', 'linear') and config.data.packing == 'segments':
+def _validate_attention(config):
+  """`model.attention`: the variant's own checks, then its declared capabilities against the
+  architecture and the packing."""
+  m = config.model
+  _check_registry('attention', attention_variants.VARIANTS, m, config.data)
+  variant = attention_variants.VARIANTS[m.attention]
+  if not variant.supports_causal and m.arch in CAUSAL_ARCHS:
+    raise ConfigError(f'model.attention={m.attention!r} is not causal and model.arch={m.arch!r} '
+                      'needs causal self-attention; valid archs: '
+                      f'{", ".join(BIDIRECTIONAL_ARCHS)}')
+  if not variant.supports_segments and config.data.packing == 'segments':
     raise ConfigError(f"data.packing='segments' is not valid for model.attention={m.attention!r} "
-                      '(it hides padding only, not other segments); valid values: none, stream')
+                      '(it hides padding only, not other segments); valid values: '
+                      f'{", ".join(p for p in PACKINGS if p != "segments")}')
 
 
 def check_writable(name, path):
