@@ -136,7 +136,7 @@ class Stack(nnx.Module):
 
   def unroll(self):
     """Makes a scanned stack unrolled in place (`blocks` a list of per-layer `Block`s holding the
-    slices): for passes that need each layer's own module (train.diagnostic_pass)."""
+    slices): for passes that need each layer's own module (training.diagnostics.diagnostic_pass)."""
     if self.scan_layers:
       self.blocks = nnx.List(self.block_list())
       self.scan_layers = False

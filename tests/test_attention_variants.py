@@ -278,7 +278,9 @@ def test_variant_trains_and_loss_falls(data_dir, arch, variant):
   """train.py's own state and step on the toy task (no eval/checkpoints: one compile per case)."""
   config = _train_config(data_dir, arch, variant)
   t = config.train
-  graphdef, tx, state = state_lib.create_state(config, pipeline.get_tokenizer(config.data).vocab_size)
+  tokenizer = pipeline.get_tokenizer(config.data)
+  graphdef, tx, state = state_lib.create_state(
+      config, tokenizer.vocab_size, special_ids=models.SpecialIds.from_tokenizer(tokenizer))
   it = pipeline.make_iterator(config.data, 'train', t.batch_size,
                               arch=models.batch_format(config.model.arch), loss_on=t.loss_on)
   step = jax.jit(functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0)))

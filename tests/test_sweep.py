@@ -241,11 +241,11 @@ def test_cli_exit_codes(tmp_path):
 
 def test_attention_sweep_names_every_registered_variant():
   """configs/ imports no layers: the sweep lists the variants as strings, this keeps it complete."""
-  from layers import attention  # pylint: disable=g-import-not-at-top
+  from layers import attention_variants  # pylint: disable=g-import-not-at-top
   module = sweep.load_sweep_module(os.path.join(ROOT, 'configs', 'ablations',
                                                 'attention_variants.py'))
   cells = sweep.expand(sweep.get_sweep(module))
-  assert sorted(c['overrides']['model.attention'] for c in cells) == sorted(attention.VARIANTS)
+  assert sorted(c['overrides']['model.attention'] for c in cells) == sorted(attention_variants.VARIANTS)
 
 
 # --- compare -------------------------------------------------------------------------------------

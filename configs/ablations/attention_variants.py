@@ -1,4 +1,4 @@
-"""Every attention variant (the keys of layers.attention.VARIANTS), on the toy stream LM.
+"""Every attention variant (the keys of layers.attention_variants.VARIANTS), on the toy stream LM.
 
 Run:     python -m tools.sweep --sweep=configs/ablations/attention_variants.py --sweep_dir=DIR
 Compare: python -m tools.compare DIR --out=DIR/compare.png
@@ -6,7 +6,7 @@ Compare: python -m tools.compare DIR --out=DIR/compare.png
 
 from configs import extrapolation
 
-# The keys of layers.attention.VARIANTS, by name: configs/ import no layers
+# The keys of layers.attention_variants.VARIANTS, by name: configs/ import no layers
 # (tests/test_sweep.py checks the list against the registry).
 VARIANTS = ('bigbird', 'dense', 'linear', 'linformer', 'longformer', 'performer', 'sliding_window')
 
