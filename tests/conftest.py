@@ -15,3 +15,13 @@ import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 def data_dir(tmp_path_factory):
   """A fresh data dir per module: the toy dataset is generated into it on first use."""
   return tmp_path_factory.mktemp('tfds')
+
+
+def pytest_collection_modifyitems(items):
+  """Every test carries its tier's marker, from its folder: `-m unit` runs the fast tier."""
+  for item in items:
+    parts = item.path.parts
+    if 'integration' in parts:
+      item.add_marker(pytest.mark.integration)
+    elif 'unit' in parts:
+      item.add_marker(pytest.mark.unit)

@@ -20,6 +20,14 @@ jax.config.update('jax_default_matmul_precision', 'highest')
 ALL = ['nope', 'sinusoidal', 'learned', 'rope', 'alibi', 't5_bias']
 
 
+T5_BIDIRECTIONAL = [(0, 0), (-1, 1), (-7, 7), (-8, 8), (-11, 8), (-12, 9), (-16, 10), (-22, 10),
+                    (-23, 11), (-32, 12), (-64, 14), (-127, 15), (-128, 15), (-1000, 15),
+                    (1, 17), (7, 23), (8, 24), (16, 26), (100, 31), (1000, 31)]
+
+T5_CAUSAL = [(0, 0), (5, 0), (100, 0), (-1, 1), (-15, 15), (-16, 16), (-20, 17), (-31, 21),
+             (-32, 21), (-64, 26), (-100, 30), (-127, 31), (-128, 31), (-500, 31)]
+
+
 def model_config(**overrides):
   cfg = validation.resolve(default.get_config()).model
   cfg.update(overrides)
@@ -59,8 +67,6 @@ def rotations(theta, length):
   """Turns of frequency theta over a context of `length` tokens (YaRN's r)."""
   return length * theta / (2 * math.pi)
 
-
-# --- RoPE -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('fraction', [1.0, 0.5])
 @pytest.mark.parametrize('scaling', ['none', 'pi', 'ntk', 'yarn'])
@@ -169,8 +175,6 @@ def test_rope_scaling_is_set_on_a_built_model():
     positions.with_rope_scaling(other, 'ntk', 2.0)
 
 
-# --- ALiBi and T5 ---------------------------------------------------------------------------------
-
 def test_alibi_slopes_golden():
   np.testing.assert_allclose(positions.alibi_slopes(8),
                              [1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 1 / 128, 1 / 256])
@@ -188,17 +192,6 @@ def test_alibi_passes_slopes_to_the_kernel():
   q2, k2, kwargs = positions.ALiBi(4).in_attention(q, q, None, None, is_causal=True)
   assert q2 is q and k2 is q
   np.testing.assert_allclose(kwargs['alibi_slopes'], [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8])
-
-
-# (relative position j - i, bucket) for num_buckets=32, max_distance=128, worked by hand.
-# Bidirectional: 16 buckets a side, 8 exact; beyond, 8 + floor(ln(n/8) / ln(128/8) * 8)
-# = 8 + floor(2 log2(n/8)); j > i adds 16.
-T5_BIDIRECTIONAL = [(0, 0), (-1, 1), (-7, 7), (-8, 8), (-11, 8), (-12, 9), (-16, 10), (-22, 10),
-                    (-23, 11), (-32, 12), (-64, 14), (-127, 15), (-128, 15), (-1000, 15),
-                    (1, 17), (7, 23), (8, 24), (16, 26), (100, 31), (1000, 31)]
-# Causal: only j <= i, all 32 buckets, 16 exact; beyond, 16 + floor(ln(n/16) / ln(8) * 16).
-T5_CAUSAL = [(0, 0), (5, 0), (100, 0), (-1, 1), (-15, 15), (-16, 16), (-20, 17), (-31, 21),
-             (-32, 21), (-64, 26), (-100, 30), (-127, 31), (-128, 31), (-500, 31)]
 
 
 @pytest.mark.parametrize('bidirectional,table', [(True, T5_BIDIRECTIONAL), (False, T5_CAUSAL)])
@@ -223,8 +216,6 @@ def test_t5_bias_is_a_table_lookup_per_head_from_positions():
         bucket = _t5_bucket_py(int(q_pos[b, j] - q_pos[b, i]), True, 8, 16)
         np.testing.assert_allclose(bias[b, :, i, j], table[bucket])
 
-
-# --- In models ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('position', ALL)
 def test_encoder_permutation_equivariant_only_without_positions(position):

@@ -11,6 +11,15 @@ from layers import attention
 jax.config.update('jax_default_matmul_precision', 'highest')
 
 
+CASES = {
+    'mha': dict(n=4, k=4, causal=False, window=None, pad=False),
+    'gqa_causal': dict(n=4, k=2, causal=True, window=None, pad=False),
+    'mqa_window': dict(n=4, k=1, causal=False, window=2, pad=False),
+    'causal_window_padding': dict(n=4, k=2, causal=True, window=3, pad=True),
+    'mha_padding': dict(n=2, k=2, causal=False, window=None, pad=True),
+}
+
+
 def naive(q, k, v, mask):
   """Repeat K/V heads, softmax over an explicit `[B, N, T, S]` mask; hidden rows give zeros."""
   g = q.shape[2] // k.shape[2]
@@ -36,15 +45,6 @@ def explicit_mask(b, n, t, s, causal, window, seg_q, seg_k):
   if seg_q is not None:
     m &= (np.asarray(seg_q)[:, None, :, None] == np.asarray(seg_k)[:, None, None, :])
   return jnp.asarray(m)
-
-
-CASES = {
-    'mha': dict(n=4, k=4, causal=False, window=None, pad=False),
-    'gqa_causal': dict(n=4, k=2, causal=True, window=None, pad=False),
-    'mqa_window': dict(n=4, k=1, causal=False, window=2, pad=False),
-    'causal_window_padding': dict(n=4, k=2, causal=True, window=3, pad=True),
-    'mha_padding': dict(n=2, k=2, causal=False, window=None, pad=True),
-}
 
 
 @pytest.mark.parametrize('name', list(CASES))

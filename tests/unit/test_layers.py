@@ -17,9 +17,13 @@ from layers import feed_forward
 from layers import norms
 from layers import positions
 from layers import rnn_attention
-from models import stack
 
 jax.config.update('jax_default_matmul_precision', 'highest')
+
+
+REGISTRIES = {'attention': attention_variants.VARIANTS, 'position': positions.POSITIONS,
+              'norm': norms.NORMS, 'ffn': feed_forward.FFNS,
+              'rnn_attention': rnn_attention.RNN_ATTENTIONS}
 
 
 def n_params(module):
@@ -94,22 +98,6 @@ def test_learned_positions_reject_longer_inputs():
     pos.embed(jnp.zeros((1, 17, 8)), jnp.arange(17)[None])
 
 
-@pytest.mark.parametrize('position,equivariant', [('nope', True), ('sinusoidal', False),
-                                                  ('learned', False)])
-def test_permutation_equivariance_only_without_positions(position, equivariant):
-  cfg = model_config(num_layers=2, d_model=32, num_heads=4, num_kv_heads=4, d_ff=64,
-                     position=position)
-  enc = stack.Stack(cfg, vocab_size=20, max_length=16, rngs=nnx.Rngs(0))
-  if position == 'learned':  # the default init is small; make positions matter visibly
-    enc.position.table.embedding.value = jax.random.normal(jax.random.key(9), (16, 32))
-  tokens = jnp.array([[3, 7, 1, 9, 4, 12, 5, 2]])
-  perm = np.random.default_rng(0).permutation(8)
-  out = enc(tokens)
-  out_perm = enc(tokens[:, perm])
-  close = np.allclose(out[:, perm], out_perm, atol=1e-5)
-  assert close == equivariant
-
-
 @pytest.mark.parametrize('norm_position', ['pre', 'post'])
 def test_block_placement(norm_position):
   cfg = model_config(d_model=16, num_heads=2, num_kv_heads=2, d_ff=32, norm_position=norm_position)
@@ -123,13 +111,6 @@ def test_block_placement(norm_position):
     h = blk.self_norm(x + attn(x))
     want = blk.ffn_norm(h + blk.ffn(h))
   np.testing.assert_allclose(blk(x), want, atol=1e-5)
-
-
-# --- Registries: every entry declares its options and checks them -------------------------------
-
-REGISTRIES = {'attention': attention_variants.VARIANTS, 'position': positions.POSITIONS,
-              'norm': norms.NORMS, 'ffn': feed_forward.FFNS,
-              'rnn_attention': rnn_attention.RNN_ATTENTIONS}
 
 
 @pytest.mark.parametrize('field', sorted(REGISTRIES))

@@ -1,23 +1,19 @@
 """models.accounting and the tools.accounting CLI: the textbook numbers (ARCHITECTURE.md, "Facts the
 tests check"), counts equal to the real model, FLOPs equal to XLA's."""
 
+from tests.helpers import tiny
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from configs import decoder_only
 from configs import default
 from training import validation
 from layers import sharding
 import models
 from models import accounting
-from tests.helpers import ROOT
 from tools import accounting as accounting_cli
 from training import state as state_lib
 
@@ -25,21 +21,27 @@ V = 166  # the toy task's vocabulary
 MIB = 2 ** 20
 
 
-def tiny(length=64, **model):
-  """The validated `default.py:size=tiny` config (L 2, D 64, N 4, F 256) at `length`."""
-  config = default.get_config('size=tiny')
-  config.data.max_length = length
-  config.model.update(model)
-  validation.resolve(config)
-  validation.validate(config)
-  return config
+CONFIGS = {
+    'dense_mha': {},
+    'gqa': dict(num_kv_heads=2),
+    'mqa_rmsnorm_post': dict(num_kv_heads=1, norm='rmsnorm', norm_position='post'),
+    'swiglu': dict(ffn='swiglu'),
+    'geglu_biases_learned': dict(ffn='geglu', use_bias=True, position='learned'),
+    't5_bias': dict(position='t5_bias'),
+    'encoder_decoder': dict(arch='encoder_decoder'),
+    'encoder_decoder_unshared': dict(arch='encoder_decoder', share_embeddings=False,
+                                     position='learned'),
+    'encoder_only_linformer': dict(arch='encoder_only', attention='linformer'),
+}
+
+BUILT = ('dense_mha', 'gqa', 'swiglu', 'encoder_decoder')
+
+FLOPS_RTOL = 0.10
 
 
 def param_count(model):
   return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
-
-# --- The textbook facts (ARCHITECTURE.md, "Facts the tests check") -------------------------------
 
 def test_layer_of_d512_is_12_d_squared_with_two_thirds_in_the_ffn():
   attn = accounting.attention_params(512, 8)
@@ -92,26 +94,6 @@ def test_kv_cache_formula_is_the_real_cache():
   assert elems == accounting.kv_cache_elements(m.num_layers, 2, m.d_model // m.num_heads, 64)
 
 
-# --- Counted parameters = closed form = the real model -----------------------------------------
-
-CONFIGS = {
-    'dense_mha': {},
-    'gqa': dict(num_kv_heads=2),
-    'mqa_rmsnorm_post': dict(num_kv_heads=1, norm='rmsnorm', norm_position='post'),
-    'swiglu': dict(ffn='swiglu'),
-    'geglu_biases_learned': dict(ffn='geglu', use_bias=True, position='learned'),
-    't5_bias': dict(position='t5_bias'),
-    'encoder_decoder': dict(arch='encoder_decoder'),
-    'encoder_decoder_unshared': dict(arch='encoder_decoder', share_embeddings=False,
-                                     position='learned'),
-    'encoder_only_linformer': dict(arch='encoder_only', attention='linformer'),
-}
-
-
-# Also built for real (eager initialisation of a new module costs seconds on CPU: these four).
-BUILT = ('dense_mha', 'gqa', 'swiglu', 'encoder_decoder')
-
-
 @pytest.mark.parametrize('name', sorted(CONFIGS))
 def test_counted_parameters_equal_the_closed_form_and_the_real_model(name):
   m = tiny(**CONFIGS[name]).model
@@ -131,21 +113,9 @@ def test_textbook_layer_in_the_real_model():
   assert counted['ffn'] == 2_097_152 * 6
 
 
-# --- FLOPs against XLA's cost analysis -----------------------------------------------------------
-
 def xla_flops(fn, *args):
   cost = jax.jit(fn).lower(*args).compile().cost_analysis()
   return (cost[0] if isinstance(cost, list) else cost)['flops']
-
-
-# The closed form counts matmuls (2 x weights x tokens, the D x V output included) and the full
-# T x T score/PV products, which are what XLA's dense kernel computes (it masks, it does not skip).
-# XLA also counts elementwise work the closed form leaves out: layer norms, the softmax (max, exp,
-# sum, divide over B·N·T·T), the mask, the ReLU, the sqrt(D) and position adds: O(T·D + N·T²) per
-# layer against O(T·D² + T²·D) for the matmuls, about 3% at D 64 (measured: forward 1.028 at T 64,
-# training 1.001). 10% leaves room for XLA's counting to change, not for a missing matmul: dropping
-# the output projection (8%) or half the scores (7% at T 64, 23% at T 256) is caught at T 256.
-FLOPS_RTOL = 0.10
 
 
 @pytest.mark.parametrize('length', [64, 256])
@@ -180,8 +150,6 @@ def test_causal_scores_are_the_lower_triangle():
   bert = accounting.forward_flops(tiny(64, arch='encoder_only').model, V, 64)
   assert bert['scores_causal'] == bert['scores']  # bidirectional: every pair is needed
 
-
-# --- Per-device memory under a mesh --------------------------------------------------------------
 
 def test_per_device_parameters_under_fsdp4_tensor2():
   """Matrices split 8 ways (embed over fsdp, heads/mlp/vocab over tensor); the norm vectors carry
@@ -227,37 +195,6 @@ def test_activations_split_over_the_batch_axes():
   one = accounting.activation_bytes(m, V, 8, 64, {'data': 1})
   assert accounting.activation_bytes(m, V, 8, 64, {'data': 2, 'fsdp': 2}) == one // 4
   assert accounting.activation_bytes(m, V, 8, 64, {'tensor': 2}) < one
-
-
-# --- The CLI ------------------------------------------------------------------------------------
-
-def run_cli(*args):
-  return subprocess.run([sys.executable, '-m', 'tools.accounting', *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=120,
-                        env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
-
-
-def test_cli_prints_the_table_for_decoder_only():
-  proc = run_cli('--config=configs/decoder_only.py')
-  assert proc.returncode == 0, proc.stderr
-  config = validation.resolve(decoder_only.get_config())
-  total = sum(accounting.formula_params(config.model, V, config.data.max_length).values())
-  out = proc.stdout
-  assert '| **total** | ' in out and f'**{total:,}**' in out
-  assert '| attention | 65,536 | 3 | 196,608 | 4·D² |' in out
-  assert '268,435,456' in out and '512.00 MiB' in out  # the textbook cache example (fp16)
-  assert 'DESIGN.md' not in out
-
-
-def test_a_non_transformer_is_refused():
-  config = tiny(arch='rnn_seq2seq')
-  with pytest.raises(ValueError, match='Transformer archs'):
-    accounting_cli.report(config, V)
-  proc = run_cli('--config=configs/rnn_seq2seq.py')
-  assert proc.returncode == 2 and proc.stdout == ''
-  assert proc.stderr.strip().splitlines()[-1] == (
-      "config error: model.arch='rnn_seq2seq': accounting covers the Transformer archs; valid "
-      'values: decoder_only, encoder_only, encoder_decoder')
 
 
 def test_the_cli_counts_the_toy_vocabulary():

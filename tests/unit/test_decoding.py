@@ -25,6 +25,15 @@ CASES = ([(p, 'gqa') for p in POSITION_NAMES]
             for p in ([q for q in ('rope', 'alibi') if q in POSITION_NAMES] or ['sinusoidal'])])
 
 
+SPARSE = {'sliding_window': dict(window=3),
+          'longformer': dict(window=2, global_tokens=(0, 5)),
+          'bigbird': dict(bigbird_block=4, bigbird_random_blocks=1, global_tokens=(0, 5))}
+
+KERNEL = {'performer': dict(performer_features=16), 'linear': {}}
+
+PROMPTS = [[1, 7, 8, 3], [1, 9, 3], [1, 10, 11, 12, 13, 3]]
+
+
 def model_config(arch, position='sinusoidal', num_heads=4, num_kv_heads=4, **overrides):
   config = validation.resolve(default.get_config())
   config.model.update(arch=arch, position=position, num_layers=2, d_model=32, num_heads=num_heads,
@@ -63,12 +72,6 @@ def test_decoder_only_cache_equals_full_forward(position, heads):
   tokens = jax.random.randint(jax.random.key(1), (2, 9), 1, V)
   full, step = full_and_cached_logits(model, {'inputs': tokens}, {'inputs': tokens}, tokens)
   np.testing.assert_allclose(step, full, atol=2e-5, rtol=2e-5)
-
-
-SPARSE = {'sliding_window': dict(window=3),
-          'longformer': dict(window=2, global_tokens=(0, 5)),
-          'bigbird': dict(bigbird_block=4, bigbird_random_blocks=1, global_tokens=(0, 5))}
-KERNEL = {'performer': dict(performer_features=16), 'linear': {}}
 
 
 @pytest.mark.parametrize('variant', list(SPARSE))
@@ -176,9 +179,6 @@ def test_textbook_kv_cache_example():
     layer = nnx.eval_shape(lambda k=k: attention.Attention(2048, 32, k, rngs=nnx.Rngs(0)))
     shapes = jax.eval_shape(lambda layer=layer: layer.init_cache(1, 2048))
     assert 32 * sum(np.prod(s.shape) for s in jax.tree.leaves(shapes)) == want
-
-
-PROMPTS = [[1, 7, 8, 3], [1, 9, 3], [1, 10, 11, 12, 13, 3]]
 
 
 def test_cached_greedy_equals_full_forward_greedy():

@@ -9,7 +9,6 @@ import pytest
 
 from layers import attention
 from layers import attention_blockwise
-from layers import attention_pallas
 from layers import attention_xla
 from layers import masks
 
@@ -19,13 +18,28 @@ B, N, H = 2, 4, 8
 BLOCK_Q, BLOCK_K = 16, 8
 
 
-@pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
-  """Routes `dot_product_attention` to the kernels with test-sized tiles."""
-  monkeypatch.setitem(attention.IMPLEMENTATIONS, 'blockwise', functools.partial(
-      attention_blockwise.attention, block_q=BLOCK_Q, block_k=BLOCK_K))
-  monkeypatch.setitem(attention.IMPLEMENTATIONS, 'pallas', functools.partial(
-      attention_pallas.attention, block_q=BLOCK_Q, block_k=BLOCK_K))
+CASES = {
+    'mha': dict(),
+    'divisible_T32': dict(t=32, s=32),
+    'causal': dict(is_causal=True),
+    'window_int_mqa': dict(local_window_size=5, kv_heads=1),
+    'window_asym': dict(local_window_size=(9, 2)),
+    'causal_window_gqa': dict(is_causal=True, local_window_size=(6, 0), kv_heads=2),
+    'alibi_causal_gqa': dict(is_causal=True, alibi=True, kv_heads=2),
+    'alibi_bidirectional_mqa': dict(alibi=True, kv_heads=1),
+    'segments_mqa': dict(segments=True, kv_heads=1),
+    'segments_causal_alibi_gqa': dict(segments=True, is_causal=True, alibi=True, kv_heads=2),
+    'cross_T37_S21_causal_segments': dict(t=37, s=21, is_causal=True, segments=True, kv_heads=2),
+    'cross_T16_S37_window_alibi': dict(t=16, s=37, local_window_size=(3, 11), alibi=True),
+    'bias_mask_causal_gqa': dict(bias=True, mask=True, is_causal=True, kv_heads=2),
+    'bias_per_head_broadcast_q': dict(bias='row', kv_heads=2),
+    'bf16_causal_gqa': dict(dtype=jnp.bfloat16, is_causal=True, kv_heads=2),
+    'bf16_window_alibi_segments': dict(dtype=jnp.bfloat16, local_window_size=(7, 3), alibi=True,
+                                       segments=True),
+}
+
+PALLAS_CASES = ['mha', 'window_int_mqa', 'segments_causal_alibi_gqa',
+                'cross_T37_S21_causal_segments', 'bias_mask_causal_gqa', 'bf16_causal_gqa']
 
 
 def _segments(length, every, offset):
@@ -53,31 +67,6 @@ def _value_and_grads(impl, q, k, v, ct, bias=None, **kwargs):
     return out, vjp(ct.astype(out.dtype))
 
   return run(q, k, v, bias, ct)
-
-
-# Each case combines several options; together they cover causal x window x ALiBi x GQA/MQA x
-# segments x lengths not divisible by the tiles x cross-attention (T != S) x dtype.
-CASES = {
-    'mha': dict(),
-    'divisible_T32': dict(t=32, s=32),
-    'causal': dict(is_causal=True),
-    'window_int_mqa': dict(local_window_size=5, kv_heads=1),
-    'window_asym': dict(local_window_size=(9, 2)),
-    'causal_window_gqa': dict(is_causal=True, local_window_size=(6, 0), kv_heads=2),
-    'alibi_causal_gqa': dict(is_causal=True, alibi=True, kv_heads=2),
-    'alibi_bidirectional_mqa': dict(alibi=True, kv_heads=1),
-    'segments_mqa': dict(segments=True, kv_heads=1),
-    'segments_causal_alibi_gqa': dict(segments=True, is_causal=True, alibi=True, kv_heads=2),
-    'cross_T37_S21_causal_segments': dict(t=37, s=21, is_causal=True, segments=True, kv_heads=2),
-    'cross_T16_S37_window_alibi': dict(t=16, s=37, local_window_size=(3, 11), alibi=True),
-    'bias_mask_causal_gqa': dict(bias=True, mask=True, is_causal=True, kv_heads=2),
-    'bias_per_head_broadcast_q': dict(bias='row', kv_heads=2),
-    'bf16_causal_gqa': dict(dtype=jnp.bfloat16, is_causal=True, kv_heads=2),
-    'bf16_window_alibi_segments': dict(dtype=jnp.bfloat16, local_window_size=(7, 3), alibi=True,
-                                       segments=True),
-}
-PALLAS_CASES = ['mha', 'window_int_mqa', 'segments_causal_alibi_gqa',
-                'cross_T37_S21_causal_segments', 'bias_mask_causal_gqa', 'bf16_causal_gqa']
 
 
 def _compare(impl, case):
@@ -176,4 +165,3 @@ def test_bands_are_exactly_the_tiles_with_visible_keys(is_causal, window):
     lo, hi = attention_blockwise.query_block_band(j, cfg, nq)
     np.testing.assert_array_equal(np.arange(nq)[(np.arange(nq) >= lo) & (np.arange(nq) < hi)],
                                   np.flatnonzero(tiles[:, j]), err_msg=f'key tile {j}')
-

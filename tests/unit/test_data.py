@@ -15,6 +15,17 @@ from data import toy_translation
 L = 64
 
 
+_FIELDS = {
+    'decoder_only': ['inputs', 'targets', 'weights', 'segment_ids', 'positions'],
+    'encoder_only': ['inputs', 'targets', 'weights', 'segment_ids', 'positions'],
+    'encoder_decoder': ['src_inputs', 'src_segment_ids', 'src_positions', 'tgt_inputs',
+                        'tgt_targets', 'tgt_weights', 'tgt_segment_ids', 'tgt_positions'],
+}
+
+_CASES = [(p, a) for p in pipeline.PACKINGS for a in pipeline.ARCHS
+          if (p, a) != ('stream', 'encoder_decoder')]
+
+
 @pytest.fixture(scope='session')
 def data_dir(tmp_path_factory):
   """Prepares the 'base' task once per session."""
@@ -41,9 +52,6 @@ def tok(data_dir):
 def _seq_len(pair):
   """Tokens of `<bos> src <sep> tgt <eos>`."""
   return len(pair[0].split()) + len(pair[1].split()) + 3
-
-
-# --- corpus -------------------------------------------------------------------------------------
 
 
 def test_generation_is_deterministic_and_matches_the_files(data_dir, corpus):
@@ -108,9 +116,6 @@ def test_prepare_is_idempotent_and_fast(data_dir):
   assert toy_translation.TOKENIZER_FILE in mtimes
 
 
-# --- tokenizer ----------------------------------------------------------------------------------
-
-
 def test_tokenizer_special_ids_round_trip_and_save(tok, tmp_path):
   assert tok.tokens[:6] == ['<pad>', '<bos>', '<eos>', '<sep>', '<mask>', '<unk>']
   assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.sep_id, tok.mask_id, tok.unk_id) == tuple(
@@ -126,18 +131,6 @@ def test_tokenizer_special_ids_round_trip_and_save(tok, tmp_path):
   assert tok.decode(framed, stop_at_eos=True, skip_special=True) == text
   tok.save(str(tmp_path / 'tok.json'))
   assert tokenizer_lib.Tokenizer.load(str(tmp_path / 'tok.json')).tokens == tok.tokens
-
-
-# --- batches ------------------------------------------------------------------------------------
-
-_FIELDS = {
-    'decoder_only': ['inputs', 'targets', 'weights', 'segment_ids', 'positions'],
-    'encoder_only': ['inputs', 'targets', 'weights', 'segment_ids', 'positions'],
-    'encoder_decoder': ['src_inputs', 'src_segment_ids', 'src_positions', 'tgt_inputs',
-                        'tgt_targets', 'tgt_weights', 'tgt_segment_ids', 'tgt_positions'],
-}
-_CASES = [(p, a) for p in pipeline.PACKINGS for a in pipeline.ARCHS
-          if (p, a) != ('stream', 'encoder_decoder')]
 
 
 @pytest.mark.parametrize('packing,arch', _CASES)

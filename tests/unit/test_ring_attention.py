@@ -7,16 +7,10 @@ import pytest
 from jax.sharding import AxisType
 
 from layers import attention
-from layers import attention_ring
-from layers import attention_xla
 
 AXES = ('data', 'fsdp', 'tensor', 'sequence')
 B, N, H = 2, 4, 16
 TOL = 1e-5
-
-
-def _mesh(shape, axis_types=None):
-  return jax.make_mesh(shape, AXES, axis_types=axis_types)
 
 
 MESHES = {
@@ -26,6 +20,26 @@ MESHES = {
     # Auto axes: shard_map reshards the inputs itself (the other meshes are Explicit, the default).
     'fsdp2_seq4_auto': lambda: _mesh((1, 2, 1, 4), (AxisType.Auto,) * 4),
 }
+
+CASES = {
+    'full_mha': dict(mesh='seq8'),
+    'causal_alibi_gqa': dict(mesh='seq8', is_causal=True, alibi=True, kv_heads=2),
+    'segments_padding_alibi_gqa': dict(mesh='seq8', segments=True, alibi=True, kv_heads=2),
+    'window_causal_mqa': dict(mesh='seq8', local_window_size=(11, 0), is_causal=True, kv_heads=1),
+    'cross_T60_S37_window_segments': dict(mesh='seq8', t=60, s=37, local_window_size=(5, 20),
+                                          segments=True),
+    # Batch split over `data`, the inputs already sharded (the output must keep the query's).
+    'data2_seq4_causal_gqa': dict(mesh='data2_seq4', is_causal=True, kv_heads=2, shard_inputs=True),
+    # Heads split over `tensor` (N = 4, K = 2): slopes and GQA groups follow their heads.
+    'tensor2_seq4_segments_causal_alibi_gqa': dict(mesh='tensor2_seq4', segments=True,
+                                                   is_causal=True, alibi=True, kv_heads=2),
+    'fsdp2_seq4_auto_cross_T64_S32_causal_alibi': dict(mesh='fsdp2_seq4_auto', t=64, s=32,
+                                                       is_causal=True, alibi=True),
+}
+
+
+def _mesh(shape, axis_types=None):
+  return jax.make_mesh(shape, AXES, axis_types=axis_types)
 
 
 def _inputs(t, s, kv_heads, seed=0):
@@ -61,26 +75,6 @@ def _segments(t, s):
   q_seg[0, -t // 4:] = 0
   kv_seg[1, -s // 5:] = 3
   return jnp.asarray(q_seg), jnp.asarray(kv_seg)
-
-
-# Each case combines several options, to keep the number of compilations down; together they cover
-# causal x window x ALiBi x GQA/MQA x segments with empty rows x cross-attention (T != S) x lengths
-# that the ring does not divide, on the 8-device ring and on meshes that also split batch or heads.
-CASES = {
-    'full_mha': dict(mesh='seq8'),
-    'causal_alibi_gqa': dict(mesh='seq8', is_causal=True, alibi=True, kv_heads=2),
-    'segments_padding_alibi_gqa': dict(mesh='seq8', segments=True, alibi=True, kv_heads=2),
-    'window_causal_mqa': dict(mesh='seq8', local_window_size=(11, 0), is_causal=True, kv_heads=1),
-    'cross_T60_S37_window_segments': dict(mesh='seq8', t=60, s=37, local_window_size=(5, 20),
-                                          segments=True),
-    # Batch split over `data`, the inputs already sharded (the output must keep the query's).
-    'data2_seq4_causal_gqa': dict(mesh='data2_seq4', is_causal=True, kv_heads=2, shard_inputs=True),
-    # Heads split over `tensor` (N = 4, K = 2): slopes and GQA groups follow their heads.
-    'tensor2_seq4_segments_causal_alibi_gqa': dict(mesh='tensor2_seq4', segments=True,
-                                                   is_causal=True, alibi=True, kv_heads=2),
-    'fsdp2_seq4_auto_cross_T64_S32_causal_alibi': dict(mesh='fsdp2_seq4_auto', t=64, s=32,
-                                                       is_causal=True, alibi=True),
-}
 
 
 @pytest.mark.parametrize('case', list(CASES))

@@ -19,19 +19,10 @@ from layers import attention_xla
 from layers import linear_attention
 from layers import masks
 from layers import sparse_attention
-from tests import helpers
-from training import evaluation
-from training import loop
 from training import state as state_lib
 from training import steps as steps_lib
 
 D, N, K, T = 16, 4, 2, 13  # T not a multiple of any block below; N/K = 2 (GQA)
-
-
-def _layer(name, **kwargs):
-  rngs = nnx.Rngs(params=0)
-  cls = attention_variants.VARIANTS[name]
-  return cls(D, N, K, rngs=rngs, **kwargs)
 
 
 MASKING = {
@@ -39,6 +30,16 @@ MASKING = {
     'longformer': dict(window=2, global_tokens=(0, 6), block=4),
     'bigbird': dict(block=3, num_random=1, global_tokens=(0,), seed=1),
 }
+
+CAUSAL = ('sliding_window', 'longformer', 'bigbird', 'performer', 'linear')
+
+ALL = CAUSAL + ('linformer',)
+
+
+def _layer(name, **kwargs):
+  rngs = nnx.Rngs(params=0)
+  cls = attention_variants.VARIANTS[name]
+  return cls(D, N, K, rngs=rngs, **kwargs)
 
 
 def _segments():
@@ -206,17 +207,6 @@ def test_linear_bidirectional_equals_its_quadratic_form_and_linformer_is_low_ran
     lin(x, is_causal=True)
 
 
-# --- Training: every variant, encoder and (where causal) decoder ----------------------------------
-
-CAUSAL = ('sliding_window', 'longformer', 'bigbird', 'performer', 'linear')
-ALL = CAUSAL + ('linformer',)
-
-
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-  return tmp_path_factory.mktemp('tfds')
-
-
 def _train_config(data_dir, arch, variant):
   config = default.get_config('quick')
   config.model.arch = arch
@@ -233,43 +223,6 @@ def _train_config(data_dir, arch, variant):
   validation.resolve(config)
   validation.validate(config)
   return config
-
-
-def _performer_layers(model):
-  return [m for _, m in nnx.iter_modules(model) if isinstance(m, linear_attention.PerformerAttention)]
-
-
-def test_performer_redraw_schedule_is_checkpointed_and_resumed(data_dir, tmp_path):
-  """performer_redraw=R: each layer (own seed) holds draw step // R; checkpoints and eval.py carry
-  it, and a run resumed between redraws goes on redrawing on schedule."""
-  config = helpers.quick_config(data_dir, steps=7, log_every=1, checkpoint_every=3, eval_every=100,
-                                diagnostics=False)
-  config.model.update(attention='performer', performer_features=16, performer_redraw=2,
-                      num_layers=2)
-  validation.validate(config)
-
-  def layers_at(workdir, want_step):
-    _, graphdef, variables, step = evaluation.load_run(str(workdir))
-    assert step == want_step
-    return _performer_layers(nnx.merge(graphdef, variables))
-
-  with pytest.raises(KeyboardInterrupt):  # the checkpoint at step 3 holds draw 1
-    loop.train_and_evaluate(config, str(tmp_path), hooks=[helpers.interrupt_after(4)])
-  for when, draw_number in ((3, 1), (7, 3)):
-    if when == 7:
-      loop.train_and_evaluate(config, str(tmp_path))  # resumes at 3; redraws at 4 and 6
-    layers = layers_at(tmp_path, when)
-    assert len(layers) == 2 and layers[0].seed != layers[1].seed
-    for layer in layers:
-      draw = functools.partial(linear_attention.feature_draw, layer.seed,
-                               num_features=16, dim=layer.head_dim)
-      np.testing.assert_array_equal(layer.features_w.value, draw(draw_number))
-      assert np.abs(draw(draw_number) - draw(0)).max() > 0.1
-    assert np.abs(layers[0].features_w.value - layers[1].features_w.value).max() > 0.1
-  # Fixed features (R = 0): nothing is ever due.
-  config.model.performer_redraw = 0
-  graphdef, _, state = state_lib.create_state(config, 166)
-  assert state_lib.redraw_features(graphdef, state, 4) is state
 
 
 @pytest.mark.parametrize('arch,variant', [('encoder_only', v) for v in ALL] +
@@ -291,8 +244,6 @@ def test_variant_trains_and_loss_falls(data_dir, arch, variant):
   first, last = np.mean(losses[:3]), np.mean(losses[-3:])
   assert np.isfinite(last) and last < 0.85 * first, losses
 
-
-# --- Impossible combinations -----------------------------------------------------------------------
 
 @pytest.mark.parametrize('overrides,field', [
     (dict(arch='decoder_only', attention='linformer'), 'model.attention'),

@@ -18,6 +18,7 @@ jax.config.update('jax_default_matmul_precision', 'highest')
 SETTINGS = dict(deadline=None, derandomize=True)
 
 
+
 @st.composite
 def problems(draw):
   k = draw(st.sampled_from([1, 2, 4]))

@@ -18,6 +18,7 @@ from training import state as state_lib
 from training import steps as steps_lib
 
 
+
 def read_metrics(workdir, split='train'):
   return {r['step']: r['loss'] for r in metric_rows(workdir, split)}
 

@@ -17,6 +17,7 @@ from tests.test_decoding import PROMPTS, V, build
 PAGE = 4
 
 
+
 def contiguous_logits(model, tokens):
   """`[B, T, V]` logits of `tokens` `[B, T]` fed one step at a time through the contiguous cache."""
   graphdef, params = nnx.split(model)
@@ -169,4 +170,3 @@ def test_allocator_reuses_freed_pages_and_says_when_the_pool_is_exhausted():
   assert set(alloc.block_table[1, 1:].tolist()) <= row0
   with pytest.raises(ValueError, match='max_pages_per_seq'):
     alloc.reserve(0, 13)
-

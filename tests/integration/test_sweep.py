@@ -1,0 +1,173 @@
+"""Sweeps (tools/sweep.py) and comparisons (tools/compare.py): expansion, names, skip/resume,
+--dry_run, and the comparison's band, divergence, plateau and steps-to-target on synthetic runs."""
+
+from tests.helpers import ROOT, write_run
+import glob
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tools import sweep
+
+ABLATIONS = sorted(glob.glob(os.path.join(ROOT, 'configs', 'ablations', '[!_]*.py')))
+
+TINY_SWEEP = '''
+from configs import decoder_only
+
+
+def get_config(arg=None):
+  config = decoder_only.get_config('quick')
+  config.train.steps = 20
+  return config
+
+
+def get_sweep():
+  return {GRID}
+'''
+
+
+def write_sweep(tmp_path, grid):
+  path = tmp_path / 'tiny_sweep.py'
+  path.write_text(TINY_SWEEP.replace('{GRID}', grid))
+  return str(path)
+
+
+def test_a_bad_cell_fails_before_anything_runs(tmp_path):
+  spec = write_sweep(tmp_path, "{'grid': {'model.norm_position': ['pre', 'middle']}}")
+  launched = []
+  with pytest.raises(sweep.SweepError, match='model.norm_position'):
+    sweep.run_sweep(spec, str(tmp_path / 'sw'), launch=lambda *a: launched.append(a) or 0)
+  assert not launched
+  spec = write_sweep(tmp_path, "{'grid': {'model.no_such_field': [1]}}")
+  with pytest.raises(sweep.SweepError, match='no config field'):
+    sweep.run_sweep(spec, str(tmp_path / 'sw'), dry_run=True)
+
+
+def test_dry_run_prints_one_train_command_per_cell_and_the_eval_commands(tmp_path):
+  out = io.StringIO()
+  spec = os.path.join('configs', 'ablations', 'rope_vs_alibi.py')
+  cwd = os.getcwd()
+  os.chdir(ROOT)
+  try:
+    results = sweep.run_sweep(spec, 'SW', dry_run=True, out=out)
+  finally:
+    os.chdir(cwd)
+  lines = out.getvalue().splitlines()
+  train_lines = [l for l in lines if l.startswith('python train.py')]
+  assert len(train_lines) == len(results) == 6
+  assert train_lines[2] == ('python train.py --config=configs/ablations/rope_vs_alibi.py '
+                            '--workdir=SW/model.position=rope,seed=0 '
+                            '--config.model.position=rope --config.train.seed=0')
+  evals = [l for l in lines if l.startswith('python eval.py --workdir=SW/model.position=rope,')]
+  assert len(evals) == 4  # eval_flags, then the three scalings of eval_variants
+  assert evals[3].endswith('--lengths=1,2,4,8 --modes=non_overlapping,sliding '
+                           '--rope_scaling=yarn:4')
+  assert not os.path.exists(os.path.join(ROOT, 'SW'))
+
+
+def _fake_workdir(path, checkpoint_steps=(), train_losses=()):
+  os.makedirs(path / 'checkpoints', exist_ok=True)
+  for s in checkpoint_steps:
+    os.makedirs(path / 'checkpoints' / str(s))
+  with open(path / 'metrics.jsonl', 'w') as f:
+    for i, loss in enumerate(train_losses):
+      f.write(json.dumps({'step': i + 1, 'split': 'train', 'loss': loss}) + '\n')
+
+
+@pytest.mark.parametrize('parallel', [1, 2])
+def test_finished_cells_are_skipped_interrupted_ones_resumed(tmp_path, parallel):
+  spec = write_sweep(tmp_path, "{'grid': {'model.norm': ['layernorm', 'rmsnorm'], "
+                               "'model.norm_position': ['pre', 'post']}}")
+  sw = tmp_path / 'sw'
+  names = [c['name'] for c in sweep.expand(sweep.get_sweep(sweep.load_sweep_module(spec)))]
+  done, partial, diverged, new = names
+  _fake_workdir(sw / done, [10, 20], [5.0, 4.0])
+  _fake_workdir(sw / partial, [10], [5.0])
+  _fake_workdir(sw / diverged, [10], [5.0, float('nan')])
+  launched = []
+
+  def launch(argv, log_path, env):
+    launched.append((argv, env))
+    workdir = next(a for a in argv if a.startswith('--workdir=')).split('=', 1)[1]
+    assert os.path.dirname(log_path) == workdir
+    os.makedirs(os.path.join(workdir, 'checkpoints', '20'))  # as train.py finishing would
+    return 0
+
+  out = io.StringIO()
+  results = sweep.run_sweep(spec, str(sw), parallel=parallel, launch=launch, out=out)
+  assert results == {done: 'skipped', partial: 'done', diverged: 'diverged', new: 'done'}
+  assert sorted(os.path.basename(a[3].split('=', 1)[1]) for a, _ in launched) == sorted(
+      [partial, new])
+  argv = next(a for a, _ in launched if partial in a[3])
+  assert argv[:3] == [sys.executable, os.path.join(ROOT, 'train.py'), f'--config={spec}']
+  assert argv[4:] == ['--config.model.norm=layernorm', '--config.model.norm_position=post',
+                      '--config.train.seed=0']
+  text = out.getvalue()
+  assert f'{partial}: done (resuming from step 10' in text
+  assert f'{done}: skipped' in text and f'{new}: done (new' in text
+  assert len([l for l in text.splitlines() if l.startswith('[')]) == 4
+  threads = [env.get('XLA_FLAGS', '') for _, env in launched]
+  assert all(('intra_op_parallelism_threads=1' in t) == (parallel > 1) for t in threads)
+  # A second run has nothing left to do.
+  launched.clear()
+  results = sweep.run_sweep(spec, str(sw), parallel=parallel, launch=launch, out=io.StringIO())
+  assert not launched and set(results.values()) == {'skipped', 'diverged'}
+
+
+def run_tool(module, *args):
+  return subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+
+
+def test_cli_dry_run(tmp_path):
+  """`python -m tools.sweep` with --dry_run and --seeds prints one train.py command per cell."""
+  result = run_tool('tools.sweep', '--sweep=configs/ablations/ffn_norm.py',
+                    f'--sweep_dir={tmp_path}/sw', '--dry_run', '--seeds=4,5')
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.splitlines()
+  assert len(lines) == 16 and all(l.startswith('python train.py') for l in lines)
+  assert lines[0].endswith('--config.model.ffn=relu --config.model.norm=layernorm '
+                           '--config.train.seed=4')
+  assert not os.path.exists(tmp_path / 'sw')
+
+
+def test_cli_exit_codes(tmp_path):
+  """2 without --sweep_dir or on a sweep file that cannot be expanded; 1 when a cell fails."""
+  result = run_tool('tools.sweep', '--sweep=configs/ablations/ffn_norm.py')
+  assert result.returncode == 2 and 'required' in result.stderr
+  spec = write_sweep(tmp_path, "{'grid': {'model.norm_position': ['pre', 'middle']}}")
+  result = run_tool('tools.sweep', f'--sweep={spec}', f'--sweep_dir={tmp_path}/sw')
+  assert result.returncode == 2 and 'sweep error: cell ' in result.stderr
+  assert not os.path.exists(tmp_path / 'sw')
+  # A cell whose train.py exits non-zero (a data_dir under a file: config error) fails the sweep.
+  (tmp_path / 'a_file').write_text('')
+  spec = write_sweep(tmp_path, "{'grid': {'data.data_dir': [%r]}}" % str(tmp_path / 'a_file/d'))
+  result = run_tool('tools.sweep', f'--sweep={spec}', f'--sweep_dir={tmp_path}/sw')
+  assert result.returncode == 1, result.stderr
+  assert ': failed (rc 2' in result.stdout
+
+
+def test_compare_cli_prints_the_table_and_the_png(tmp_path):
+  """`python -m tools.compare DIR ...`: workdirs with commas in their names, the table, `wrote OUT`;
+  exit 2 on a missing run or a bad option."""
+  for seed in (0, 1):
+    write_run(tmp_path / f'sw/model.ffn=relu,seed={seed}', [(10, 3.0), (20, 2.0 + seed)],
+              [(20, 2.5)], steps=20, seed=seed, fields={'ffn': 'relu'})
+  write_run(tmp_path / 'other', [(10, 3.0), (20, 2.2)], steps=20, fields={'ffn': 'gelu'})
+  out = tmp_path / 'cmp.png'
+  result = run_tool('tools.compare', str(tmp_path / 'sw/model.ffn=relu,seed=0'),
+                    str(tmp_path / 'sw/model.ffn=relu,seed=1'), str(tmp_path / 'other'),
+                    f'--out={out}', '--logy', '--smooth=ema:0.5', '--target_loss=2.6')
+  assert result.returncode == 0, result.stderr
+  assert '| ffn=relu | 2 | 2.5000 [2.5000, 2.5000] |' in result.stdout
+  assert '| ffn=gelu | 1 |' in result.stdout
+  assert result.stdout.rstrip().endswith(f'wrote {out}') and out.stat().st_size > 10000
+  result = run_tool('tools.compare', str(tmp_path / 'sw'))  # a sweep directory: its default PNG
+  assert result.returncode == 0 and (tmp_path / 'sw' / 'compare.png').exists(), result.stderr
+  for args in ([str(tmp_path / 'nope')], [str(tmp_path / 'sw'), '--smooth=gauss:3'], []):
+    result = run_tool('tools.compare', *args)
+    assert result.returncode == 2 and result.stderr.strip(), (args, result.stderr)

@@ -1,0 +1,336 @@
+"""The pictures: compare's short legend labels, colour and line-style assignment, bands and legend
+placement (tools/compare.py); the extrapolation and attention pictures (tools/plots.py). No
+processes, no training: synthetic runs and arrays."""
+
+import json
+import os
+import types
+
+import matplotlib
+import numpy as np
+import pytest
+
+from tools import compare
+from tools import plots
+
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# The Post-LN vs Pre-LN study (configs/ablations/postln_vs_preln.py): 9 cells.
+SETTINGS = [(6, 2e-3, 500, 0, ('post', 'pre')), (6, 2e-3, 1000, 100, ('post', 'pre')),
+            (6, 2e-3, 1000, 0, ('pre',)), (12, 1e-3, 500, 0, ('post', 'pre')),
+            (6, 1e-3, 500, 0, ('post', 'pre'))]
+STUDY_FIELDS = ['model.norm_position', 'model.num_layers', 'train.learning_rate', 'train.steps',
+                'train.warmup_steps']
+
+
+def study_configs():
+  return [{'model.num_layers': layers, 'model.norm_position': norm, 'train.learning_rate': lr,
+           'train.steps': steps, 'train.warmup_steps': warmup, 'model.d_model': 64}
+          for layers, lr, steps, warmup, norms in SETTINGS for norm in norms]
+
+
+# --- labels ---------------------------------------------------------------------------------------
+
+def test_values_read_short():
+  assert [compare._num(v) for v in (0.001, 0.0025, 5e-4, 0.05, 0.5, 6, 1e-5)] == [
+      '1e-3', '2.5e-3', '5e-4', '0.05', '0.5', '6', '1e-5']
+  assert [compare._count(v) for v in (500, 1000, 1500, 20000, 1234, 2_000_000)] == [
+      '500', '1k', '1.5k', '20k', '1234', '2M']
+  assert compare.abbreviate('model.num_layers', 12) == '12L'
+  assert compare.abbreviate('train.learning_rate', 0.001) == 'lr 1e-3'
+  assert compare.abbreviate('train.warmup_steps', 0) == 'no warmup'
+  assert compare.abbreviate('train.warmup_steps', 100) == 'warmup 100'
+  assert compare.abbreviate('train.steps', 1000) == '1k steps'
+  assert compare.abbreviate('model.norm_position', 'post') == 'post'
+  # Fields without an abbreviation keep their last name; booleans read as a word or its negation.
+  assert compare.abbreviate('model.rope_scaling_factor', 4.0) == 'rope_scaling_factor=4'
+  assert compare.abbreviate('model.rope_scaling', 'none') == 'rope_scaling=none'
+  assert compare.abbreviate('model.scan_layers', True) == 'scan_layers'
+  assert compare.abbreviate('model.scan_layers', False) == 'no scan_layers'
+
+
+def test_labels_name_only_the_fields_that_differ():
+  """The issue's example: four fields differ (seed and data_dir do not count), d_model does not."""
+  configs = [{'model.norm_position': norm, 'model.num_layers': layers, 'train.learning_rate': lr,
+              'train.warmup_steps': warmup, 'model.d_model': 64, 'train.seed': seed,
+              'data.data_dir': f'/data{seed}'}
+             for seed, (norm, layers, lr, warmup) in enumerate([('post', 12, 1e-3, 0),
+                                                                ('pre', 12, 1e-3, 0),
+                                                                ('post', 6, 2e-3, 100)])]
+  fields = compare.differing_fields([{'config': c} for c in configs])
+  assert fields == ['model.norm_position', 'model.num_layers', 'train.learning_rate',
+                    'train.warmup_steps']
+  labels, note = compare.legend_labels(configs, fields, [['plateau'], [], ['diverged 1/3']])
+  assert labels == ['post · 12L · lr 1e-3 · no warmup · plateau', 'pre · 12L · lr 1e-3 · no warmup',
+                    'post · 6L · lr 2e-3 · warmup 100 · diverged 1/3']
+  assert note == ''
+
+
+def test_long_labels_leave_out_each_fields_most_common_value():
+  """The study's nine cells differ in five fields: full labels run to 44 characters (flags aside),
+  so the common value of each field outside colour and style (lr 2e-3, 500 steps, no warmup) is
+  named once."""
+  configs = study_configs()
+  flags = [['plateau 2/3'] if c['model.norm_position'] == 'post' and c['train.steps'] == 500 and
+           c['train.learning_rate'] == 2e-3 else ['plateau'] if c['model.num_layers'] == 12 and
+           c['model.norm_position'] == 'post' else [] for c in configs]
+  full, _ = compare.legend_labels(configs, STUDY_FIELDS, max_len=1000)
+  assert max(map(len, full)) == 44 > compare.MAX_LABEL
+  labels, note = compare.legend_labels(configs, STUDY_FIELDS, flags,
+                                       keep=('model.norm_position', 'model.num_layers'))
+  assert note == 'unless noted: lr 2e-3 · 500 steps · no warmup'
+  assert labels == ['post · 6L · plateau 2/3', 'pre · 6L',
+                    'post · 6L · 1k steps · warmup 100', 'pre · 6L · 1k steps · warmup 100',
+                    'pre · 6L · 1k steps',
+                    'post · 12L · lr 1e-3 · plateau', 'pre · 12L · lr 1e-3',
+                    'post · 6L · lr 1e-3', 'pre · 6L · lr 1e-3']
+  assert max(map(len, labels)) <= compare.MAX_LABEL and len(set(labels)) == len(labels)
+  # A kept field stays even at its common value; a value held by one group only is never dropped.
+  labels, note = compare.legend_labels(configs[:2] + configs[5:6], STUDY_FIELDS, max_len=10,
+                                       keep=('model.norm_position',))
+  assert note == 'unless noted: 6L · lr 2e-3 · 500 steps · no warmup'
+  assert labels == ['post', 'pre', 'post · 12L · lr 1e-3']
+  # Nothing kept: the group at every common value is named by them, not left blank.
+  labels, note = compare.legend_labels(configs[:2] + configs[5:6], STUDY_FIELDS, [['plateau'], [],
+                                                                                  []], max_len=10)
+  assert note == 'unless noted: post · 6L · lr 2e-3 · 500 steps · no warmup'
+  assert labels == ['post · 6L · lr 2e-3 · 500 steps · no warmup · plateau', 'pre',
+                    '12L · lr 1e-3']
+
+
+# --- colour and line style ------------------------------------------------------------------------
+
+def test_default_colour_goes_to_the_fewest_values_then_the_most_contrasts():
+  configs = study_configs()
+  # Every study field has two values; norm_position is the one whose values pair up the cells
+  # (4 pairs differ in it alone, vs 2 for num_layers and learning_rate, 1 for steps and warmup).
+  assert compare.rank_fields(configs, STUDY_FIELDS)[0] == 'model.norm_position'
+  color, style = compare.choose_style_fields(configs, STUDY_FIELDS)
+  assert color == 'model.norm_position' and style in STUDY_FIELDS and style != color
+  # Fewer values win over contrasts: 3 attention variants x 2 norms -> colour by norm.
+  grid = [{'model.attention': a, 'model.norm': n} for a in ('dense', 'linformer', 'performer')
+          for n in ('layernorm', 'rmsnorm')]
+  fields = ['model.attention', 'model.norm']
+  assert compare.choose_style_fields(grid, fields) == ('model.norm', 'model.attention')
+  # Colour alone tells the groups apart: no line style.
+  ffns = [{'model.ffn': f} for f in ('relu', 'gelu', 'swiglu')]
+  assert compare.choose_style_fields(ffns, ['model.ffn']) == ('model.ffn', None)
+  # Named fields: dotted or last part; none; an unknown or constant field is refused with the list.
+  assert compare.choose_style_fields(configs, STUDY_FIELDS, 'num_layers', 'none') == (
+      'model.num_layers', None)
+  assert compare.choose_style_fields(configs, STUDY_FIELDS, 'none', 'model.norm_position') == (
+      None, 'model.norm_position')
+  with pytest.raises(ValueError, match='fields that differ: model.norm_position, model.num_layers'):
+    compare.choose_style_fields(configs, STUDY_FIELDS, 'model.d_model')
+  many = [{'train.learning_rate': lr} for lr in (1e-4, 2e-4, 5e-4, 1e-3, 2e-3)]
+  with pytest.raises(ValueError, match='5 values'):
+    compare.choose_style_fields(many, ['train.learning_rate'], 'none', 'learning_rate')
+
+
+def test_hue_by_colour_field_style_by_style_field_shade_by_the_rest():
+  configs = study_configs()
+  styles = compare.assign_styles(configs, STUDY_FIELDS, 'model.norm_position', 'model.num_layers')
+  for c, s in zip(configs, styles):
+    assert s['hue'] == {'post': 0, 'pre': 1}[c['model.norm_position']]
+    assert s['linestyle'] == {6: '-', 12: '--'}[c['model.num_layers']]
+  # Every group is told apart by its colour and line style.
+  assert len({(s['color'], s['linestyle']) for s in styles}) == len(configs)
+  # The same setting has the same shade under both hues; shades run dark to light.
+  rest = lambda c: (c['train.learning_rate'], c['train.steps'], c['train.warmup_steps'])  # noqa
+  for a, sa in zip(configs, styles):
+    for b, sb in zip(configs, styles):
+      assert (sa['shade'] == sb['shade']) == (rest(a) == rest(b))
+  darkest = [s for s in styles if s['shade'] == 0 and s['hue'] == 0][0]
+  lightest = [s for s in styles if s['shade'] == 3 and s['hue'] == 0][0]
+  assert sum(darkest['color']) < sum(matplotlib.colors.to_rgb(compare.PALETTE[0])) < sum(
+      lightest['color'])
+  # Without a colour field each group has its own base hue, all solid.
+  plain = compare.assign_styles(configs[:3], STUDY_FIELDS)
+  assert [s['color'] for s in plain] == [matplotlib.colors.to_rgb(c) for c in compare.PALETTE[:3]]
+  assert {s['linestyle'] for s in plain} == {'-'}
+
+
+def test_band_kinds():
+  a = (np.array([10, 20]), np.array([1.0, 2.0]))
+  b = (np.array([10, 20]), np.array([3.0, 6.0]))
+  _, mean, lo, hi = compare.band([a, b], 'std')
+  np.testing.assert_allclose(mean, [2.0, 4.0])
+  np.testing.assert_allclose(lo, [1.0, 2.0])
+  np.testing.assert_allclose(hi, [3.0, 6.0])
+  _, mean, lo, hi = compare.band([a, b], 'none')
+  np.testing.assert_allclose(lo, mean) and np.testing.assert_allclose(hi, mean)
+  with pytest.raises(ValueError, match='minmax, std, none'):
+    compare.band([a], 'iqr')
+
+
+# --- the comparison figure ------------------------------------------------------------------------
+
+def write_run(workdir, config, losses, init_grad=None, entropy=4.38):
+  os.makedirs(workdir, exist_ok=True)
+  steps = len(losses) * 10
+  with open(os.path.join(workdir, 'metrics.jsonl'), 'w') as f:
+    for i, loss in enumerate(losses):
+      f.write(json.dumps({'step': 10 * (i + 1), 'split': 'train', 'loss': loss}) + '\n')
+    f.write(json.dumps({'step': steps, 'split': 'valid', 'loss': losses[-1]}) + '\n')
+  nested = {}
+  for key, value in config.items():
+    section, name = key.split('.')
+    nested.setdefault(section, {})[name] = value
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    json.dump(nested, f)
+  with open(os.path.join(workdir, 'run_info.json'), 'w') as f:
+    json.dump({'num_params': 1000, 'unigram_entropy': entropy}, f)
+  if init_grad is not None:
+    with open(os.path.join(workdir, 'init_grad_norms.json'), 'w') as f:
+      json.dump({'blocks': init_grad}, f)
+
+
+def write_study(root, with_init=True):
+  for c in study_configs():
+    stuck = c['model.norm_position'] == 'post' and c['model.num_layers'] == 12
+    n = c['train.steps'] // 100
+    for seed in (0, 1):
+      losses = [4.4 + 0.01 * seed] * n if stuck else list(np.linspace(5.0, 1.3 + 0.05 * seed, n))
+      grad = list(np.linspace(0.6, 1.8, c['model.num_layers']) + 0.1 * seed)
+      name = ','.join(f'{k}={v}' for k, v in sorted(c.items())) + f',seed={seed}'
+      write_run(os.path.join(root, name), {**c, 'train.seed': seed}, losses,
+                grad if with_init else None)
+
+
+def overlaps(a, b):
+  return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+@pytest.mark.parametrize('with_init', [True, False])
+def test_one_legend_outside_every_panel(tmp_path, with_init):
+  write_study(str(tmp_path), with_init)
+  runs = [compare.load_run(w) for w in compare.find_runs([str(tmp_path)])]
+  groups = compare.group_runs(runs)
+  summary = compare.summarize(groups)
+  fig, labels = compare.figure(groups, summary, logy=True, color_by='model.norm_position',
+                               style_by='model.num_layers')
+  fig.canvas.draw()
+  renderer = fig.canvas.get_renderer()
+  panels = [ax for ax in fig.axes if ax.axison]
+  assert len(panels) == (3 if with_init else 2)
+  legends = fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+  assert len(legends) == 1  # one legend for all panels
+  box = legends[0].get_window_extent(renderer)
+  for ax in panels:
+    assert not overlaps(box, ax.get_window_extent(renderer)), ax.get_title()
+    assert not overlaps(box, ax.get_tightbbox(renderer)), ax.get_title()  # nor their tick labels
+  assert 0 <= box.x0 and box.x1 <= fig.bbox.x1 and 0 <= box.y0 and box.y1 <= fig.bbox.y1
+  texts = [t.get_text() for t in legends[0].get_texts()]
+  assert sorted(texts) == sorted(labels) and max(map(len, texts)) <= compare.MAX_LABEL
+  assert 'post · 12L · lr 1e-3 · plateau' in texts
+  assert legends[0].get_title().get_text() == (
+      'mean of 2 seeds, band: min to max\nunless noted: lr 2e-3 · 500 steps · no warmup')
+  # The handles carry the colour field's hue and the style field's line style.
+  handles = dict(zip(texts, legends[0].legend_handles))
+  assert handles['post · 12L · lr 1e-3 · plateau'].get_linestyle() == '--'
+  assert handles['post · 6L · lr 1e-3'].get_linestyle() == '-'
+  assert fig.get_figwidth() == compare.WIDTH
+  plt.close(fig)
+
+
+def test_compare_writes_the_png_and_refuses_bad_options(tmp_path):
+  write_study(str(tmp_path / 'sw'))
+  out = tmp_path / 'cmp.png'
+  table = compare.compare([str(tmp_path / 'sw')], str(out), band_kind='std', color_by='num_layers')
+  assert out.stat().st_size > 20000
+  # The table keeps the full overrides.
+  assert ('| norm_position=post,num_layers=12,learning_rate=0.001,steps=500,warmup_steps=0 | 2 |'
+          in table)
+  with pytest.raises(ValueError, match='--band'):
+    compare.compare([str(tmp_path / 'sw')], str(out), band_kind='range')
+  with pytest.raises(ValueError, match='--color_by=d_model'):
+    compare.compare([str(tmp_path / 'sw')], str(out), color_by='d_model')
+
+
+# --- tools/plots.py -------------------------------------------------------------------------------
+
+def test_extrapolation_plot_draws_one_line_per_length_and_marks_the_training_length(tmp_path):
+  rng = np.random.default_rng(0)
+  per_position = {n: rng.random(n) for n in (128, 64, 256)}
+  fig = plots.per_position_figure(per_position, 'rope', train_length=64)
+  ax = fig.axes[0]
+  lines = [l for l in ax.get_lines() if not l.get_label().startswith('_')]
+  assert [l.get_label() for l in lines] == ['window 64 (1x)', 'window 128 (2x)', 'window 256 (4x)']
+  np.testing.assert_allclose(lines[0].get_ydata(), per_position[64])  # at L: unsmoothed
+  np.testing.assert_allclose(lines[1].get_ydata(),  # at 2L: means of 2 positions
+                             np.convolve(per_position[128], [0.5, 0.5], mode='valid'))
+  marks = [l for l in ax.get_lines() if l.get_label().startswith('_')]
+  assert len(marks) == 1 and list(marks[0].get_xdata()) == [64, 64]
+  assert any('training length 64' in t.get_text() for t in ax.texts)
+  fig.canvas.draw()
+  renderer = fig.canvas.get_renderer()
+  assert len(fig.legends) == 1 and not overlaps(fig.legends[0].get_window_extent(renderer),
+                                                ax.get_window_extent(renderer))
+  plt.close(fig)
+  path = plots.plot_per_position(str(tmp_path), per_position, 'rope', train_length=64)
+  assert path.endswith('extrapolation.png') and os.path.getsize(path) > 10000
+
+
+def test_attention_heads_share_one_colour_scale_and_name_their_tokens():
+  rng = np.random.default_rng(0)
+  rows, cols = ['<bos>', 'der', 'hund'], ['the', 'dog', 'runs', '</s>']
+  weights = rng.random((3, 3, 4)) * np.array([1.0, 0.5, 0.2])[:, None, None]  # [N, T, S]
+  fig = plots.attention_figure(weights, rows, cols, 'cross: the dog runs')
+  images = [im for ax in fig.axes for im in ax.get_images()]
+  assert len(images) == 3
+  assert len({id(im.norm) for im in images}) == 1  # one scale ...
+  assert images[0].norm.vmin == 0.0 and images[0].norm.vmax == pytest.approx(weights.max())
+  colorbars = [ax for ax in fig.axes if ax.get_label() == '<colorbar>']
+  assert len(colorbars) == 1  # ... and one colorbar
+  heads = [ax for ax in fig.axes if ax.get_images()]
+  for h, ax in enumerate(heads):
+    np.testing.assert_allclose(ax.get_images()[0].get_array(), weights[h])
+    assert [t.get_text() for t in ax.get_xticklabels()] == cols
+  assert [t.get_text() for t in heads[0].get_yticklabels()] == rows
+  plt.close(fig)
+
+
+def test_plot_attention_maps_writes_one_picture_per_kind(tmp_path):
+  """encoder_decoder: self- and cross-attention of the last layer, from a stand-in model."""
+  tokens = ['<pad>', '<bos>', '</s>', '<sep>', 'the', 'dog', 'der', 'hund']
+  tokenizer = types.SimpleNamespace(tokens=tokens, bos_id=1, eos_id=2, sep_id=3)
+  config = types.SimpleNamespace(model=types.SimpleNamespace(arch='encoder_decoder'))
+  example = {'source_ids': [4, 5], 'target_ids': [6, 7], 'source': 'the dog'}
+  seen = {}
+
+  def attention_weights(batch):
+    seen.update(batch)
+    t, s = batch['tgt_inputs'].shape[1], batch['src_inputs'].shape[1]
+    return [[('self', np.full((1, 2, t, t), 1.0 / t)), ('cross', np.full((1, 2, t, s), 1.0 / s))]]
+
+  model = types.SimpleNamespace(attention_weights=attention_weights)
+  paths = plots.plot_attention_maps(str(tmp_path), config, model, [example], tokenizer)
+  assert [os.path.basename(p) for p in paths] == ['attention_0_self.png', 'attention_0_cross.png']
+  assert all(os.path.getsize(p) > 5000 for p in paths)
+  np.testing.assert_array_equal(seen['src_inputs'], [[4, 5, 2]])
+  np.testing.assert_array_equal(seen['tgt_inputs'], [[1, 6, 7]])
+
+
+def test_write_eval_outputs_marks_the_runs_training_length(tmp_path, monkeypatch):
+  """eval.py's pictures: the extrapolation plot marks config.data.max_length as training length."""
+  with open(tmp_path / 'metrics.jsonl', 'w') as f:
+    for step, loss in ((10, 3.0), (20, 2.0)):
+      f.write(json.dumps({'step': step, 'split': 'train', 'loss': loss}) + '\n')
+  config = types.SimpleNamespace(model=types.SimpleNamespace(position='alibi'),
+                                 data=types.SimpleNamespace(max_length=32))
+  run = types.SimpleNamespace(config=config, per_position={32: np.ones(32), 64: np.ones(64)})
+  seen = {}
+  figure = plots.per_position_figure
+
+  def spy(per_position, title, train_length=None):
+    seen.update(title=title, train_length=train_length)
+    return figure(per_position, title, train_length)
+
+  monkeypatch.setattr(plots, 'per_position_figure', spy)
+  result = plots.write_eval_outputs(str(tmp_path), {'rope_scaling': 'as trained'}, run, ['test'])
+  assert seen == {'title': 'alibi, rope_scaling=as trained', 'train_length': 32}
+  assert os.path.getsize(result['extrapolation_plot']) > 10000
+  assert os.path.getsize(result['loss_curve']) > 10000
+  with open(tmp_path / 'eval.json') as f:
+    assert json.load(f)['extrapolation_plot'] == result['extrapolation_plot']
