@@ -22,9 +22,20 @@ class DecoderOnly(nnx.Module):
     Returns:
       `[B, T, V]` float32 logits of the next token.
     """
-    h = self.decoder(batch['inputs'], segment_ids=batch.get('segment_ids'),
-                     positions=batch.get('positions'), is_causal=True, rngs=rngs)  # [B, T, D]
-    return self.decoder.embed.attend(h).astype('float32')  # [B, T, V]
+    return self.decoder.embed.attend(self.features(batch, rngs=rngs)).astype('float32')  # [B, T, V]
+
+  def features(self, batch, *, rngs=None):
+    """`[B, T, D]` the final hidden states, whose product with `output_embedding()` is the logits."""
+    return self.decoder(batch['inputs'], segment_ids=batch.get('segment_ids'),
+                        positions=batch.get('positions'), is_causal=True, rngs=rngs)
+
+  def output_embedding(self):
+    """`[V, D]` the output projection (tied with the input embedding)."""
+    return self.decoder.embed.embedding[...]
+
+  def loss_features(self, batch, *, rngs=None):
+    """`loss_terms` with the hidden states `[B, T, D]` in place of the logits (a tiled loss)."""
+    return self.features(batch, rngs=rngs), batch['targets'], batch['weights']
 
   def loss_terms(self, batch, *, rngs=None):
     """(logits `[B, T, V]`, targets `[B, T]`, weights `[B, T]`) for the training loss.

@@ -34,11 +34,22 @@ class EncoderDecoder(nnx.Module):
     Returns:
       `[B, T, V]` float32 logits of the next target token.
     """
+    return self.decoder.embed.attend(self.features(batch, rngs=rngs)).astype(jnp.float32)
+
+  def features(self, batch, *, rngs=None):
+    """`[B, T, D]` the decoder's final hidden states (the logits before `output_embedding()`)."""
     context = self.encode(batch, rngs=rngs)  # [B, S, D]
-    h = self.decoder(batch['tgt_inputs'], segment_ids=batch.get('tgt_segment_ids'),
-                     positions=batch.get('tgt_positions'), is_causal=True, context=context,
-                     context_segment_ids=batch.get('src_segment_ids'), rngs=rngs)  # [B, T, D]
-    return self.decoder.embed.attend(h).astype(jnp.float32)  # [B, T, V]
+    return self.decoder(batch['tgt_inputs'], segment_ids=batch.get('tgt_segment_ids'),
+                        positions=batch.get('tgt_positions'), is_causal=True, context=context,
+                        context_segment_ids=batch.get('src_segment_ids'), rngs=rngs)
+
+  def output_embedding(self):
+    """`[V, D]` the output projection (tied with the target embedding)."""
+    return self.decoder.embed.embedding[...]
+
+  def loss_features(self, batch, *, rngs=None):
+    """`loss_terms` with the hidden states `[B, T, D]` in place of the logits (a tiled loss)."""
+    return self.features(batch, rngs=rngs), batch['tgt_targets'], batch['tgt_weights']
 
   def loss_terms(self, batch, *, rngs=None):
     """(logits `[B, T, V]`, `tgt_targets` `[B, T]`, `tgt_weights` `[B, T]`): loss on the target."""

@@ -104,9 +104,16 @@ class EncoderOnly(nnx.Module):
     Returns:
       `[B, T, V]` float32 logits of the original token at each position.
     """
-    h = self.encoder(batch['inputs'], segment_ids=batch.get('segment_ids'),
-                     positions=batch.get('positions'), is_causal=False, rngs=rngs)  # [B, T, D]
-    return self.encoder.embed.attend(h).astype(jnp.float32)  # [B, T, V]
+    return self.encoder.embed.attend(self.features(batch, rngs=rngs)).astype(jnp.float32)
+
+  def features(self, batch, *, rngs=None):
+    """`[B, T, D]` the final hidden states (the logits before `output_embedding()`)."""
+    return self.encoder(batch['inputs'], segment_ids=batch.get('segment_ids'),
+                        positions=batch.get('positions'), is_causal=False, rngs=rngs)
+
+  def output_embedding(self):
+    """`[V, D]` the output projection (tied with the input embedding)."""
+    return self.encoder.embed.embedding[...]
 
   def mask(self, batch, rng, *, target_rate=None):
     """Returns (corrupted inputs, chosen) of `batch` with this model's masking config."""
@@ -124,10 +131,15 @@ class EncoderOnly(nnx.Module):
     `rngs.mask` draws the masks while training; with rngs None (evaluation) a fixed key is used,
     so the validation numbers (masked-token accuracy) are deterministic.
     """
+    hidden, targets, weights = self.loss_features(batch, rngs=rngs)
+    return self.encoder.embed.attend(hidden).astype(jnp.float32), targets, weights
+
+  def loss_features(self, batch, *, rngs=None):
+    """`loss_terms` with the hidden states `[B, T, D]` in place of the logits (a tiled loss)."""
     rng = rngs.mask() if rngs is not None else jax.random.key(EVAL_MASK_SEED)
     corrupted, chosen = self.mask(batch, rng)
-    logits = self({**batch, 'inputs': corrupted}, rngs=rngs)
-    return logits, batch['targets'], chosen * batch['weights']
+    hidden = self.features({**batch, 'inputs': corrupted}, rngs=rngs)
+    return hidden, batch['targets'], chosen * batch['weights']
 
   def attention_weights(self, batch):
     """Per layer {'self': `[B, N, T, T]`} (plots)."""

@@ -36,7 +36,8 @@ SAFE_TO_CHANGE = ('train.steps', 'train.checkpoint_every', 'train.eval_every', '
                   # Layout and precision: Orbax restores into the new shardings; the update is
                   # the same (accumulation), or only rounded differently (compute dtype, remat).
                   'mesh.data', 'mesh.fsdp', 'mesh.tensor', 'mesh.sequence', 'mesh.rules',
-                  'train.grad_accum_steps', 'train.compute_dtype', 'model.remat')
+                  'train.grad_accum_steps', 'train.compute_dtype', 'model.remat',
+                  'train.loss_chunk', 'train.profile_steps')
 
 
 def check_resume_config(workdir, config):
@@ -92,6 +93,14 @@ def restore_state(mngr, state, step=None):
     restored = restore({k: v for k, v in state.items() if k != 'buffers'})
     return {**restored['state'], 'buffers': state['buffers']}, restored['data']
   return restored['state'], restored['data']
+
+
+def restore_window(mngr, step):
+  """The log window's sums saved with `step` ({'loss_sum', ..., 'steps'}), or None for a checkpoint
+  written without them (before they were saved): the resumed run's first row is then partial."""
+  if not os.path.isdir(os.path.join(mngr.directory, str(step), 'window')):
+    return None
+  return mngr.restore(step, args=ocp.args.Composite(window=ocp.args.JsonRestore()))['window']
 
 
 def restore_newest_good(mngr, state, workdir):

@@ -123,19 +123,6 @@ def global_batch(batch, first_row, batch_size):
     out[k] = full
   return out
 
-def agreed_signal(received):
-  """The signal that stops the run after this step (0: none), the same in every process.
-
-  Processes of one run may be sent SIGTERM at different steps (a preemption notice reaches hosts
-  one by one); a process that saved and left alone would leave the others waiting in the next
-  step's collectives, and its own save waiting for theirs. So they share what they received after
-  every step (one small all-gather; nothing with a single process) and all stop together.
-  """
-  mine = received[0] if received else 0
-  if jax.process_count() == 1:
-    return mine
-  return int(np.max(multihost_utils.process_allgather(np.int32(mine))))
-
 # --- Evaluation shares: every process evaluates its part; the parts are gathered in order. ------
 
 def process_share(n, align=1):

@@ -1,5 +1,6 @@
 """The training loop: `train_and_evaluate(config, workdir, hooks=...)`, resuming where a run stopped."""
 
+import collections
 import functools
 import json
 import math
@@ -10,6 +11,7 @@ import threading
 import time
 
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 from flax import nnx
 import numpy as np
@@ -41,17 +43,114 @@ class Stopped(Exception):
     self.signum = signum
 
 
+WINDOW_KEYS = ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'steps')
+
+
+def empty_window():
+  """The device-side sums of the steps since the last log row, and the first non-finite step."""
+  ints = ('steps', 'first_bad')  # one buffer each: the window is donated to `accumulate`
+  return {k: jnp.zeros((), jnp.int32 if k in ints else jnp.float32) for k in (
+      'loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'steps', 'param_norm', 'first_bad',
+      'bad_loss', 'bad_grad_norm')}
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def accumulate(window, sums, step):
+  """Adds one step's sums to the window on the device (no transfer to the host), and keeps the
+  first step whose loss or gradient norm is not finite, with those values."""
+  loss = sums['loss_sum'] / jnp.maximum(sums['weight_sum'], 1.0)
+  first = (window['first_bad'] == 0) & ~(jnp.isfinite(loss) & jnp.isfinite(sums['grad_norm']))
+  out = {k: window[k] + sums[k] for k in ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm')}
+  out.update(steps=window['steps'] + 1, param_norm=sums['param_norm'],
+             first_bad=jnp.where(first, step, window['first_bad']),
+             bad_loss=jnp.where(first, loss, window['bad_loss']),
+             bad_grad_norm=jnp.where(first, sums['grad_norm'], window['bad_grad_norm']))
+  return out
+
+
+def prefetched(it, place, depth=2):
+  """Yields (host batch, data state after it, device batch) with `depth` batches placed ahead, so
+  that the next batch's transfer overlaps the current step. The data state is the iterator's as of
+  that batch (not of the prefetched ones): what a checkpoint after its step must hold."""
+  queue = collections.deque()
+  while True:
+    while len(queue) < depth:
+      batch = next(it)
+      queue.append((batch, it.get_state(), place(batch)))
+    yield queue.popleft()
+
+
+class StopSignals:
+  """SIGTERM (preemption) and SIGINT: finish the current step, save, stop, all processes alike.
+
+  One process: a Python handler records the signal. Several: JAX's preemption service (the
+  coordination service's sync point; SIGTERM reaching any host) names one step at which every
+  process stops, with no collective of ours per step; SIGINT is turned into that notice.
+  """
+
+  def __init__(self):
+    self.received, self.handlers = [], {}
+    self.multi = jax.process_count() > 1
+    if threading.current_thread() is not threading.main_thread():
+      return
+    for signum in ((signal.SIGINT,) if self.multi else (signal.SIGTERM, signal.SIGINT)):
+      self.handlers[signum] = signal.signal(signum, self._handle)
+
+  def _handle(self, signum, frame):
+    del frame
+    self.received.append(signum)
+    if self.multi:  # JAX's notifier listens for SIGTERM: let it tell the other processes
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  def stop_after(self, step):
+    """The signal to stop after `step` with (0: go on)."""
+    if self.multi:
+      return signal.SIGTERM if multihost_utils.reached_preemption_sync_point(step) else 0
+    return self.received[0] if self.received else 0
+
+  def restore(self):
+    for signum, handler in self.handlers.items():
+      signal.signal(signum, handler)
+
+
+class Profiler:
+  """`train.profile_steps='START,END'`: a jax.profiler trace of those steps in WORKDIR/profile
+  (TensorBoard's profile plugin, or the perfetto_trace.json.gz in Perfetto)."""
+
+  def __init__(self, spec, workdir):
+    self.steps = tuple(int(s) for s in spec.split(',')) if spec else None
+    self.dir, self.active = os.path.join(workdir, 'profile'), False
+
+  def before(self, step):
+    if self.steps and step == self.steps[0]:
+      jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
+      self.active = True
+
+  def after(self, step, state):
+    if self.active and step == self.steps[1]:
+      self.stop(state)
+
+  def stop(self, state):
+    if self.active:
+      jax.block_until_ready(state)  # the trace holds the device work of its steps
+      jax.profiler.stop_trace()
+      self.active = False
 
 
 def train_and_evaluate(config, workdir, hooks=()):
   """Trains `config` in `workdir`, resuming if a checkpoint exists. Returns the last train metrics.
 
+  The host never waits for the device between log steps: steps are dispatched ahead, the next
+  batch is placed while the current step runs, and the losses stay on the device until a log step
+  or a save reads them. No checkpoint holds parameters from a non-finite step: a save first checks
+  the device-side flag of the first such step.
+
   Args:
     config: a validated config (`training.validation.resolve` + `validate`).
     workdir: the run's directory (config.json, checkpoints/, metrics.jsonl, TensorBoard events).
     hooks: callables `hook(step, state)` run after every step, after its logging and evaluation
-      and before the step's checkpoint and stop decision; e.g. a profiler trigger, or a test that
-      sends SIGTERM or raises at a chosen step. `state` is the training state pytree.
+      and before the step's checkpoint and stop decision; e.g. a test that sends SIGTERM or raises
+      at a chosen step. `state` is the training state pytree (reading it waits for the device).
   """
   os.makedirs(workdir, exist_ok=True)
   lead = jax.process_index() == 0  # multi-process: only process 0 writes logs and reports
@@ -76,12 +175,12 @@ def train_and_evaluate(config, workdir, hooks=()):
                                 arch=models.batch_format(config.model.arch), loss_on=t.loss_on,
                                 seed=t.seed)
   mngr = checkpointing.checkpoint_manager(workdir, config)
-  start = 0
+  start, carried = 0, None
   restored = checkpointing.restore_newest_good(mngr, state, workdir) if mngr.all_steps() else None
   if restored is not None:
-    state, data_state, _ = restored
+    state, data_state, start = restored
     it.set_state(data_state)
-    start = int(state['step'])
+    carried = checkpointing.restore_window(mngr, start)
     print(f'train: resumed from step {start} in {workdir}', file=sys.stderr)
   writer = writers.MetricsWriter(workdir, start) if lead else writers.NullWriter()
 
@@ -96,8 +195,6 @@ def train_and_evaluate(config, workdir, hooks=()):
   if lead:
     writers.write_json(info_path, info)
 
-  base_rng = jax.random.key(t.seed)
-
   def in_mesh(fn):  # traced (on the first call) under the mesh (ring attention reads it) and
     def call(*args):  # with the activation sharding rules active
       with jax.set_mesh(mesh), sharding.use_rules(mesh, rules):
@@ -106,58 +203,71 @@ def train_and_evaluate(config, workdir, hooks=()):
 
   # The state keeps its layout step after step; the metrics come back replicated.
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  step_fn = in_mesh(jax.jit(functools.partial(steps.train_step, graphdef, tx, base_rng,
-                                              leaf_groups=leaf_groups if t.diagnostics else None,
-                                              skip_nonfinite=t.skip_nonfinite,
-                                              accum_steps=t.get('grad_accum_steps', 1),
-                                              compute_dtype=t.get('compute_dtype', 'float32')),
-                            donate_argnums=(0,),
-                            out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated)))
-  diag_fn, eval_fn = (
-      (lambda jitted: lambda variables, batch: jitted(variables, distributed.place_batch(batch, mesh, rules)))(
-          in_mesh(jax.jit(functools.partial(fn, graphdef))))
-      for fn in (diagnostics.diagnostic_pass, steps.eval_step))
+  step_fn = in_mesh(jax.jit(
+      functools.partial(steps.train_step, graphdef, tx, jax.random.key(t.seed),
+                        leaf_groups=leaf_groups if t.diagnostics else None,
+                        skip_nonfinite=t.skip_nonfinite, accum_steps=t.get('grad_accum_steps', 1),
+                        compute_dtype=t.get('compute_dtype', 'float32'),
+                        loss_chunk=t.get('loss_chunk', 0)),
+      donate_argnums=(0,), out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated)))
+
+  def placed(fn):
+    return lambda variables, batch: fn(variables, distributed.place_batch(batch, mesh, rules))
+  diag_fn, eval_fn = (placed(in_mesh(jax.jit(functools.partial(fn, graphdef))))
+                      for fn in (diagnostics.diagnostic_pass, steps.eval_step))
   schedule = state_lib.make_schedule(t)
   # Layers that redraw random features every R steps (the Performer; see redraw_features).
   model = nnx.merge(graphdef, *state_lib.model_variables(state))
   redraw_periods = {m.redraw_every for _, m in nnx.iter_modules(model)
                     if getattr(m, 'redraw_every', 0) > 0}
   del model
-  window, window_steps, window_tokens, window_start = None, 0, 0, time.perf_counter()
+  window = empty_window()
+  if carried:  # the sums of the resumed window's steps before the checkpoint: the row is whole
+    window.update({k: jnp.asarray(carried[k], window[k].dtype) for k in WINDOW_KEYS})
+  window_tokens, window_start = 0.0, time.perf_counter()
   last = {}
   bar = tqdm.tqdm(total=t.steps, initial=start, desc='train', mininterval=1.0, file=sys.stderr,
                   dynamic_ncols=True, disable=not lead)
 
-  def save(step):
-    # Process 0 writes the data position: every shard's, gathered from the processes reading them.
-    data_state = pipeline.ShardedIterator.merge_states(distributed.allgather_json(it.get_state()))
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                            data=ocp.args.JsonSave(data_state)))
+  def check_finite(window):
+    """Host side (waits for the device): stops the run at the first non-finite step, if any."""
+    w = jax.device_get(window)
+    bad = int(w['first_bad'])
+    if bad:
+      loss, grad_norm = float(w['bad_loss']), float(w['bad_grad_norm'])
+      writer.write(bad, 'train', {'loss': loss})  # so that sweep comparisons see the divergence
+      name, value = ('loss', loss) if not math.isfinite(loss) else ('grad_norm', grad_norm)
+      good = mngr.latest_step()
+      raise NonFiniteLoss(
+          f'train: non-finite {name} ({value}) at step {bad}; stopping. ' +
+          (f'The last good checkpoint is step {good} in {workdir}' if good is not None else
+           'No checkpoint was saved before it') +
+          ' (train.skip_nonfinite=True skips such steps instead)')
+    return w
 
-  # SIGTERM (preemption) and SIGINT finish the current step, save, and stop (see Stopped).
-  received = []
-  handlers = {}
-  if threading.current_thread() is threading.main_thread():
-    for signum in (signal.SIGTERM, signal.SIGINT):
-      handlers[signum] = signal.signal(signum, lambda signum, _: received.append(signum))
+  def save(step, window):
+    w = check_finite(window)
+    # Process 0 writes the data position: every shard's, gathered from the processes reading them.
+    data_state = pipeline.ShardedIterator.merge_states(distributed.allgather_json(data_position))
+    mngr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+        window=ocp.args.JsonSave({k: w[k].item() for k in WINDOW_KEYS})))
+
+  signals = StopSignals()
+  profiler = Profiler(t.get('profile_steps', ''), workdir)
+  batches = prefetched(it, lambda b: distributed.place_batch(b, mesh, rules, it.first_row,
+                                                             t.batch_size))
   try:
     for step in range(start + 1, t.steps + 1):
-      batch = next(it)
+      batch, data_position, device_batch = next(batches)
       # Features due at this step are drawn before it, so that a checkpoint or evaluation after
       # step s holds the draw step s trained with.
       if step > 1 and any((step - 1) % r == 0 for r in redraw_periods):
         state = state_lib.redraw_features(graphdef, state, step - 1)
-      state, sums = step_fn(state, distributed.place_batch(batch, mesh, rules, it.first_row, t.batch_size))
+      profiler.before(step)
+      state, sums = step_fn(state, device_batch)
       diag = sums.pop('diag', None)  # per-group [G] norms, read at log steps only
-      # Read the loss every step: a non-finite value must stop the run before it is checkpointed.
-      loss = float(sums['loss_sum']) / max(float(sums['weight_sum']), 1.0)
-      grad_norm = float(sums['grad_norm'])
-      if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        writer.write(step, 'train', {'loss': loss})  # so that sweep comparisons see the divergence
-        name, value = ('loss', loss) if not math.isfinite(loss) else ('grad_norm', grad_norm)
-        raise NonFiniteLoss(f'train: non-finite {name} ({value}) at step {step}; stopping. The '
-                            f'last good checkpoint is step {mngr.latest_step()} in {workdir} '
-                            '(train.skip_nonfinite=True skips such steps instead)')
+      window = accumulate(window, sums, step)
       if step == 1 and diag is not None and lead:
         # Step 1's gradient is taken at the initial parameters (Xiong et al. 2020, Figure 3).
         grad = np.sqrt(np.asarray(jax.device_get(diag['grad_sq']), np.float64))
@@ -167,19 +277,20 @@ def train_and_evaluate(config, workdir, hooks=()):
             'blocks': [float(v) for n, v in zip(groups, grad) if '/blocks/' in f'/{n}'],
             'norm_position': config.model.norm_position, 'num_layers': config.model.num_layers})
       if 'unigram_entropy' not in info:  # the level compare's plateau rule uses
-        info['unigram_entropy'] = diagnostics.unigram_entropy(distributed.global_batch(batch, it.first_row, t.batch_size))
+        info['unigram_entropy'] = diagnostics.unigram_entropy(
+            distributed.global_batch(batch, it.first_row, t.batch_size))
         if lead:
           writers.write_json(info_path, info)
-      window = sums if window is None else jax.tree.map(jnp.add, window, sums)
-      window_steps += 1
       # This process's rows, scaled to the global batch where it reads only some.
       window_tokens += steps.count_tokens(batch) * t.batch_size / len(next(iter(batch.values())))
       bar.update(1)
+      profiler.after(step, state)
       if step % t.log_every == 0 or step == t.steps:
+        w = check_finite(window)  # the one wait for the device between log steps
         elapsed = time.perf_counter() - window_start
-        last = steps.finalize(window)
-        last['grad_norm'] = float(window['grad_norm']) / window_steps
-        last['param_norm'] = float(sums['param_norm'])
+        last = steps.finalize({k: w[k] for k in ('loss_sum', 'correct_sum', 'weight_sum')})
+        last['grad_norm'] = float(w['grad_norm']) / max(int(w['steps']), 1)
+        last['param_norm'] = float(w['param_norm'])
         last['learning_rate'] = float(schedule(step - 1))
         last['tokens_per_sec'] = window_tokens / elapsed
         if t.skip_nonfinite:
@@ -192,23 +303,22 @@ def train_and_evaluate(config, workdir, hooks=()):
               state_lib.model_variables(state), jax.tree.map(lambda a: a[:rows], whole)).items()})
         writer.write(step, 'train', last)
         bar.set_postfix(loss=f'{last["loss"]:.3f}', tok_s=f'{last["tokens_per_sec"]:.0f}')
-        window, window_steps, window_tokens, window_start = None, 0, 0, time.perf_counter()
+        window, window_tokens, window_start = empty_window(), 0.0, time.perf_counter()
       if step % t.eval_every == 0 or step == t.steps:
-        writer.write(step, 'valid', evaluation.evaluate(eval_fn, state_lib.model_variables(state), config,
-                                             'validation', t.eval_batches))
+        writer.write(step, 'valid', evaluation.evaluate(
+            eval_fn, state_lib.model_variables(state), config, 'validation', t.eval_batches))
       for hook in hooks:
         hook(step, state)  # a signal a hook sends is handled before the next line
-      stop = distributed.agreed_signal(received)
+      stop = signals.stop_after(step)
       if step % t.checkpoint_every == 0 or step == t.steps or stop:
-        save(step)
+        save(step, window)
       if stop:
         raise Stopped(stop, step)
   finally:
-    for signum, handler in handlers.items():
-      signal.signal(signum, handler)
+    profiler.stop(state)
+    signals.restore()
     bar.close()
     mngr.wait_until_finished()
     mngr.close()
     writer.close()
   return last
-

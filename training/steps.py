@@ -7,6 +7,7 @@ import numpy as np
 import optax
 
 from training import diagnostics
+from training import losses
 from training import state as state_lib
 
 
@@ -35,7 +36,7 @@ def count_tokens(batch):
 
 
 def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonfinite=False,
-               accum_steps=1, compute_dtype='float32'):
+               accum_steps=1, compute_dtype='float32', loss_chunk=0):
   """One optimisation step, a pure function of the state (jit it with the state donated).
 
   With `accum_steps` = k > 1 the batch is k micro-batches whose gradients of the summed loss are
@@ -43,6 +44,9 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
   activations of one micro-batch in memory. `compute_dtype` ('bfloat16'): the forward and
   backward passes run on parameters cast to it, while the parameters, their gradients and the
   optimiser stay float32 (and logits, loss and softmax statistics are float32 in the models).
+
+  With `loss_chunk` = C > 0 the output projection and loss run C vocabulary rows at a time
+  (training.losses.chunked_metrics): the `[B, T, V]` logits are never materialised.
 
   With `skip_nonfinite`, a step whose loss or gradient norm is not finite leaves the parameters and
   optimiser state unchanged (the data and the step counter still advance) and counts in
@@ -56,8 +60,11 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
 
   def sums_fn(params, batch, dropout_rng, mask_rng):
     model = nnx.merge(graphdef, state_lib.cast_params(params, compute_dtype), state['buffers'])
-    logits, targets, weights = model.loss_terms(batch, rngs=nnx.Rngs(dropout=dropout_rng, mask=mask_rng))
-    return compute_metrics(logits, targets, weights)
+    rngs = nnx.Rngs(dropout=dropout_rng, mask=mask_rng)
+    if loss_chunk:  # the vocabulary a tile at a time: [B, T, V] never exists (training.losses)
+      hidden, targets, weights = model.loss_features(batch, rngs=rngs)
+      return losses.chunked_metrics(hidden, model.output_embedding(), targets, weights, loss_chunk)
+    return compute_metrics(*model.loss_terms(batch, rngs=rngs))
 
   if accum_steps == 1:
     def loss_fn(params):

@@ -135,8 +135,12 @@ def validate(config):
   # No float16: its gradients underflow without loss scaling, which the step does not do.
   _choice('train.compute_dtype', t.get('compute_dtype', 'float32'), ('float32', 'bfloat16'))
   _choice('train.loss_on', t.loss_on, LOSS_ON)
+  _validate_loop_options(config)
 
   _choice('data.packing', d.packing, PACKINGS)
+  if not isinstance(d.data_dir, str) or not d.data_dir.strip():
+    raise ConfigError(f'data.data_dir={d.data_dir!r} must name a directory (an empty path would '
+                      "put the dataset in the current directory); e.g. './tfds_data'")
   shards = d.get('shards', 1)
   if (not isinstance(shards, int) or isinstance(shards, bool) or shards < 1
       or t.batch_size % shards):
@@ -235,3 +239,23 @@ def check_writable(name, path):
     raise ConfigError(f'{name}={path!r} cannot be created: {parent!r} is a file')
   if not os.access(parent, os.W_OK | os.X_OK):
     raise ConfigError(f'{name}={path!r} cannot be written (no write permission on {parent!r})')
+
+
+def _validate_loop_options(config):
+  """train.loss_chunk (the vocabulary-tiled loss) and train.profile_steps (a profiler trace)."""
+  t = config.train
+  chunk = t.get('loss_chunk', 0)
+  if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+    raise ConfigError(f'train.loss_chunk={chunk!r} must be an integer >= 0 (0 = off, C = '
+                      'vocabulary rows per tile)')
+  if chunk and config.model.arch == 'rnn_seq2seq':
+    raise ConfigError("train.loss_chunk > 0 is not valid for model.arch='rnn_seq2seq' (its output "
+                      'layer is not a tied embedding); valid archs: decoder_only, encoder_decoder, '
+                      'encoder_only')
+  spec = t.get('profile_steps', '')
+  if spec:
+    parts = str(spec).split(',')
+    ok = len(parts) == 2 and all(p.strip().isdigit() for p in parts)
+    if not ok or not 1 <= int(parts[0]) <= int(parts[1]) <= t.steps:
+      raise ConfigError(f'train.profile_steps={spec!r} must be START,END with 1 <= START <= END <= '
+                        f'train.steps={t.steps} (empty = no trace)')

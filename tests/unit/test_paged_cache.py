@@ -12,7 +12,7 @@ from layers import masks
 from layers import paged_attention
 from layers import positions
 from models import decoding
-from tests.test_decoding import PROMPTS, V, build
+from tests.unit.test_decoding import PROMPTS, V, build
 
 PAGE = 4
 

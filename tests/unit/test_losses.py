@@ -1,0 +1,77 @@
+"""training.losses: the vocabulary-tiled output projection and loss equal the plain path, forward
+and gradient, in float32; and a train step with train.loss_chunk equals one without."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from training import losses
+from training import state as state_lib
+from training import steps as steps_lib
+
+
+def plain(hidden, table, targets, weights):
+  logits = jnp.einsum('BTD,VD->BTV', hidden, table)  # [B, T, V]
+  return steps_lib.compute_metrics(logits, targets, weights)
+
+
+@pytest.mark.parametrize('chunk', [1, 7, 16, 50, 64])
+def test_tiled_loss_equals_plain_forward_and_gradient(chunk):
+  b, t, d, v = 2, 5, 8, 50  # 50 = 7 tiles of 7 + 1: the last tile is padded
+  k = jax.random.split(jax.random.key(0), 3)
+  hidden = jax.random.normal(k[0], (b, t, d))
+  table = jax.random.normal(k[1], (v, d)) * 2.0
+  targets = jax.random.randint(k[2], (b, t), 0, v)
+  best = jnp.argmax(jnp.einsum('BTD,VD->BTV', hidden, table), -1)
+  targets = targets.at[:, ::2].set(best[:, ::2])  # some right, some wrong: accuracy is exercised
+  weights = jnp.asarray([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], jnp.float32)
+  want, got = plain(hidden, table, targets, weights), losses.chunked_metrics(
+      hidden, table, targets, weights, chunk)
+  for key in ('loss_sum', 'correct_sum', 'weight_sum'):
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-5)
+  assert float(want['correct_sum']) > 0  # the accuracy path is exercised
+  loss = lambda fn: lambda h, w: fn(h, w, targets, weights)['loss_sum']  # noqa: E731
+  g_want = jax.grad(loss(plain), (0, 1))(hidden, table)
+  g_got = jax.grad(loss(functools.partial(losses.chunked_metrics, chunk=chunk)), (0, 1))(
+      hidden, table)
+  for a, e in zip(g_got, g_want):
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_tiled_accuracy_takes_the_first_of_tied_maxima():
+  hidden = jnp.ones((1, 1, 2))
+  table = jnp.asarray([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])  # ids 1, 2, 3 tie
+  for target, correct in ((1, 1.0), (2, 0.0), (3, 0.0)):
+    got = losses.chunked_metrics(hidden, table, jnp.asarray([[target]]), jnp.ones((1, 1)), 2)
+    assert float(got['correct_sum']) == correct
+
+
+@pytest.mark.parametrize('arch', ['decoder_only', 'encoder_decoder', 'encoder_only'])
+def test_train_step_with_loss_chunk_equals_the_plain_step(data_dir, arch):
+  from configs import default  # pylint: disable=g-import-not-at-top
+  from data import pipeline  # pylint: disable=g-import-not-at-top
+  from training import validation  # pylint: disable=g-import-not-at-top
+  import models  # pylint: disable=g-import-not-at-top
+  config = validation.resolve(default.get_config('quick'))
+  config.model.arch = arch
+  config.data.data_dir = str(data_dir)
+  validation.validate(config)
+  tokenizer = pipeline.get_tokenizer(config.data)
+  batch = next(pipeline.make_iterator(config.data, 'train', config.train.batch_size,
+                                      arch=models.batch_format(arch)))
+  results = []
+  for chunk in (0, 48):
+    graphdef, tx, state = state_lib.create_state(
+        config, tokenizer.vocab_size, special_ids=models.SpecialIds.from_tokenizer(tokenizer))
+    step = jax.jit(functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0),
+                                     loss_chunk=chunk))
+    results.append(step(state, batch))
+  (s0, m0), (s1, m1) = results
+  for key in ('loss_sum', 'correct_sum', 'grad_norm'):
+    np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5)
+  np.testing.assert_allclose(optax.global_norm(jax.tree.map(jnp.subtract, s1['params'], s0['params'])),
+                             0.0, atol=1e-6)
