@@ -1,11 +1,16 @@
 """Compares train.py runs: overlaid loss curves (PNG), divergence/plateau flags, a markdown table.
 
     python -m tools.compare DIR [DIR ...] [--out=PNG] [--smooth=ema:0.9] [--logy] [--logx]
-        [--target_loss=3.0]
+        [--target_loss=3.0] [--color_by=FIELD] [--style_by=FIELD] [--band=minmax|std|none]
 
 Runs are workdirs (metrics.jsonl, config.json, run_info.json); a sweep directory stands for every
 workdir inside it. Runs whose configs differ only in `train.seed` form one group, drawn as the mean
-across seeds with a min-max band. Groups are labelled by the config fields that differ between them.
+across seeds with a band (min-max by default). The table names each group by its full overrides;
+the picture's one legend (outside the panels) by the fields that differ, abbreviated
+(`post · 12L · lr 1e-3 · no warmup · plateau`, at most about 40 characters: beyond that each field's
+most common value is left out and named once in the legend's title). The colour follows one field
+(--color_by; by default the one with the fewest values, the study's main contrast among equals), the
+line style another (--style_by), and the other differing fields the shade of the colour.
 
 Flags (on the raw train loss of each run, documented in the table's footnote):
 - diverged: a non-finite loss, or a spike: after the first 10% of the run's steps, a train loss
@@ -25,6 +30,9 @@ import sys
 from absl import app
 from absl import flags
 import numpy as np
+
+from tools import plot_style
+from tools.plot_style import band, smooth  # pylint: disable=g-importing-member  (compare.band)
 
 SPIKE_FACTOR = 2.0  # diverged: train loss > this x the running minimum ...
 SPIKE_AFTER = 0.10  # ... after this share of the steps
@@ -135,59 +143,21 @@ def steps_to_target(steps, losses, target):
   return int(steps[hit[0]]) if len(hit) else None
 
 
-def smooth(losses, spec):
-  """'ema:0.9' (debiased exponential moving average, as TensorBoard's slider), a bare float in
-  (0, 1) (EMA), 'ma:K' (trailing moving average of K points), or None/'none'/'0'."""
-  if spec in (None, '', 'none', '0'):
-    return losses
-  kind, _, value = spec.partition(':')
-  if not value:
-    kind, value = 'ema', kind
-  x = np.asarray(losses, np.float64)
-  if kind == 'ema':
-    beta = float(value)
-    if not 0.0 <= beta < 1.0:
-      raise ValueError(f'--smooth: the EMA coefficient {beta} must be in [0, 1)')
-    out, acc, weight = np.empty_like(x), 0.0, 0.0
-    for i, v in enumerate(x):
-      acc, weight = beta * acc + (1 - beta) * v, beta * weight + (1 - beta)
-      out[i] = acc / weight
-    return out
-  if kind == 'ma':
-    k = int(value)
-    if k < 1:
-      raise ValueError(f'--smooth: the moving-average window {k} must be >= 1')
-    c = np.concatenate([[0.0], np.cumsum(x)])
-    idx = np.arange(len(x))
-    lo = np.maximum(0, idx - k + 1)
-    return (c[idx + 1] - c[lo]) / (idx + 1 - lo)
-  raise ValueError(f'--smooth={spec!r}: valid forms: ema:BETA, BETA, ma:K, none')
-
-
-def band(curves):
-  """Mean and min-max across runs of (steps, losses) curves, on the union of their steps.
-
-  A run missing a step (shorter, or stopped) or with a non-finite loss there does not count at that
-  step. Returns (steps, mean, lo, hi) arrays.
-  """
-  steps = np.unique(np.concatenate([s for s, _ in curves])) if curves else np.array([], np.int64)
-  grid = np.full((len(curves), len(steps)), np.nan)
-  for i, (s, l) in enumerate(curves):
-    grid[i, np.searchsorted(steps, s)] = np.where(np.isfinite(l), l, np.nan)
-  keep = ~np.all(np.isnan(grid), 0)
-  grid, steps = grid[:, keep], steps[keep]
-  return steps, np.nanmean(grid, 0), np.nanmin(grid, 0), np.nanmax(grid, 0)
+def differing_fields(runs):
+  """The config fields (sorted) whose values differ between runs, seeds and data_dir aside."""
+  keys = sorted(set().union(*(r['config'] for r in runs)) - set(IGNORED_FIELDS))
+  return [k for k in keys if len({json.dumps(r['config'].get(k), sort_keys=True)
+                                  for r in runs}) > 1]
 
 
 def group_runs(runs):
   """[(label, [runs])]: runs whose configs differ only in IGNORED_FIELDS share a group.
 
   The label lists the fields that differ between groups (`norm_position=post,warmup_steps=0`,
-  section prefixes dropped where unambiguous); a single group is labelled by its directory.
+  section prefixes dropped where unambiguous); a single group is labelled by its directory. It is
+  the markdown table's cell name; the legend uses `legend_labels`.
   """
-  keys = sorted(set().union(*(r['config'] for r in runs)) - set(IGNORED_FIELDS))
-  differing = [k for k in keys if len({json.dumps(r['config'].get(k), sort_keys=True)
-                                       for r in runs}) > 1]
+  differing = differing_fields(runs)
   short = {k: k.split('.')[-1] for k in differing}
   if len(set(short.values())) < len(short):
     short = {k: k for k in differing}
@@ -288,77 +258,177 @@ def markdown_table(summary, target_loss=None):
   return '\n'.join(lines)
 
 
-def plot(groups, summary, out, *, smoothing=None, logy=False, logx=False, title=None):
-  """Train (left) and validation (right) loss per group, mean with a min-max band across seeds;
-  a third panel with the gradient norm per block at initialisation when the runs logged it."""
-  import logging  # pylint: disable=g-import-not-at-top
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  # absl routes matplotlib's one-line-per-font fallback notices to stderr: keep the table readable.
-  logging.getLogger('matplotlib.font_manager').setLevel(logging.ERROR)
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+def flag_words(row):
+  """The legend's flags of a summary row: ['diverged 1/3', 'plateau'] (a count where not all
+  seeds)."""
+  words = []
+  for word, hits in (('diverged', sum(d is not None for d in row['diverged'])),
+                     ('plateau', sum(row['plateaued']))):
+    if hits:
+      words.append(word if hits == row['seeds'] else f'{word} {hits}/{row["seeds"]}')
+  return words
+
+
+def figure(groups, summary, *, smoothing=None, logy=False, logx=False, title=None, color_by=None,
+           style_by=None, band_kind='minmax'):
+  """The comparison figure (not saved): train loss, validation loss, init gradient norm per block.
+
+  Each group is its mean across seeds with a `band_kind` band, in the colour and line style of
+  `assign_styles`; a dotted vertical line marks a step where a run diverged, a grey line the
+  unigram entropy. Groups whose init gradient norms are identical (cells that differ in training
+  settings only) are drawn once in that panel. One legend for all panels sits outside them: in the
+  fourth cell of a 2 x 2 grid when the runs logged init gradient norms, else below the two loss
+  panels.
+
+  Returns:
+    (figure, labels): the matplotlib figure and the legend label of each group.
+  """
+  plt = plot_style.pyplot()
+  configs = [runs[0]['config'] for _, runs in groups]
+  fields = differing_fields([r for _, runs in groups for r in runs])
+  color_field, style_field = plot_style.choose_style_fields(configs, fields, color_by, style_by)
+  styles = plot_style.assign_styles(configs, fields, color_field, style_field)
+  labels, note = plot_style.legend_labels(configs, fields, [flag_words(row) for row in summary],
+                               keep=(color_field, style_field))
+  if len(set(labels)) < len(labels) or not all(configs) or not all(labels):
+    # Runs without config.json, or one group (no field differs): the table's names, cut short.
+    most = plot_style.MAX_LABEL + 10
+    cut = lambda s: s if len(s) <= most else s[:most - 1] + '…'  # noqa: E731
+    labels = [plot_style.SEPARATOR.join([cut(label)] + flag_words(row))
+              for (label, _), row in zip(groups, summary)]
+    note = ''
   has_init = any(r['init_grad'].get('blocks') for _, runs in groups for r in runs)
-  ncols = 3 if has_init else 2
-  fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.5))
-  colors = plt.rcParams['axes.prop_cycle'].by_key()['color']
-  for i, ((label, runs), row) in enumerate(zip(groups, summary)):
-    color = colors[i % len(colors)]
-    flags = (' (diverged)' if any(d is not None for d in row['diverged']) else '') + (
-        ' (plateau)' if any(row['plateaued']) else '')
-    for ax, split in zip(axes[:2], ('train', 'valid')):
-      curves = [(s, smooth(l, smoothing) if split == 'train' else l)
-                for s, l in (r[split] for r in runs) if len(s)]
-      if not curves:
-        continue
-      steps, mean, lo, hi = band(curves)
-      ax.plot(steps, mean, color=color, label=label + flags,
-              marker='o' if split == 'valid' else None, markersize=3)
-      if len(runs) > 1:
-        ax.fill_between(steps, lo, hi, color=color, alpha=0.2, linewidth=0)
-      for d in row['diverged']:
-        if d is not None and split == 'train':
-          ax.axvline(d, color=color, linestyle=':', alpha=0.6)
+  with plt.rc_context(plot_style.STYLE):
     if has_init:
-      per_run = [r['init_grad']['blocks'] for r in runs if r['init_grad'].get('blocks')]
-      depth = min(map(len, per_run)) if per_run else 0
-      if depth:
-        g = np.array([p[:depth] for p in per_run])  # [runs, layers]
-        layers = np.arange(1, depth + 1)
-        axes[2].plot(layers, g.mean(0), color=color, marker='o', markersize=3, label=label)
-        if len(per_run) > 1:
-          axes[2].fill_between(layers, g.min(0), g.max(0), color=color, alpha=0.2, linewidth=0)
-  for ax, name in zip(axes, ('train loss' + (f' (smoothed {smoothing})' if smoothing else ''),
-                             'validation loss', 'gradient norm at initialisation')):
-    ax.set_title(name)
-    ax.grid(alpha=0.3)
-    if ax is not axes[-1] or not has_init:
+      fig, axd = plt.subplot_mosaic([['train', 'valid'], ['init', 'legend']],
+                                    figsize=(plot_style.WIDTH, 6.6), layout='constrained')
+    else:
+      fig, axd = plt.subplot_mosaic([['train', 'valid']], figsize=(plot_style.WIDTH, 3.6),
+                                    layout='constrained')
+    handles, drawn_init = [], set()
+    for i, ((_, runs), row) in enumerate(zip(groups, summary)):
+      st = styles[i]
+      line = dict(color=st['color'], linestyle=st['linestyle'])
+      for split in ('train', 'valid'):
+        ax = axd[split]
+        curves = [(s, smooth(l, smoothing) if split == 'train' else l)
+                  for s, l in (r[split] for r in runs) if len(s)]
+        if not curves:
+          continue
+        steps, mean, lo, hi = band(curves, band_kind)
+        ax.plot(steps, mean, marker='o' if split == 'valid' else None, markersize=3.5, **line)
+        if len(curves) > 1 and band_kind != 'none':
+          ax.fill_between(steps, lo, hi, color=st['color'], alpha=0.12, linewidth=0)
+        for d in row['diverged'] if split == 'train' else ():
+          if d is not None:
+            ax.axvline(d, color=st['color'], linestyle=':', linewidth=1.0, alpha=0.7)
+      if has_init:
+        per_run = [r['init_grad']['blocks'] for r in runs if r['init_grad'].get('blocks')]
+        depth = min(map(len, per_run)) if per_run else 0
+        # Cells that differ in training settings only start from the same weights: draw them once.
+        key = json.dumps(np.round([p[:depth] for p in per_run], 6).tolist()) if depth else None
+        if depth and key not in drawn_init:
+          drawn_init.add(key)
+          g = np.array([p[:depth] for p in per_run])  # [runs, layers]
+          layers = np.arange(1, depth + 1)
+          axd['init'].plot(layers, g.mean(0), marker='o', markersize=3.5, **line)
+          if len(per_run) > 1 and band_kind != 'none':
+            lo, hi = ((g.min(0), g.max(0)) if band_kind == 'minmax' else
+                      (g.mean(0) - g.std(0), g.mean(0) + g.std(0)))
+            axd['init'].fill_between(layers, lo, hi, color=st['color'], alpha=0.15, linewidth=0)
+      handles.append(plt.Line2D([], [], **line))
+    entropy = [r['info']['unigram_entropy'] for _, runs in groups for r in runs
+               if r['info'].get('unigram_entropy')]
+    for split, name in (('train', 'train loss' + (f' (smoothed {smoothing})' if smoothing else '')),
+                        ('valid', 'validation loss')):
+      ax = axd[split]
+      ax.set_title(name)
       ax.set_xlabel('step')
-      ax.set_ylabel('loss (nats/token)')
+      ax.grid(alpha=0.3)
+      if entropy:
+        ax.axhline(float(np.mean(entropy)), color='0.55', linewidth=0.9, linestyle=(0, (5, 3)),
+                   zorder=0)
       if logx:
-        ax.set_xscale('log')
-    if logy:
-      ax.set_yscale('log')
-  if has_init:
-    axes[2].set_xlabel('block (1 = nearest the input)')
-    axes[2].set_ylabel('gradient norm')
-  axes[0].legend(fontsize=7)
-  if title:
-    fig.suptitle(title)
-  fig.tight_layout()
+        plot_style.plain_log_axis(ax.xaxis)
+      if logy:
+        plot_style.plain_log_axis(ax.yaxis)
+    axd['train'].set_ylabel('loss (nats/token)')
+    if entropy:
+      axd['train'].text(0.99, float(np.mean(entropy)), 'unigram entropy', color='0.4',
+                        fontsize=8, ha='right', va='bottom',
+                        transform=axd['train'].get_yaxis_transform())
+    if has_init:
+      ax = axd['init']
+      ax.set_title('gradient norm at initialisation')
+      ax.set_xlabel('block (1 = nearest the input)')
+      ax.set_ylabel('gradient norm')
+      ax.xaxis.get_major_locator().set_params(integer=True)
+      ax.grid(alpha=0.3)
+    seeds = sorted({len(runs) for _, runs in groups})
+    legend_title = []
+    if seeds != [1]:
+      spread = {'minmax': 'band: min to max', 'std': 'band: mean -/+ std', 'none': 'no band'}
+      count = str(seeds[0]) if len(seeds) == 1 else f'{seeds[0]} to {seeds[-1]}'
+      legend_title.append(f'mean of {count} seeds, {spread[band_kind]}')
+    if note:
+      legend_title.append(note)
+    order = sorted(range(len(groups)),
+                   key=lambda i: (styles[i]['hue'], styles[i]['style'], styles[i]['shade']))
+    legend = dict(handles=[handles[i] for i in order], labels=[labels[i] for i in order],
+                  title='\n'.join(legend_title) or None, frameon=False, handlelength=2.6,
+                  alignment='left')
+    if has_init:
+      axd['legend'].axis('off')
+      axd['legend'].legend(loc='center left', **legend)
+    else:
+      longest = max(map(len, labels), default=1)
+      ncol = max(1, min(len(labels), int(plot_style.WIDTH * 72 / (longest * 5.2 + 45))))
+      fig.legend(loc='outside lower center', ncol=ncol, **legend)
+    if title:
+      fig.suptitle(title)
+  return fig, labels
+
+
+def plot(groups, summary, out, *, smoothing=None, logy=False, logx=False, title=None,
+         color_by=None, style_by=None, band_kind='minmax'):
+  """Draws `figure(...)` into the PNG `out`; returns `out`."""
+  plt = plot_style.pyplot()
+  fig, _ = figure(groups, summary, smoothing=smoothing, logy=logy, logx=logx, title=title,
+                  color_by=color_by, style_by=style_by, band_kind=band_kind)
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  fig.savefig(out, dpi=120)
+  fig.savefig(out, dpi=plot_style.DPI)
   plt.close(fig)
   return out
 
 
-def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=None):
-  """Loads the runs under `paths`, draws `out` (PNG) and returns the markdown summary table."""
+def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=None,
+            color_by=None, style_by=None, band_kind='minmax'):
+  """Loads the runs under `paths`, draws `out` (PNG) and returns the markdown summary table.
+
+  Args:
+    paths: workdirs and sweep directories.
+    out: the PNG to write.
+    smoothing: the train curves' `smooth` spec.
+    logy: log-scale loss axes.
+    logx: log-scale step axes.
+    target_loss: tabulate the first step at which the validation loss reaches this.
+    color_by: the field that picks the hue (None: `rank_fields`'s first; 'none': one per group).
+    style_by: the field that picks the line style (None: automatic; 'none': solid lines).
+    band_kind: the spread across seeds: 'minmax', 'std' or 'none'.
+
+  Returns:
+    The markdown table, the groups labelled with their full overrides.
+  """
   runs = [load_run(w) for w in find_runs(paths)]
-  smooth(np.zeros(1), smoothing)  # reject a bad --smooth before any work
+  smooth(np.zeros(1), smoothing)  # reject a bad --smooth or --band before any work
+  band([(np.zeros(1), np.zeros(1))], band_kind)
   groups = group_runs(runs)
   summary = summarize(groups, target_loss)
   title = ', '.join(os.path.basename(os.path.normpath(p)) for p in paths)
-  plot(groups, summary, out, smoothing=smoothing, logy=logy, logx=logx, title=title)
+  title = f'{title}: ' if len(title) <= 60 else ''
+  title += f'{len(runs)} runs in {len(groups)} cells' if len(groups) > 1 else f'{len(runs)} runs'
+  plot(groups, summary, out, smoothing=smoothing, logy=logy, logx=logx, title=title,
+       color_by=color_by, style_by=style_by, band_kind=band_kind)
   return markdown_table(summary, target_loss)
 
 
@@ -375,6 +445,14 @@ def define_flags():
   flags.DEFINE_float('target_loss', None, 'Report the first step whose validation loss is at most '
                      'this.')
   flags.DEFINE_string('out', None, 'The PNG to write (default: DIR/compare.png of the first DIR).')
+  flags.DEFINE_string('color_by', None, 'The config field whose values pick the colour (e.g. '
+                      'model.norm_position, or its last part); default: the field with the fewest '
+                      'values that still separates the runs; none: one colour per group.')
+  flags.DEFINE_string('style_by', None, 'The config field (at most 4 values) whose values pick '
+                      'the line style (e.g. model.num_layers); default: the next such field when '
+                      'colour alone does not tell the groups apart; none: solid lines.')
+  flags.DEFINE_string('band', 'minmax', 'The band around each group\'s mean across seeds: minmax, '
+                      'std (mean -/+ one standard deviation) or none.')
 
 
 def main(argv):
@@ -388,7 +466,8 @@ def main(argv):
   out = FLAGS.out or os.path.join(paths[0], 'compare.png')
   try:
     table = compare(paths, out, smoothing=FLAGS.smooth, logy=FLAGS.logy, logx=FLAGS.logx,
-                    target_loss=FLAGS.target_loss)
+                    target_loss=FLAGS.target_loss, color_by=FLAGS.color_by,
+                    style_by=FLAGS.style_by, band_kind=FLAGS.band)
   except (FileNotFoundError, ValueError) as e:
     print(str(e), file=sys.stderr)
     sys.exit(2)

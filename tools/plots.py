@@ -1,4 +1,4 @@
-"""The pictures of a run: loss curve, loss per position of the extrapolation windows, attention maps."""
+"""The pictures of a run: loss curve, loss per position of extrapolation windows, attention maps."""
 
 import json
 import os
@@ -6,11 +6,12 @@ import os
 import numpy as np
 
 from data import pipeline
+from tools import plot_style
 
 
 def _save(fig, ax, path):
   """Legend, grid, tight layout; writes the PNG and frees the figure."""
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = plot_style.pyplot()
   ax.legend()
   ax.grid(alpha=0.3)
   fig.tight_layout()
@@ -19,20 +20,55 @@ def _save(fig, ax, path):
   return path
 
 
-def plot_per_position(workdir, per_position, title):
-  """Loss against position in the window, one line per evaluation length (extrapolation.png)."""
+def per_position_figure(per_position, title, train_length=None):
+  """Loss against position in the window, one line per evaluation length (not saved).
+
+  Longer windows are darker; a long curve is averaged over `length // train_length` positions. A
+  vertical line marks the training length: positions beyond it were never seen in training. The
+  legend sits to the right of the axes.
+
+  Args:
+    per_position: {window length: mean loss at each position [length]}.
+    title: the axes' title.
+    train_length: the training length (config.data.max_length); None leaves it unmarked.
+
+  Returns:
+    The matplotlib figure.
+  """
+  plt = plot_style.pyplot()
+  lengths = sorted(per_position)
+  base = train_length or min(lengths)
   import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(7, 4))
-  for length, curve in sorted(per_position.items()):
-    k = max(1, length // 64)  # smooth long curves over k positions
-    smooth = np.convolve(curve, np.ones(k) / k, mode='valid')
-    ax.plot(np.arange(len(smooth)) + k // 2, smooth, label=f'L={length}')
-  ax.set_xlabel('position in window')
-  ax.set_ylabel('loss (nats/token)')
-  ax.set_title(title)
-  return _save(fig, ax, os.path.join(workdir, 'extrapolation.png'))
+  colors = matplotlib.colormaps['viridis'](np.linspace(0.85, 0.05, len(lengths)))  # short: light
+  with plt.rc_context(plot_style.STYLE):
+    fig, ax = plt.subplots(figsize=(9, 3.8), layout='constrained')
+    for color, length in zip(colors, lengths):
+      curve = np.asarray(per_position[length])
+      k = max(1, length // base)  # smooth long curves over k positions
+      smooth = np.convolve(curve, np.ones(k) / k, mode='valid')
+      multiple = f'{length / train_length:g}x' if train_length else ''
+      ax.plot(np.arange(len(smooth)) + k // 2, smooth, color=color,
+              label=f'window {length}' + (f' ({multiple})' if multiple else ''))
+    if train_length:
+      ax.axvline(train_length, color='0.3', linestyle='--', linewidth=1.0)
+      ax.text(train_length, 0.98, f' training length {train_length}', color='0.3', fontsize=9,
+              ha='left', va='top', transform=ax.get_xaxis_transform())
+    ax.set_xlabel('position in window (tokens)')
+    ax.set_ylabel('loss (nats/token)')
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.legend(loc='outside right upper', frameon=False)
+  return fig
+
+
+def plot_per_position(workdir, per_position, title, train_length=None):
+  """Draws `per_position_figure` into workdir/extrapolation.png; returns its path."""
+  plt = plot_style.pyplot()
+  fig = per_position_figure(per_position, title, train_length)
+  path = os.path.join(workdir, 'extrapolation.png')
+  fig.savefig(path, dpi=plot_style.DPI)
+  plt.close(fig)
+  return path
 
 
 def attention_batch(config, example, tokenizer):
@@ -54,20 +90,71 @@ def attention_batch(config, example, tokenizer):
   return {'inputs': arr(seq)}, words(seq), words(seq), None
 
 
+def attention_figure(weights, rows, cols, title, cell=0.24, max_width=12.0):
+  """Heat maps of one attention matrix per head, on one colour scale with one colorbar (not saved).
+
+  Panels wrap into rows so that the figure stays within `max_width` inches; every panel names the
+  key tokens across, the first of each row the query tokens down.
+
+  Args:
+    weights: [N, T, S] attention probabilities (heads, queries, keys).
+    rows: the T query tokens.
+    cols: the S key tokens.
+    title: the figure's title (wrapped).
+    cell: inches per token.
+    max_width: the widest the figure gets before the panels wrap.
+
+  Returns:
+    The matplotlib figure.
+  """
+  import textwrap  # pylint: disable=g-import-not-at-top
+  from matplotlib import colors as mcolors  # pylint: disable=g-import-not-at-top
+  plt = plot_style.pyplot()
+  weights = np.asarray(weights)
+  heads = weights.shape[0]
+  label_w = 0.07 * max(map(len, rows), default=1) + 0.3  # the query tokens left of each row
+  label_h = 0.07 * max(map(len, cols), default=1) + 0.3  # the key tokens below each panel
+  panel_w, panel_h = cell * len(cols) + 0.2, cell * len(rows) + label_h + 0.3  # + title
+  ncols = max(1, min(heads, int((max_width - 1.2) // (panel_w + label_w))))
+  nrows = -(-heads // ncols)
+  # One scale for every head: a head that attends weakly looks weak, not rescaled to full colour.
+  norm = mcolors.Normalize(0.0, max(float(weights.max()), 1e-6))
+  with plt.rc_context(plot_style.STYLE):
+    fig, axes = plt.subplots(nrows, ncols, squeeze=False, layout='constrained',
+                             figsize=(ncols * (panel_w + label_w) + 1.2, nrows * panel_h + 0.7))
+    for h, ax in enumerate(axes.flat):
+      if h >= heads:
+        ax.axis('off')
+        continue
+      image = ax.imshow(weights[h], cmap='viridis', norm=norm, aspect='equal',
+                        interpolation='nearest')
+      ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=8)
+      ax.set_yticks(range(len(rows)), rows if h % ncols == 0 else [''] * len(rows),
+                    fontsize=8)
+      ax.tick_params(length=0)
+      ax.spines[:].set_visible(False)
+      ax.set_title(f'head {h}', fontsize=9)
+      if h % ncols == 0:
+        ax.set_ylabel('query')
+      ax.set_xlabel('key')
+    fig.colorbar(image, ax=axes, label='attention probability', fraction=0.04, pad=0.02)
+    fig.suptitle('\n'.join(textwrap.wrap(title, 110)), fontsize=9)
+  return fig
+
+
 def plot_attention_maps(workdir, config, model, examples, tokenizer, layer=-1):
   """Heat maps of the last layer's attention for a few sentences, one panel per head.
 
   Self-attention (queries down, keys across) and, for encoder-decoder and RNN, cross-attention
   (target words down, source words across); for decoder-only also the target-rows x source-columns
   block of its self-attention, its alignment. Probabilities come from
-  `layers.attention_xla.attention_weights` on the layer's own q/k. Writes attention_<i>_<kind>.png.
+  `layers.attention_xla.attention_weights` on the layer's own q/k. Each picture has one colour
+  scale for all its heads (`attention_figure`). Writes attention_<i>_<kind>.png.
 
   Returns:
     The written paths.
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = plot_style.pyplot()
   paths = []
   for i, example in enumerate(examples):
     batch, q_words, self_words, cross_words = attention_batch(config, example, tokenizer)
@@ -79,18 +166,10 @@ def plot_attention_maps(workdir, config, model, examples, tokenizer, layer=-1):
       panels['target_to_source'] = (np.asarray(maps['self'][0])[:, sep:, 1:sep],
                                     q_words[sep:], q_words[1:sep])
     for kind, (w, rows, cols) in panels.items():
-      heads = w.shape[0]
-      fig, axes = plt.subplots(1, heads, figsize=(0.35 * len(cols) * heads + 2,
-                                                  0.35 * len(rows) + 1.5), squeeze=False)
-      for h, ax in enumerate(axes[0]):
-        ax.imshow(w[h], cmap='viridis', vmin=0.0, vmax=1.0, aspect='auto')
-        ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=7)
-        ax.set_yticks(range(len(rows)), rows if h == 0 else [''] * len(rows), fontsize=7)
-        ax.set_title(f'head {h}', fontsize=8)
-      fig.suptitle(f'{config.model.arch} layer {layer} {kind}: {example["source"]}', fontsize=8)
-      fig.tight_layout()
+      fig = attention_figure(w, rows, cols,
+                             f'{config.model.arch}, layer {layer}, {kind}: {example["source"]}')
       path = os.path.join(workdir, f'attention_{i}_{kind}.png')
-      fig.savefig(path, dpi=100)
+      fig.savefig(path, dpi=plot_style.DPI)
       plt.close(fig)
       paths.append(path)
   return paths
@@ -98,9 +177,7 @@ def plot_attention_maps(workdir, config, model, examples, tokenizer, layer=-1):
 
 def plot_loss_curve(workdir):
   """Draws train and validation loss against step from metrics.jsonl into loss_curve.png."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = plot_style.pyplot()
   series = {}
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     for line in f:
@@ -117,8 +194,6 @@ def plot_loss_curve(workdir):
   return _save(fig, ax, os.path.join(workdir, 'loss_curve.png'))
 
 
-
-
 def write_eval_outputs(workdir, result, run, splits, plot_attention=0):
   """Writes eval.json and the pictures of `training.evaluation.evaluate_run`'s (result, run).
 
@@ -129,7 +204,8 @@ def write_eval_outputs(workdir, result, run, splits, plot_attention=0):
   if run.per_position:
     result['extrapolation_plot'] = plot_per_position(
         workdir, run.per_position,
-        f'{run.config.model.position}, rope_scaling={result["rope_scaling"]}')
+        f'{run.config.model.position}, rope_scaling={result["rope_scaling"]}',
+        train_length=run.config.data.max_length)
   with open(os.path.join(workdir, 'eval.json'), 'w') as f:
     json.dump(result, f, indent=2)
   if plot_attention:

@@ -1,6 +1,6 @@
-"""The pictures: compare's short legend labels, colour and line-style assignment, bands and legend
-placement (tools/compare.py); the extrapolation and attention pictures (tools/plots.py). No
-processes, no training: synthetic runs and arrays."""
+"""The pictures: short legend labels, colour and line-style assignment and bands
+(tools/plot_style.py), the comparison's legend placement (tools/compare.py), the extrapolation and
+attention pictures (tools/plots.py). No processes, no training: synthetic runs and arrays."""
 
 import json
 import os
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tools import compare
+from tools import plot_style
 from tools import plots
 
 matplotlib.use('Agg')
@@ -33,21 +34,21 @@ def study_configs():
 # --- labels ---------------------------------------------------------------------------------------
 
 def test_values_read_short():
-  assert [compare._num(v) for v in (0.001, 0.0025, 5e-4, 0.05, 0.5, 6, 1e-5)] == [
+  assert [plot_style._num(v) for v in (0.001, 0.0025, 5e-4, 0.05, 0.5, 6, 1e-5)] == [
       '1e-3', '2.5e-3', '5e-4', '0.05', '0.5', '6', '1e-5']
-  assert [compare._count(v) for v in (500, 1000, 1500, 20000, 1234, 2_000_000)] == [
+  assert [plot_style._count(v) for v in (500, 1000, 1500, 20000, 1234, 2_000_000)] == [
       '500', '1k', '1.5k', '20k', '1234', '2M']
-  assert compare.abbreviate('model.num_layers', 12) == '12L'
-  assert compare.abbreviate('train.learning_rate', 0.001) == 'lr 1e-3'
-  assert compare.abbreviate('train.warmup_steps', 0) == 'no warmup'
-  assert compare.abbreviate('train.warmup_steps', 100) == 'warmup 100'
-  assert compare.abbreviate('train.steps', 1000) == '1k steps'
-  assert compare.abbreviate('model.norm_position', 'post') == 'post'
+  assert plot_style.abbreviate('model.num_layers', 12) == '12L'
+  assert plot_style.abbreviate('train.learning_rate', 0.001) == 'lr 1e-3'
+  assert plot_style.abbreviate('train.warmup_steps', 0) == 'no warmup'
+  assert plot_style.abbreviate('train.warmup_steps', 100) == 'warmup 100'
+  assert plot_style.abbreviate('train.steps', 1000) == '1k steps'
+  assert plot_style.abbreviate('model.norm_position', 'post') == 'post'
   # Fields without an abbreviation keep their last name; booleans read as a word or its negation.
-  assert compare.abbreviate('model.rope_scaling_factor', 4.0) == 'rope_scaling_factor=4'
-  assert compare.abbreviate('model.rope_scaling', 'none') == 'rope_scaling=none'
-  assert compare.abbreviate('model.scan_layers', True) == 'scan_layers'
-  assert compare.abbreviate('model.scan_layers', False) == 'no scan_layers'
+  assert plot_style.abbreviate('model.rope_scaling_factor', 4.0) == 'rope_scaling_factor=4'
+  assert plot_style.abbreviate('model.rope_scaling', 'none') == 'rope_scaling=none'
+  assert plot_style.abbreviate('model.scan_layers', True) == 'scan_layers'
+  assert plot_style.abbreviate('model.scan_layers', False) == 'no scan_layers'
 
 
 def test_labels_name_only_the_fields_that_differ():
@@ -61,7 +62,7 @@ def test_labels_name_only_the_fields_that_differ():
   fields = compare.differing_fields([{'config': c} for c in configs])
   assert fields == ['model.norm_position', 'model.num_layers', 'train.learning_rate',
                     'train.warmup_steps']
-  labels, note = compare.legend_labels(configs, fields, [['plateau'], [], ['diverged 1/3']])
+  labels, note = plot_style.legend_labels(configs, fields, [['plateau'], [], ['diverged 1/3']])
   assert labels == ['post · 12L · lr 1e-3 · no warmup · plateau', 'pre · 12L · lr 1e-3 · no warmup',
                     'post · 6L · lr 2e-3 · warmup 100 · diverged 1/3']
   assert note == ''
@@ -75,9 +76,9 @@ def test_long_labels_leave_out_each_fields_most_common_value():
   flags = [['plateau 2/3'] if c['model.norm_position'] == 'post' and c['train.steps'] == 500 and
            c['train.learning_rate'] == 2e-3 else ['plateau'] if c['model.num_layers'] == 12 and
            c['model.norm_position'] == 'post' else [] for c in configs]
-  full, _ = compare.legend_labels(configs, STUDY_FIELDS, max_len=1000)
-  assert max(map(len, full)) == 44 > compare.MAX_LABEL
-  labels, note = compare.legend_labels(configs, STUDY_FIELDS, flags,
+  full, _ = plot_style.legend_labels(configs, STUDY_FIELDS, max_len=1000)
+  assert max(map(len, full)) == 44 > plot_style.MAX_LABEL
+  labels, note = plot_style.legend_labels(configs, STUDY_FIELDS, flags,
                                        keep=('model.norm_position', 'model.num_layers'))
   assert note == 'unless noted: lr 2e-3 · 500 steps · no warmup'
   assert labels == ['post · 6L · plateau 2/3', 'pre · 6L',
@@ -85,15 +86,16 @@ def test_long_labels_leave_out_each_fields_most_common_value():
                     'pre · 6L · 1k steps',
                     'post · 12L · lr 1e-3 · plateau', 'pre · 12L · lr 1e-3',
                     'post · 6L · lr 1e-3', 'pre · 6L · lr 1e-3']
-  assert max(map(len, labels)) <= compare.MAX_LABEL and len(set(labels)) == len(labels)
+  assert max(map(len, labels)) <= plot_style.MAX_LABEL and len(set(labels)) == len(labels)
   # A kept field stays even at its common value; a value held by one group only is never dropped.
-  labels, note = compare.legend_labels(configs[:2] + configs[5:6], STUDY_FIELDS, max_len=10,
+  labels, note = plot_style.legend_labels(configs[:2] + configs[5:6], STUDY_FIELDS, max_len=10,
                                        keep=('model.norm_position',))
   assert note == 'unless noted: 6L · lr 2e-3 · 500 steps · no warmup'
   assert labels == ['post', 'pre', 'post · 12L · lr 1e-3']
   # Nothing kept: the group at every common value is named by them, not left blank.
-  labels, note = compare.legend_labels(configs[:2] + configs[5:6], STUDY_FIELDS, [['plateau'], [],
-                                                                                  []], max_len=10)
+  flags = [['plateau'], [], []]
+  labels, note = plot_style.legend_labels(configs[:2] + configs[5:6], STUDY_FIELDS, flags,
+                                          max_len=10)
   assert note == 'unless noted: post · 6L · lr 2e-3 · 500 steps · no warmup'
   assert labels == ['post · 6L · lr 2e-3 · 500 steps · no warmup · plateau', 'pre',
                     '12L · lr 1e-3']
@@ -105,32 +107,33 @@ def test_default_colour_goes_to_the_fewest_values_then_the_most_contrasts():
   configs = study_configs()
   # Every study field has two values; norm_position is the one whose values pair up the cells
   # (4 pairs differ in it alone, vs 2 for num_layers and learning_rate, 1 for steps and warmup).
-  assert compare.rank_fields(configs, STUDY_FIELDS)[0] == 'model.norm_position'
-  color, style = compare.choose_style_fields(configs, STUDY_FIELDS)
+  assert plot_style.rank_fields(configs, STUDY_FIELDS)[0] == 'model.norm_position'
+  color, style = plot_style.choose_style_fields(configs, STUDY_FIELDS)
   assert color == 'model.norm_position' and style in STUDY_FIELDS and style != color
   # Fewer values win over contrasts: 3 attention variants x 2 norms -> colour by norm.
   grid = [{'model.attention': a, 'model.norm': n} for a in ('dense', 'linformer', 'performer')
           for n in ('layernorm', 'rmsnorm')]
   fields = ['model.attention', 'model.norm']
-  assert compare.choose_style_fields(grid, fields) == ('model.norm', 'model.attention')
+  assert plot_style.choose_style_fields(grid, fields) == ('model.norm', 'model.attention')
   # Colour alone tells the groups apart: no line style.
   ffns = [{'model.ffn': f} for f in ('relu', 'gelu', 'swiglu')]
-  assert compare.choose_style_fields(ffns, ['model.ffn']) == ('model.ffn', None)
+  assert plot_style.choose_style_fields(ffns, ['model.ffn']) == ('model.ffn', None)
   # Named fields: dotted or last part; none; an unknown or constant field is refused with the list.
-  assert compare.choose_style_fields(configs, STUDY_FIELDS, 'num_layers', 'none') == (
+  assert plot_style.choose_style_fields(configs, STUDY_FIELDS, 'num_layers', 'none') == (
       'model.num_layers', None)
-  assert compare.choose_style_fields(configs, STUDY_FIELDS, 'none', 'model.norm_position') == (
+  assert plot_style.choose_style_fields(configs, STUDY_FIELDS, 'none', 'model.norm_position') == (
       None, 'model.norm_position')
   with pytest.raises(ValueError, match='fields that differ: model.norm_position, model.num_layers'):
-    compare.choose_style_fields(configs, STUDY_FIELDS, 'model.d_model')
+    plot_style.choose_style_fields(configs, STUDY_FIELDS, 'model.d_model')
   many = [{'train.learning_rate': lr} for lr in (1e-4, 2e-4, 5e-4, 1e-3, 2e-3)]
   with pytest.raises(ValueError, match='5 values'):
-    compare.choose_style_fields(many, ['train.learning_rate'], 'none', 'learning_rate')
+    plot_style.choose_style_fields(many, ['train.learning_rate'], 'none', 'learning_rate')
 
 
 def test_hue_by_colour_field_style_by_style_field_shade_by_the_rest():
   configs = study_configs()
-  styles = compare.assign_styles(configs, STUDY_FIELDS, 'model.norm_position', 'model.num_layers')
+  styles = plot_style.assign_styles(configs, STUDY_FIELDS, 'model.norm_position',
+                                    'model.num_layers')
   for c, s in zip(configs, styles):
     assert s['hue'] == {'post': 0, 'pre': 1}[c['model.norm_position']]
     assert s['linestyle'] == {6: '-', 12: '--'}[c['model.num_layers']]
@@ -143,25 +146,26 @@ def test_hue_by_colour_field_style_by_style_field_shade_by_the_rest():
       assert (sa['shade'] == sb['shade']) == (rest(a) == rest(b))
   darkest = [s for s in styles if s['shade'] == 0 and s['hue'] == 0][0]
   lightest = [s for s in styles if s['shade'] == 3 and s['hue'] == 0][0]
-  assert sum(darkest['color']) < sum(matplotlib.colors.to_rgb(compare.PALETTE[0])) < sum(
+  assert sum(darkest['color']) < sum(matplotlib.colors.to_rgb(plot_style.PALETTE[0])) < sum(
       lightest['color'])
   # Without a colour field each group has its own base hue, all solid.
-  plain = compare.assign_styles(configs[:3], STUDY_FIELDS)
-  assert [s['color'] for s in plain] == [matplotlib.colors.to_rgb(c) for c in compare.PALETTE[:3]]
+  plain = plot_style.assign_styles(configs[:3], STUDY_FIELDS)
+  palette = [matplotlib.colors.to_rgb(c) for c in plot_style.PALETTE[:3]]
+  assert [s['color'] for s in plain] == palette
   assert {s['linestyle'] for s in plain} == {'-'}
 
 
 def test_band_kinds():
   a = (np.array([10, 20]), np.array([1.0, 2.0]))
   b = (np.array([10, 20]), np.array([3.0, 6.0]))
-  _, mean, lo, hi = compare.band([a, b], 'std')
+  _, mean, lo, hi = plot_style.band([a, b], 'std')
   np.testing.assert_allclose(mean, [2.0, 4.0])
   np.testing.assert_allclose(lo, [1.0, 2.0])
   np.testing.assert_allclose(hi, [3.0, 6.0])
-  _, mean, lo, hi = compare.band([a, b], 'none')
+  _, mean, lo, hi = plot_style.band([a, b], 'none')
   np.testing.assert_allclose(lo, mean) and np.testing.assert_allclose(hi, mean)
   with pytest.raises(ValueError, match='minmax, std, none'):
-    compare.band([a], 'iqr')
+    plot_style.band([a], 'iqr')
 
 
 # --- the comparison figure ------------------------------------------------------------------------
@@ -192,7 +196,9 @@ def write_study(root, with_init=True):
     n = c['train.steps'] // 100
     for seed in (0, 1):
       losses = [4.4 + 0.01 * seed] * n if stuck else list(np.linspace(5.0, 1.3 + 0.05 * seed, n))
-      grad = list(np.linspace(0.6, 1.8, c['model.num_layers']) + 0.1 * seed)
+      # Init gradients depend on the model only: cells differing in training settings share them.
+      top = 1.8 if c['model.norm_position'] == 'post' else 0.5
+      grad = list(np.linspace(0.6, top, c['model.num_layers']) + 0.1 * seed)
       name = ','.join(f'{k}={v}' for k, v in sorted(c.items())) + f',seed={seed}'
       write_run(os.path.join(root, name), {**c, 'train.seed': seed}, losses,
                 grad if with_init else None)
@@ -222,7 +228,7 @@ def test_one_legend_outside_every_panel(tmp_path, with_init):
     assert not overlaps(box, ax.get_tightbbox(renderer)), ax.get_title()  # nor their tick labels
   assert 0 <= box.x0 and box.x1 <= fig.bbox.x1 and 0 <= box.y0 and box.y1 <= fig.bbox.y1
   texts = [t.get_text() for t in legends[0].get_texts()]
-  assert sorted(texts) == sorted(labels) and max(map(len, texts)) <= compare.MAX_LABEL
+  assert sorted(texts) == sorted(labels) and max(map(len, texts)) <= plot_style.MAX_LABEL
   assert 'post · 12L · lr 1e-3 · plateau' in texts
   assert legends[0].get_title().get_text() == (
       'mean of 2 seeds, band: min to max\nunless noted: lr 2e-3 · 500 steps · no warmup')
@@ -230,7 +236,10 @@ def test_one_legend_outside_every_panel(tmp_path, with_init):
   handles = dict(zip(texts, legends[0].legend_handles))
   assert handles['post · 12L · lr 1e-3 · plateau'].get_linestyle() == '--'
   assert handles['post · 6L · lr 1e-3'].get_linestyle() == '-'
-  assert fig.get_figwidth() == compare.WIDTH
+  assert fig.get_figwidth() == plot_style.WIDTH
+  if with_init:  # drawn once per model (post/pre x 6/12 layers), not once per cell
+    init = [ax for ax in panels if ax.get_title() == 'gradient norm at initialisation'][0]
+    assert sorted(len(l.get_xdata()) for l in init.get_lines()) == [6, 6, 12, 12]
   plt.close(fig)
 
 
