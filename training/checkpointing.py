@@ -1,11 +1,16 @@
 """Orbax checkpoints of the training state and the data position, and the checks before a resume."""
 
+import contextlib
 import json
+import logging
 import os
+import re
+import shutil
 import sys
 import time
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from configs import default as default_config
@@ -41,13 +46,18 @@ SAFE_TO_CHANGE = ('train.steps', 'train.checkpoint_every', 'train.eval_every', '
 
 
 def check_resume_config(workdir, config):
-  """Compares `config` with the config.json of an existing run in `workdir`.
+  """Compares `config` with the config.json of an existing run in `workdir` that has a checkpoint.
+
+  A workdir without checkpoints constrains nothing: its config.json may be that of a run that
+  failed before saving (out of memory, a mesh error), and the corrected command must run.
 
   Returns the list of safe fields that changed (to note); raises IncompatibleResume naming the
   fields that cannot change under a checkpoint (model shape, data stream, seed, batch size).
   """
   path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
+  ckpt = os.path.join(workdir, 'checkpoints')
+  if not os.path.exists(path) or not os.path.isdir(ckpt) or not any(
+      name.isdigit() for name in os.listdir(ckpt)):
     return []
   with open(path) as f:
     old = flatten(json.load(f))
@@ -103,25 +113,170 @@ def restore_window(mngr, step):
   return mngr.restore(step, args=ocp.args.Composite(window=ocp.args.JsonRestore()))['window']
 
 
-def restore_newest_good(mngr, state, workdir):
-  """Restores the newest readable checkpoint; unreadable ones are reported and moved aside.
+class RunFailed(RuntimeError):
+  """The run cannot go on; the message is one line (train.py prints it and exits 1)."""
+
+
+class UnreadableCheckpoints(RunFailed):
+  """Every checkpoint of a workdir is damaged: there is nothing to resume from."""
+
+
+class SaveFailed(RunFailed):
+  """A checkpoint could not be written (e.g. the disk is full)."""
+
+
+def _plain_path(path):
+  """A jax key path -> 'a/b/0/c', without a trailing `value` (nnx.Variable leaves)."""
+  keys = [str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path]
+  return '/'.join(keys[:-1] if keys and keys[-1] == 'value' else keys)
+
+
+def saved_shapes(mngr, step):
+  """{'params/decoder/...': shape} of the arrays the checkpoint `step` holds (its metadata only)."""
+  metadata = ocp.StandardCheckpointer().metadata(os.path.join(mngr.directory, str(step), 'state'))
+  tree = getattr(metadata, 'item_metadata', metadata)
+  return {_plain_path(p): tuple(leaf.shape)
+          for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(leaf, 'shape')}
+
+
+def shape_mismatch(saved, state):
+  """Lines naming the arrays whose shapes differ between a checkpoint and `state` (empty: none).
+
+  The model buffers may be absent from a checkpoint written before they existed (restore_state).
+  """
+  want = {_plain_path(p): tuple(np.shape(leaf))
+          for p, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+  lines = [f'{k}: checkpoint {saved[k]}, this config {want[k]}'
+           for k in sorted(set(saved) & set(want)) if saved[k] != want[k]]
+  lines += [f'{k}: not in the checkpoint' for k in sorted(set(want) - set(saved))
+            if not k.startswith('buffers/')]
+  lines += [f'{k}: only in the checkpoint' for k in sorted(set(saved) - set(want))]
+  return lines
+
+
+@contextlib.contextmanager
+def _quiet():
+  """Orbax, tensorstore and asyncio report a failed restore at length; the caller says it once."""
+  loggers = [logging.getLogger(n) for n in ('absl', 'asyncio', 'orbax')]
+  levels = [lg.level for lg in loggers]
+  for lg in loggers:
+    lg.setLevel(logging.CRITICAL)
+  try:
+    yield
+  finally:
+    for lg, level in zip(loggers, levels):
+      lg.setLevel(level)
+
+
+def _reason(e):
+  """One short line for an Orbax/tensorstore error: the OS error where it names one."""
+  text = str(e).strip()
+  code = re.search(r"os_error_code='?(\d+)", text)
+  if code:
+    return f'{os.strerror(int(code.group(1)))} (errno {code.group(1)})'
+  return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+class _DropOrbaxErrors(logging.Filter):
+  """Orbax logs a failed asynchronous save's traceback from its thread; `confirm_saved` reports
+  the failure in one line instead."""
+
+  def filter(self, record):
+    return not (record.levelno >= logging.ERROR and 'orbax' in (record.pathname or ''))
+
+
+@contextlib.contextmanager
+def quiet_background_errors():
+  """While active, Orbax's own error records are dropped (see `confirm_saved`)."""
+  drop = _DropOrbaxErrors()
+  logger = logging.getLogger('absl')
+  logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    logger.removeFilter(drop)
+
+
+def restore_newest_good(mngr, state, workdir, move_aside=True):
+  """Restores the newest readable checkpoint that fits `state`.
 
   Orbax commits a checkpoint atomically (a temporary directory renamed when complete), so a crash
-  mid-save leaves no half-written step; this guards against damage after the commit (files
-  truncated or missing). Returns (state, data state, step) or None when no checkpoint is readable.
+  mid-save leaves no half-written step; this guards against damage after the commit. Only an
+  unreadable checkpoint (files truncated or missing) is reported and, with `move_aside`, moved to
+  `corrupt-<step>-<time>`; one that is readable but holds arrays of other shapes than `state` (a
+  different model) is an IncompatibleResume naming them, whether or not config.json says so.
+
+  Returns:
+    (state, data state, step), or None when the workdir has no checkpoint.
+
+  Raises:
+    IncompatibleResume: the newest readable checkpoint does not fit `state`.
+    UnreadableCheckpoints: every checkpoint is unreadable.
   """
-  for step in sorted(mngr.all_steps(), reverse=True):
+  steps, unreadable = sorted(mngr.all_steps(), reverse=True), []
+  for step in steps:
     try:
-      restored, data_state = restore_state(mngr, state, step)
-      return restored, data_state, step
+      with _quiet():
+        saved = saved_shapes(mngr, step)
     except Exception as e:  # pylint: disable=broad-except  # orbax/tensorstore raise many kinds
-      path = os.path.join(mngr.directory, str(step))
+      unreadable.append((step, _reason(e)))
+    else:
+      # Damaged metadata can read as a partial tree: only a whole one (every part of the state
+      # present) can show that the checkpoint belongs to another model.
+      whole = all(any(k == part or k.startswith(part + '/') for k in saved)
+                  for part in ('step', 'params', 'opt_state'))
+      mismatch = shape_mismatch(saved, state) if whole else []
+      if mismatch:
+        raise IncompatibleResume(
+            f'cannot resume {workdir}: its checkpoint step {step} holds arrays of other shapes '
+            f'than this config ({"; ".join(mismatch[:3])}'
+            f'{f"; and {len(mismatch) - 3} more" if len(mismatch) > 3 else ""}); use a new '
+            '--workdir or the config it was trained with')
+      try:
+        with _quiet():
+          restored, data_state = restore_state(mngr, state, step)
+        return restored, data_state, step
+      except Exception as e:  # pylint: disable=broad-except
+        unreadable.append((step, _reason(e)))
+    step, reason = unreadable[-1]
+    if move_aside:
       aside = os.path.join(mngr.directory, f'corrupt-{step}-{int(time.time())}')
-      reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
       print(f'train: checkpoint step {step} in {workdir} is unreadable ({reason}); moved to '
             f'{aside}, trying the previous one', file=sys.stderr)
-      os.rename(path, aside)
+      os.rename(os.path.join(mngr.directory, str(step)), aside)
       mngr.reload()
+    else:
+      print(f'checkpoint step {step} in {workdir} is unreadable ({reason}); trying the previous '
+            'one', file=sys.stderr)
+  if unreadable:
+    raise UnreadableCheckpoints(
+        f'every checkpoint in {os.path.join(workdir, "checkpoints")} is unreadable (steps '
+        f'{", ".join(str(s) for s, _ in unreadable)}); nothing to resume from: remove them to '
+        'start over, or use a new --workdir')
   return None
 
 
+def confirm_saved(mngr, workdir):
+  """Waits for the asynchronous save in flight, if any; raises SaveFailed (one line: what failed,
+  the free space, the last good step) if it or an earlier one failed."""
+  try:
+    with _quiet():
+      mngr.wait_until_finished()
+      mngr.check_for_errors()
+  except Exception as e:  # pylint: disable=broad-except
+    raise save_failed(mngr, workdir, e) from None
+
+
+def save_failed(mngr, workdir, error):
+  """The SaveFailed of `error`, naming the free space and the newest complete checkpoint."""
+  directory = os.path.join(workdir, 'checkpoints')
+  try:
+    usage = shutil.disk_usage(directory)
+    free = f'{usage.free / 2 ** 30:.2f} GiB free'
+  except OSError:
+    free = 'free space unknown'
+  mngr.reload()
+  good = mngr.latest_step()
+  return SaveFailed(f'train: saving a checkpoint in {directory} failed ({_reason(error)}; '
+                    f'{free}); ' + (f'the last good checkpoint is step {good}' if good is not None
+                                    else 'no checkpoint was saved') + '; stopping')

@@ -62,8 +62,20 @@ def load_run(workdir):
   tokenizer = pipeline.get_tokenizer(config.data)
   graphdef, _, state = state_lib.create_state(
       config, tokenizer.vocab_size, special_ids=models.SpecialIds.from_tokenizer(tokenizer))
-  state, _ = checkpointing.restore_state(mngr, state)
+  # A run may be training here: its newest checkpoint may vanish (rotation) between the listing
+  # and the restore, or be damaged. Take the newest that restores; eval never moves one aside.
+  for attempt in range(3):
+    mngr.reload()
+    try:
+      restored = checkpointing.restore_newest_good(mngr, state, workdir, move_aside=False)
+      break
+    except checkpointing.UnreadableCheckpoints:
+      if attempt == 2 or mngr.all_steps() == []:
+        raise
   mngr.close()
+  if restored is None:
+    raise FileNotFoundError(f'eval: no checkpoint in {os.path.join(workdir, "checkpoints")}')
+  state = restored[0]
   graphdef, variables = nnx.split(nnx.merge(graphdef, *state_lib.model_variables(state)))
   return config, graphdef, variables, int(state['step'])
 

@@ -1,6 +1,7 @@
 """The training loop: `train_and_evaluate(config, workdir, hooks=...)`, resuming where a run stopped."""
 
 import collections
+import contextlib
 import functools
 import json
 import math
@@ -25,12 +26,13 @@ from training import checkpointing
 from training import distributed
 from training import diagnostics
 from training import evaluation
+from training import lock
 from training import state as state_lib
 from training import steps
 from training import writers
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(checkpointing.RunFailed):
   """The loss or the gradient became NaN or inf."""
 
 
@@ -154,6 +156,13 @@ def train_and_evaluate(config, workdir, hooks=()):
   """
   os.makedirs(workdir, exist_ok=True)
   lead = jax.process_index() == 0  # multi-process: only process 0 writes logs and reports
+  with lock.WorkdirLock(workdir) if lead else contextlib.nullcontext():
+    with checkpointing.quiet_background_errors():
+      return _train(config, workdir, hooks, lead)
+
+
+def _train(config, workdir, hooks, lead):
+  """`train_and_evaluate` in a workdir this run holds."""
   for change in checkpointing.check_resume_config(workdir, config):
     if lead:
       print(f'train: resuming with changed {change}', file=sys.stderr)
@@ -247,11 +256,15 @@ def train_and_evaluate(config, workdir, hooks=()):
 
   def save(step, window):
     w = check_finite(window)
+    checkpointing.confirm_saved(mngr, workdir)  # the previous save's outcome, before the next
     # Process 0 writes the data position: every shard's, gathered from the processes reading them.
     data_state = pipeline.ShardedIterator.merge_states(distributed.allgather_json(data_position))
-    mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-        window=ocp.args.JsonSave({k: w[k].item() for k in WINDOW_KEYS})))
+    try:
+      mngr.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+          window=ocp.args.JsonSave({k: w[k].item() for k in WINDOW_KEYS})))
+    except Exception as e:  # pylint: disable=broad-except  # orbax/tensorstore raise many kinds
+      raise checkpointing.save_failed(mngr, workdir, e) from None
 
   signals = StopSignals()
   profiler = Profiler(t.get('profile_steps', ''), workdir)
@@ -313,12 +326,17 @@ def train_and_evaluate(config, workdir, hooks=()):
       if step % t.checkpoint_every == 0 or step == t.steps or stop:
         save(step, window)
       if stop:
+        checkpointing.confirm_saved(mngr, workdir)
         raise Stopped(stop, step)
+    checkpointing.confirm_saved(mngr, workdir)  # the last save's outcome: a failure exits 1
   finally:
     profiler.stop(state)
     signals.restore()
     bar.close()
-    mngr.wait_until_finished()
-    mngr.close()
+    try:
+      mngr.wait_until_finished()
+      mngr.close()
+    except Exception:  # pylint: disable=broad-except  # reported by confirm_saved, or superseded
+      pass
     writer.close()
   return last

@@ -1,0 +1,164 @@
+"""Faults that must never lose work or corrupt the record: a healthy checkpoint that does not fit
+the config, unreadable checkpoints, a second run on a busy workdir, a config.json left by a run
+that failed before saving, a failed save, eval beside a training run, and SIGKILL at random
+moments of one run."""
+
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from tests.helpers import ROOT, metric_rows, quick_config
+from training import checkpointing
+from training import evaluation
+from training import lock
+from training import loop
+
+
+def small(data_dir, **train):
+  return quick_config(data_dir, **{'steps': 4, 'checkpoint_every': 2, 'log_every': 1,
+                                   'eval_every': 100, 'warmup_steps': 0, **train})
+
+
+def test_a_healthy_checkpoint_of_another_model_is_refused_not_moved(data_dir, tmp_path):
+  config = small(data_dir)
+  loop.train_and_evaluate(config, str(tmp_path))
+  os.remove(tmp_path / 'config.json')  # the resume check cannot compare configs any more
+  before = (tmp_path / 'metrics.jsonl').read_text()
+  other = small(data_dir)
+  other.model.update(d_model=32, d_ff=128)
+  with pytest.raises(checkpointing.IncompatibleResume,
+                     match=r'checkpoint step 4 holds arrays of other shapes .*kernel: checkpoint'):
+    loop.train_and_evaluate(other, str(tmp_path))
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2', '4']  # nothing moved aside
+  assert (tmp_path / 'metrics.jsonl').read_text() == before
+
+
+def test_the_cli_refuses_it_with_exit_2(data_dir, tmp_path):
+  args = [sys.executable, 'train.py', '--config=configs/decoder_only.py:quick',
+          f'--workdir={tmp_path}', f'--config.data.data_dir={data_dir}', '--config.train.steps=2',
+          '--config.train.warmup_steps=0', '--config.train.checkpoint_every=2']
+  assert subprocess.run(args, cwd=ROOT, capture_output=True).returncode == 0
+  os.remove(tmp_path / 'config.json')
+  out = subprocess.run(args + ['--config.model.d_model=32', '--config.model.d_ff=128'], cwd=ROOT,
+                       capture_output=True, text=True)
+  assert out.returncode == 2, out.stderr
+  assert out.stderr.strip().splitlines()[-1].startswith('train: cannot resume')
+
+
+def test_every_checkpoint_unreadable_is_said_not_restarted(data_dir, tmp_path):
+  config = small(data_dir)
+  loop.train_and_evaluate(config, str(tmp_path))
+  for step in ('2', '4'):
+    for d, _, files in os.walk(tmp_path / 'checkpoints' / step / 'state'):
+      for f in files:
+        os.truncate(os.path.join(d, f), 0)
+  rows = metric_rows(tmp_path)
+  with pytest.raises(checkpointing.UnreadableCheckpoints, match='every checkpoint .* unreadable'):
+    loop.train_and_evaluate(config, str(tmp_path))
+  assert metric_rows(tmp_path) == rows  # the record is kept
+
+
+def test_a_second_run_on_a_busy_workdir_is_refused_naming_the_holder(data_dir, tmp_path):
+  config = small(data_dir)
+  with lock.WorkdirLock(str(tmp_path)):
+    with pytest.raises(lock.WorkdirBusy, match=f'in use by PID {os.getpid()} on '):
+      loop.train_and_evaluate(config, str(tmp_path))
+  assert not (tmp_path / 'checkpoints').exists()
+
+
+def test_a_stale_lock_is_taken_over_with_a_note(data_dir, tmp_path, capfd):
+  dead = subprocess.Popen(['true'])
+  dead.wait()
+  import socket  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'lock').write_text(f'{dead.pid} {socket.gethostname()}\n')
+  loop.train_and_evaluate(small(data_dir, steps=2), str(tmp_path))
+  assert f'took over the stale lock of PID {dead.pid}' in capfd.readouterr().err
+  assert (tmp_path / 'lock').read_text() == ''  # released cleanly
+
+
+def test_a_config_json_without_checkpoints_does_not_block_the_corrected_run(data_dir, tmp_path):
+  failed = small(data_dir)
+  failed.model.update(d_model=32, d_ff=128)
+  (tmp_path / 'config.json').write_text(failed.to_json_best_effort())
+  loop.train_and_evaluate(small(data_dir, steps=2), str(tmp_path))
+  assert [r['step'] for r in metric_rows(tmp_path)] == [1, 2]
+
+
+def test_a_failed_save_stops_with_one_line_and_exit_1(data_dir, tmp_path):
+  """RLIMIT_FSIZE makes the checkpoint's data files too large to write (as a full disk would)."""
+  small(data_dir)  # the dataset exists before the limit applies
+
+  def limit():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+  out = subprocess.run(
+      [sys.executable, 'train.py', '--config=configs/decoder_only.py:quick',
+       f'--workdir={tmp_path}', f'--config.data.data_dir={data_dir}', '--config.train.steps=12',
+       '--config.train.checkpoint_every=4', '--config.train.eval_every=100'],
+      cwd=ROOT, capture_output=True, text=True, preexec_fn=limit, timeout=300)
+  assert out.returncode == 1, out.stderr[-2000:]
+  line = [l for l in out.stderr.splitlines() if l.startswith('train: saving a checkpoint')]
+  assert len(line) == 1 and 'File too large' in line[0] and 'free' in line[0], out.stderr[-2000:]
+  assert 'no checkpoint was saved' in line[0]
+  assert 'Traceback' not in out.stderr.split(line[0])[0]  # no Orbax traceback before the line
+  assert max(r['step'] for r in metric_rows(tmp_path)) <= 8  # it did not train on to the end
+
+
+def test_eval_falls_back_from_a_damaged_newest_checkpoint(data_dir, tmp_path):
+  loop.train_and_evaluate(small(data_dir), str(tmp_path))
+  for d, _, files in os.walk(tmp_path / 'checkpoints' / '4' / 'state'):
+    for f in files:
+      os.truncate(os.path.join(d, f), 0)
+  _, _, _, step = evaluation.load_run(str(tmp_path))
+  assert step == 2
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2', '4']  # eval moves nothing
+
+
+def _params(workdir):
+  _, _, variables, step = evaluation.load_run(str(workdir))
+  return step, jax.tree.leaves(variables)
+
+
+def test_sigkill_at_ten_random_moments_resumes_to_the_uninterrupted_run(data_dir, tmp_path):
+  """Killed (SIGKILL) ten times at random moments, among them checkpoint writes and the metrics
+  rewrite at start-up, and rerun each time: the final metrics.jsonl and parameters are the
+  uninterrupted run's."""
+  flags = ['--config=configs/decoder_only.py:quick', f'--config.data.data_dir={data_dir}',
+           '--config.train.steps=60', '--config.train.checkpoint_every=3',
+           '--config.train.log_every=2', '--config.train.eval_every=20',
+           '--config.train.keep_checkpoints=2']
+  run = lambda w: [sys.executable, 'train.py', *flags, f'--workdir={w}']  # noqa: E731
+  full = subprocess.run(run(tmp_path / 'full'), cwd=ROOT, capture_output=True, text=True)
+  assert full.returncode == 0, full.stderr[-2000:]
+  rng = random.Random(0)
+  kills = 0
+  while kills < 10:
+    proc = subprocess.Popen(run(tmp_path / 'cut'), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    time.sleep(rng.uniform(1.0, 6.0))
+    if proc.poll() is not None:
+      break  # finished before the kill
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    kills += 1
+  last = subprocess.run(run(tmp_path / 'cut'), cwd=ROOT, capture_output=True, text=True)
+  assert last.returncode == 0, last.stderr[-2000:]
+  assert kills >= 5  # most of the kills landed inside the run
+  keys = ('step', 'split', 'loss', 'accuracy', 'grad_norm', 'param_norm', 'learning_rate')
+  rows = lambda w: [tuple(r.get(k) for k in keys)  # noqa: E731
+                    for r in map(json.loads, (tmp_path / w / 'metrics.jsonl').read_text().split('\n')[:-1])]
+  assert rows('cut') == rows('full')
+  step_full, full_params = _params(tmp_path / 'full')
+  step_cut, cut_params = _params(tmp_path / 'cut')
+  assert step_full == step_cut == 60
+  for a, b in zip(full_params, cut_params):
+    np.testing.assert_array_equal(a, b)
