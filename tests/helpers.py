@@ -4,6 +4,7 @@ import json
 import os
 import signal
 
+from training import writers
 from configs import decoder_only
 from configs import default
 from training import validation
@@ -40,8 +41,7 @@ def sigterm_after(step):
 
 def metric_rows(workdir, split='train'):
   """The metrics.jsonl rows of `split`, in order."""
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    rows = [json.loads(line) for line in f]
+  rows = writers.read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   return [r for r in rows if r['split'] == split]
 
 

@@ -31,6 +31,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from training import writers
 from tools import plot_style
 from tools.plot_style import band, smooth  # pylint: disable=g-importing-member  (compare.band)
 
@@ -89,9 +90,7 @@ def _read_json(path):
 def load_run(workdir):
   """{'workdir', 'config' (flat dotted dict), 'train'/'valid' (steps, losses arrays), 'rows',
   'info' (run_info.json), 'init_grad' (init_grad_norms.json or {})}."""
-  rows = []
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
+  rows = writers.read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   config = flatten(_read_json(os.path.join(workdir, 'config.json')))
   if config:  # fields attnlab gained after the run was written hold their defaults
     config = {**_default_fields(), **config}

@@ -6,6 +6,7 @@ import os
 import numpy as np
 
 from data import pipeline
+from training import writers
 from tools import plot_style
 
 
@@ -179,10 +180,8 @@ def plot_loss_curve(workdir):
   """Draws train and validation loss against step from metrics.jsonl into loss_curve.png."""
   plt = plot_style.pyplot()
   series = {}
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    for line in f:
-      row = json.loads(line)
-      series.setdefault(row['split'], []).append((row['step'], row['loss']))
+  for row in writers.read_metrics(os.path.join(workdir, 'metrics.jsonl')):
+    series.setdefault(row['split'], []).append((row['step'], row['loss']))
   fig, ax = plt.subplots(figsize=(6, 4))
   for split, points in sorted(series.items()):
     steps, losses = zip(*points)
