@@ -12,6 +12,8 @@ import models
 # Floating dtypes the forward/backward passes may run in (float16 is left out: its gradients
 # underflow without loss scaling, which the step does not do).
 COMPUTE_DTYPES = ('float32', 'bfloat16')
+# train.schedule: what follows the warmup (make_schedule).
+SCHEDULES = ('cosine', 'linear', 'constant')
 
 
 def make_schedule(t):
