@@ -6,6 +6,8 @@ checks them itself; training/validation.py only walks the registries (`choice` o
 entries' checks), so the valid values and their messages are written once, beside the variant.
 """
 
+import math
+
 
 class ConfigError(ValueError):
   """A config value that cannot work; the message is one line naming the field and what is valid."""
@@ -24,11 +26,12 @@ def lookup(name, registry, key):
 
 
 def positive(name, value, zero_ok=False):
-  """Raises ConfigError unless `value` is a positive (or, with `zero_ok`, non-negative) number."""
-  if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
-      value == 0 and not zero_ok):
+  """Raises ConfigError unless `value` is a finite positive (or, with `zero_ok`, non-negative)
+  number: NaN compares false with everything, so a plain `value < 0` would let it (and inf) pass."""
+  if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+      or value < 0 or (value == 0 and not zero_ok)):
     raise ConfigError(f'{name}={value!r} must be {"a non-negative" if zero_ok else "a positive"} '
-                      'number')
+                      'finite number')
 
 
 def boolean(name, value):
