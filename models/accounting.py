@@ -250,3 +250,30 @@ def activation_bytes(cfg, vocab_size, batch_size, length, mesh_config, bytes_per
     per_token += attn(length) * cfg.num_layers
   per_token += split(2 * vocab_size, vocab_size)
   return int(b * t * per_token * bytes_per_element)
+
+
+def training_bytes(cfg, vocab_size, batch_size, length, mesh_config, accum_steps=1):
+  """Estimate of the memory one training step needs per device (float32 state, no remat).
+
+  The state is the parameters, their gradients and AdamW's two moments: 4 x the per-device
+  parameter bytes (`per_device_param_bytes`); the activations are those of one micro-batch
+  (`activation_bytes`; Transformer archs only, 0 for the RNN). XLA's temporaries are not counted,
+  so the step needs at least this much: a run whose estimate exceeds the device cannot fit.
+
+  Args:
+    cfg: a resolved `config.model`.
+    vocab_size: V.
+    batch_size: the global batch (`train.batch_size`).
+    length: the training length (`data.max_length`).
+    mesh_config: `config.mesh` (the per-device share of parameters and rows).
+    accum_steps: `train.grad_accum_steps` (rows in memory at a time: batch_size / accum_steps).
+
+  Returns:
+    {'state', 'activations', 'total'} bytes per device.
+  """
+  state = 4 * per_device_param_bytes(abstract_model(cfg, vocab_size, length), mesh_config)
+  activations = 0
+  if cfg.arch in TRANSFORMER_ARCHS:
+    activations = activation_bytes(cfg, vocab_size, -(-batch_size // accum_steps), length,
+                                   mesh_config)
+  return {'state': state, 'activations': activations, 'total': state + activations}
