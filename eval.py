@@ -5,6 +5,7 @@ accuracy) and DIR/loss_curve.png (train and validation loss from metrics.jsonl).
 `training.evaluation` and the pictures by `tools.plots`; this file holds the flags and main.
 """
 
+import json
 import os
 import sys
 
@@ -14,6 +15,7 @@ from absl import logging
 import jax
 
 from tools import plots
+from training import cli_checks
 from training import distributed
 from training import evaluation
 from training import host
@@ -76,41 +78,63 @@ def print_summary(result, splits):
           f'{row["loss"]:.4f} target_loss {row["target_loss"]:.4f} ppl {row["ppl"]:.3f}')
 
 
+def check_flags():
+  """Every flag checked before anything is restored or compiled (one line, exit 2); returns the
+  --lengths multiples as floats."""
+  lengths = cli_checks.check_eval_flags(
+      split=_SPLIT.value, max_examples=_MAX_EXAMPLES.value, lengths=_LENGTHS.value,
+      modes=_MODES.value, stride=_STRIDE.value, num_beams=_NUM_BEAMS.value,
+      length_penalty=_LENGTH_PENALTY.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+      top_p=_TOP_P.value, plot_attention=_PLOT_ATTENTION.value, rope_scaling=_ROPE_SCALING.value)
+  cli_checks.check_eval_run(_WORKDIR.value, split=_SPLIT.value, translate=_TRANSLATE.value,
+                            lengths=lengths, stream_split=_STREAM_SPLIT.value,
+                            rope_scaling=_ROPE_SCALING.value)
+  if jax.process_index() == 0 and os.path.isdir(_WORKDIR.value):
+    cli_checks.check_can_write(_WORKDIR.value, 'eval.json')  # before hours of evaluation
+  return lengths
+
+
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError('Too many command-line arguments.')
+    cli_checks.fail('eval', f'unexpected arguments {argv[1:]}; valid: flags only')
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
   if _COMPARE.value:
     others = [a for a in sys.argv[1:] if not a.startswith('--compare')]
     print('eval: comparing runs moved to its own tool; run: python -m tools.compare '
           + ' '.join(_COMPARE.value + others), file=sys.stderr)
     sys.exit(2)
-  if not _WORKDIR.value:
-    print('eval: --workdir is required', file=sys.stderr)
-    sys.exit(2)
   if host.host_malloc_wanted(flags.FLAGS.host_malloc):
     host.tune_host_malloc()
-  distributed.init_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
-                               flags.FLAGS.process_id, flags.FLAGS.multihost)
+  try:
+    cli_checks.check_workdir(_WORKDIR.value, 'a train.py workdir')
+    distributed.init_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
+                                 flags.FLAGS.process_id, flags.FLAGS.multihost)
+    lengths = check_flags()
+  except cli_checks.ConfigError as e:
+    cli_checks.fail('eval', e)
   splits = _SPLIT.value
   try:
     result, run = evaluation.evaluate_run(
         _WORKDIR.value, splits, _MAX_EXAMPLES.value, translate_splits=_TRANSLATE.value,
-        lengths=[float(x) for x in _LENGTHS.value], modes=_MODES.value, stride=_STRIDE.value,
+        lengths=lengths, modes=_MODES.value, stride=_STRIDE.value,
         stream_split=_STREAM_SPLIT.value, rope_scaling=_ROPE_SCALING.value,
         decode=_decode_options())
   except ValueError as e:
-    print(f'eval: {e}', file=sys.stderr)
-    sys.exit(2)
+    cli_checks.fail('eval', e)
   except FileNotFoundError as e:
     print(str(e), file=sys.stderr)
     sys.exit(1)
   if jax.process_index() > 0:  # process 0 writes the results and draws the pictures
     return
-  plots.write_eval_outputs(_WORKDIR.value, result, run, splits, _PLOT_ATTENTION.value)
-  print_summary(result, list(result['translation']))
+  print_summary(result, list(result['translation']))  # the results reach stdout whatever follows
+  try:
+    plots.write_eval_outputs(_WORKDIR.value, result, run, splits, _PLOT_ATTENTION.value)
+  except OSError as e:
+    print(json.dumps(result, default=str))  # the whole eval.json, so that nothing is lost
+    cli_checks.fail('eval', f'could not write the results in {_WORKDIR.value} ({e}); they are '
+                    'printed above as JSON', status=1)
   print(f'wrote {os.path.join(_WORKDIR.value, "eval.json")} and {result["loss_curve"]}')
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=cli_checks.flags_parser('eval'))

@@ -12,10 +12,13 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from data import pipeline
 from training import checkpointing
+from training import cli_checks
 from training import distributed
 from training import host
 from training import loop
+from training import memory
 from training import validation
 
 FLAGS = flags.FLAGS
@@ -29,6 +32,9 @@ flags.DEFINE_bool('dry_run', False, 'Moved to `python -m tools.sweep`.')
 flags.DEFINE_list('seeds', None, 'Moved to `python -m tools.sweep`.')
 flags.DEFINE_integer('parallel', 1, 'Moved to `python -m tools.sweep`.')
 flags.DEFINE_bool('sweep_eval', False, 'Moved to `python -m tools.sweep`.')
+flags.DEFINE_bool('memory_check', True, 'Refuse a run whose estimated training memory '
+                  '(models.accounting) exceeds the device\'s before compiling; --nomemory_check '
+                  'skips the estimate (an XLA out-of-memory is still reported in one line).')
 distributed.define_distributed_flags()
 host.define_host_malloc_flag()
 
@@ -43,39 +49,49 @@ def moved_to_sweep_tool(argv):
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError('Too many command-line arguments.')
+    cli_checks.fail('train', f'unexpected arguments {argv[1:]}; valid: flags only (--config, '
+                    '--workdir, --config.FIELD=VALUE, ...)')
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
   if FLAGS.sweep:
     print(f'train: sweeps moved to their own tool; run: {moved_to_sweep_tool(sys.argv)}',
           file=sys.stderr)
     sys.exit(2)
-  if FLAGS.config is None or FLAGS.workdir is None:
-    print('train: --config and --workdir are required', file=sys.stderr)
-    sys.exit(2)
+  if FLAGS.config is None:
+    cli_checks.fail('train', '--config is required; valid: a config file, e.g. '
+                    'configs/decoder_only.py:quick')
   if host.host_malloc_wanted(FLAGS.host_malloc):
     host.tune_host_malloc()  # before the first JAX call: the arena limit binds later threads only
-  distributed.init_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                               FLAGS.multihost)
-  config = validation.resolve(FLAGS.config.unlock())
   try:
-    validation.validate(config)
-    validation.check_writable('workdir', FLAGS.workdir)
-    validation.check_writable('data.data_dir', config.data.data_dir)
+    cli_checks.check_workdir(FLAGS.workdir)
+    distributed.init_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
+                                 FLAGS.process_id, FLAGS.multihost)
+    config = cli_checks.check_train_run(FLAGS.config.unlock(), FLAGS.workdir)
+    vocab_size = pipeline.get_tokenizer(config.data).vocab_size
+    limit = memory.device_limit()  # before the run takes any of it
+    if FLAGS.memory_check:
+      memory.check_training_memory(config, vocab_size, limit)
+  except memory.OutOfMemory as e:
+    cli_checks.fail('train', e)
   except validation.ConfigError as e:
-    print(f'config error: {e}', file=sys.stderr)
-    sys.exit(2)
+    cli_checks.fail('config error', e)
   try:
     loop.train_and_evaluate(config, FLAGS.workdir)
   except checkpointing.IncompatibleResume as e:
-    print(f'train: {e}', file=sys.stderr)
-    sys.exit(2)
-  except loop.NonFiniteLoss as e:
+    cli_checks.fail('train', e)
+  except validation.ConfigError as e:  # raised where the loop first meets the devices or data
+    cli_checks.fail('config error', e)
+  except checkpointing.RunFailed as e:  # non-finite loss, a failed save, no readable checkpoint
     print(str(e), file=sys.stderr)
     sys.exit(1)
   except loop.Stopped as e:
     print(str(e), file=sys.stderr)
     sys.exit(128 + e.signum)  # the shell's convention for "ended by this signal"
+  except Exception as e:  # pylint: disable=broad-except
+    if not memory.is_out_of_memory(e):
+      raise
+    print(memory.out_of_memory_line(e, config, vocab_size, limit), file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=cli_checks.flags_parser('train'))
