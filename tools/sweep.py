@@ -23,6 +23,10 @@ A cell's name lists its overrides sorted by field, then its seed:
 `model.norm_position=post,train.warmup_steps=0,seed=1`; names are stable (independent of the order
 the file lists fields in) and filesystem-safe. Each cell trains in `SWEEP_DIR/<name>` with
 `train.py --config=<sweep file> --config.FIELD=VALUE ...`.
+
+SIGINT (Ctrl-C) or SIGTERM to the runner is forwarded to the cells running at that moment, which
+save a checkpoint and stop; the runner waits for them, starts no further cell (nor eval), and
+exits with 128 + the signal's number. Rerunning the same command resumes the sweep.
 """
 
 import concurrent.futures
@@ -35,13 +39,15 @@ import math
 import os
 import re
 import shlex
-import subprocess
+import signal
 import sys
 import time
 
 from absl import app
 from absl import flags
 
+from tools import processes
+from training import cli_checks
 from training import validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +58,14 @@ MAX_NAME = 200  # characters; longer names are cut and end in a hash of the full
 
 class SweepError(ValueError):
   """A sweep file that cannot be expanded; the message names the problem."""
+
+
+class Stopped(Exception):
+  """SIGINT or SIGTERM stopped the sweep: running cells saved and stopped, later ones never began."""
+
+  def __init__(self, signum, results):
+    super().__init__(f'sweep: stopped by {signal.Signals(signum).name}')
+    self.signum, self.results = signum, results
 
 
 def split_spec(spec):
@@ -69,7 +83,12 @@ def load_sweep_module(path):
   name = 'sweep_' + re.sub(r'\W', '_', os.path.splitext(os.path.basename(path))[0])
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  try:
+    spec.loader.exec_module(module)
+  except SyntaxError as e:
+    raise SweepError(f'sweep file {path} line {e.lineno}: syntax error: {e.msg}') from None
+  except Exception as e:  # pylint: disable=broad-except
+    raise SweepError(f'sweep file {path}: importing it raised {type(e).__name__}: {e}') from None
   for fn in ('get_config', 'get_sweep'):
     if not callable(getattr(module, fn, None)):
       raise SweepError(f'{path} must define {fn}()')
@@ -82,7 +101,14 @@ def get_sweep(module, arg=None):
     params = inspect.signature(module.get_sweep).parameters
   except (TypeError, ValueError):
     params = {}
-  return module.get_sweep(arg) if params else module.get_sweep()
+  try:
+    sweep = module.get_sweep(arg) if params else module.get_sweep()
+  except Exception as e:  # pylint: disable=broad-except
+    raise SweepError(f'get_sweep() of {module.__file__} raised {type(e).__name__}: {e}') from None
+  if not isinstance(sweep, dict):
+    raise SweepError(f'get_sweep() of {module.__file__} returned {type(sweep).__name__}; valid: a '
+                     f'dict with keys among {", ".join(SWEEP_KEYS)}')
+  return sweep
 
 
 def format_value(value):
@@ -104,6 +130,18 @@ def cell_name(overrides, seed):
   return name
 
 
+def parse_seeds(texts):
+  """--seeds as integers (SweepError naming the first one that is not)."""
+  out = []
+  for text in texts:
+    try:
+      out.append(int(text))
+    except (TypeError, ValueError):
+      raise SweepError(f'--seeds={",".join(map(str, texts))}: {text!r} is not an integer; valid: '
+                       'comma-separated integers, e.g. 0,1,2') from None
+  return out
+
+
 def expand(sweep, seeds=None):
   """Sweep dict -> list of cells {'name', 'overrides', 'seed'} (cells x grid x seeds, in order).
 
@@ -123,7 +161,7 @@ def expand(sweep, seeds=None):
       raise SweepError(f'grid[{field!r}] must be a non-empty list of values')
   product = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
   base_cells = sweep.get('cells') or [{}]
-  seeds = list(sweep.get('seeds') or [0]) if seeds is None else [int(s) for s in seeds]
+  seeds = list(sweep.get('seeds') or [0]) if seeds is None else parse_seeds(seeds)
   cells, seen = [], {}
   for cell in base_cells:
     for point in product:
@@ -144,7 +182,11 @@ def expand(sweep, seeds=None):
 
 def cell_config(module, arg, cell):
   """The resolved, validated config of a cell (raises SweepError naming the field)."""
-  config = module.get_config(arg)
+  try:
+    config = module.get_config(arg)
+  except Exception as e:  # pylint: disable=broad-except
+    raise SweepError(f'get_config({arg!r}) of {module.__file__} raised {type(e).__name__}: '
+                     f'{e}') from None
   for field, value in list(cell['overrides'].items()) + [('train.seed', cell['seed'])]:
     *parents, leaf = field.split('.')
     node = config
@@ -233,14 +275,6 @@ def _single_thread_env():
   return env
 
 
-def _launch(argv, log_path, env):
-  """Runs argv from the repository root, appending its output to log_path; returns the exit code."""
-  with open(log_path, 'a') as log:
-    log.write(f'\n$ {shlex.join(argv)}\n')
-    log.flush()
-    return subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-
-
 def _final_loss(workdir):
   path = os.path.join(workdir, 'metrics.jsonl')
   valid = train = None
@@ -257,7 +291,7 @@ def _final_loss(workdir):
 
 
 def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eval=False,
-              launch=_launch, out=sys.stdout):
+              launch=None, out=sys.stdout, children=None):
   """Runs (or with `dry_run` prints) every cell of the sweep file `spec` ('path[:arg]').
 
   Cells already finished (final-step checkpoint) are skipped, and so are cells that stopped on a
@@ -272,11 +306,20 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
     dry_run: print the commands and run nothing.
     parallel: cells run side by side as subprocesses, each with one XLA/OpenMP thread.
     run_eval: after a cell trains, run its eval.py commands (`eval_flags`, `eval_variants`).
-    launch: `launch(argv, log_path, env) -> exit code` (tests replace it).
+    launch: `launch(argv, log_path, env) -> exit code` (tests replace it); default
+      `children.launch`.
+    children: the `tools.processes.Children` whose signal stops the sweep (default a new one, which forwards
+      SIGINT and SIGTERM to the running cells while the sweep runs).
 
   Returns:
     {cell name: status}, status one of done | skipped | diverged | failed (rc N) | dry_run.
+
+  Raises:
+    Stopped: a SIGINT or SIGTERM arrived; the cells it reached have saved and stopped (status
+      'stopped (rc N)'), later ones never started ('not started'); `results` holds every status.
   """
+  children = children or processes.Children()
+  launch = launch or children.launch
   path, arg = split_spec(spec)
   module = load_sweep_module(path)
   sweep = get_sweep(module, arg)
@@ -305,14 +348,21 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
     status, latest = cell_status(workdir, configs[c['name']].train.steps)
     if status in ('done', 'diverged'):
       return i, c, ('skipped' if status == 'done' else 'diverged'), f'{status} already', 0.0
+    if children.signum:  # no new cell once the sweep is stopping
+      return i, c, 'not started', f'stopped by {signal.Signals(children.signum).name}', 0.0
     os.makedirs(workdir, exist_ok=True)
     how = f'resuming from step {latest}' if status == 'partial' else 'new'
     start = time.perf_counter()
     rc = launch(train_command(spec, sweep_dir, c, sys.executable, train_py),
                 os.path.join(workdir, 'train.log'), env)
+    if rc is None:
+      return i, c, 'not started', f'stopped by {signal.Signals(children.signum).name}', 0.0
     status, _ = cell_status(workdir, configs[c['name']].train.steps)
     if rc == 0 and status == 'done' and run_eval:
       for suffix, argv in eval_commands(sweep, sweep_dir, c, sys.executable, eval_py):
+        if children.signum:
+          how += '; eval not started (stopped)'
+          break
         erc = launch(argv, os.path.join(workdir, 'eval.log'), env)
         if erc == 0 and suffix:  # eval.py writes eval.json: keep each variant's copy
           os.replace(os.path.join(workdir, 'eval.json'),
@@ -323,6 +373,8 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
       result = 'diverged'
     elif rc == 0 and status == 'done':
       result = 'done'
+    elif children.signum:
+      result = f'stopped (rc {rc})'
     else:
       result = f'failed (rc {rc})'
     return i, c, result, how, time.perf_counter() - start
@@ -333,19 +385,28 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
     losses = ''
     if result in ('done', 'skipped', 'diverged') and train_loss is not None:
       losses = f'  train {train_loss:.4f}' + (f'  valid {valid_loss:.4f}' if valid_loss else '')
-    where = '' if result in ('done', 'skipped') else f'  (log: {c["name"]}/train.log)'
+    where = ('' if result in ('done', 'skipped', 'not started')
+             else f'  (log: {c["name"]}/train.log)')
     print(f'[{i + 1}/{n}] {c["name"]}: {result} ({how}, {seconds:.0f}s){losses}{where}',
           file=out, flush=True)
 
-  if parallel <= 1:
-    for i, c in enumerate(cells):
-      report(*run_cell(i, c))
-  else:
-    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
-      futures = [pool.submit(run_cell, i, c) for i, c in enumerate(cells)]
-      for future in concurrent.futures.as_completed(futures):
-        report(*future.result())
+  with children.handling():
+    if parallel <= 1:
+      for i, c in enumerate(cells):
+        report(*run_cell(i, c))
+    else:
+      with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+        futures = [pool.submit(run_cell, i, c) for i, c in enumerate(cells)]
+        for future in concurrent.futures.as_completed(futures):
+          report(*future.result())
   done = sum(r in ('done', 'skipped') for r in results.values())
+  if children.signum:
+    name = signal.Signals(children.signum).name
+    print(f'sweep: stopped by {name}: {done}/{n} cells finished, '
+          f'{sum(r.startswith("stopped") for r in results.values())} stopped, '
+          f'{sum(r == "not started" for r in results.values())} not started; rerun the same '
+          'command to resume', file=out, flush=True)
+    raise Stopped(children.signum, results)
   print(f'sweep: {done}/{n} cells finished in {sweep_dir}; compare with: python -m tools.compare '
         f'{shlex.quote(sweep_dir)} --out={shlex.quote(os.path.join(sweep_dir, "compare.png"))}',
         file=out)
@@ -373,21 +434,24 @@ def define_flags():
 
 def main(argv):
   """Exits 0 when every cell finished (done, skipped, diverged or dry run), 1 when one failed, 2 on
-  a missing flag or a sweep file that cannot be expanded."""
+  a missing flag or a sweep file that cannot be expanded, 128 + N when signal N stopped it."""
   if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    cli_checks.fail('sweep', f'unexpected arguments {argv[1:]}; valid: flags only')
   if not FLAGS.sweep or not FLAGS.sweep_dir:
     print('sweep: --sweep and --sweep_dir are required', file=sys.stderr)
     sys.exit(2)
+  if FLAGS.parallel < 1:
+    cli_checks.fail('sweep', f'--parallel={FLAGS.parallel} must be a positive integer')
   try:
     results = run_sweep(FLAGS.sweep, FLAGS.sweep_dir, seeds=FLAGS.seeds, dry_run=FLAGS.dry_run,
                         parallel=FLAGS.parallel, run_eval=FLAGS.sweep_eval)
   except SweepError as e:
-    print(f'sweep error: {e}', file=sys.stderr)
-    sys.exit(2)
+    cli_checks.fail('sweep error', e)
+  except Stopped as e:
+    sys.exit(128 + e.signum)  # the shell's convention for "ended by this signal"
   sys.exit(0 if all(r in FINISHED for r in results.values()) else 1)
 
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=cli_checks.flags_parser('sweep'))
