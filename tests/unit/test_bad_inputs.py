@@ -1,0 +1,369 @@
+"""Bad inputs caught before anything compiles, checked in-process: non-finite and empty config
+values, config files that cannot load, overrides of missing fields, eval.py's flags, sweeps' seeds
+and files, a cell interrupted by a signal, and the memory estimate against a device limit (the
+command lines themselves: tests/integration/test_cli_reliability.py)."""
+
+import os
+import signal
+import threading
+
+from absl import flags
+import jax
+import pytest
+
+from configs import decoder_only
+from configs import default
+from tests.helpers import ROOT
+from tools import processes
+from tools import sweep
+from training import cli_checks
+from training import memory
+from training import validation
+from models import accounting
+
+GIB = 2 ** 30
+
+# (field, value): each refused with one line naming the field.
+CATALOGUE = [
+    ('train.learning_rate', float('nan')), ('train.learning_rate', float('inf')),
+    ('train.weight_decay', float('nan')), ('train.weight_decay', float('inf')),
+    ('model.rope_scaling_factor', float('nan')), ('model.rope_scaling_factor', float('inf')),
+    ('model.rope_base', float('inf')), ('model.rope_base', float('nan')),
+    ('train.grad_clip_norm', float('nan')), ('train.grad_clip_norm', float('inf')),
+    ('data.data_dir', ''), ('data.data_dir', '  '),
+]
+
+
+@pytest.mark.parametrize('field,value', CATALOGUE, ids=[f'{f}={v!r}' for f, v in CATALOGUE])
+def test_non_finite_and_empty_values_are_refused(field, value):
+  config = validation.resolve(decoder_only.get_config())
+  section, name = field.split('.')
+  config[section][name] = value
+  with pytest.raises(validation.ConfigError, match=field.replace('.', r'\.')) as e:
+    validation.validate(config)
+  assert '\n' not in str(e.value)
+  assert ('finite' in str(e.value)) == (section != 'data'), str(e.value)
+
+
+# --- Config files ------------------------------------------------------------------------------
+
+BAD_FILES = [
+    ('syntax.py', 'def get_config(\n', "syntax error in .*syntax.py line 1: '\\(' was never closed"),
+    ('raises.py', 'def get_config(arg=None):\n  raise RuntimeError("boom")\n',
+     r'get_config\(\) raised RuntimeError: boom'),
+    ('a_dict.py', 'def get_config(arg=None):\n  return {"model": {}}\n',
+     'returned dict, not an ml_collections.ConfigDict'),
+    ('no_fn.py', 'X = 1\n', 'defines no get_config'),
+    ('import_fails.py', 'import no_such_module_anywhere\n',
+     'importing .* raised ModuleNotFoundError'),
+    ('no_train.py', 'import ml_collections\n\ndef get_config(arg=None):\n'
+     '  return ml_collections.ConfigDict({"model": {}, "data": {}})\n', 'has no train section'),
+]
+
+
+@pytest.mark.parametrize('name,text,message', BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_a_config_file_that_cannot_load_is_one_line(tmp_path, name, text, message):
+  path = tmp_path / name
+  path.write_text(text)
+  with pytest.raises(cli_checks.ConfigError, match=message) as e:
+    cli_checks.load_config_file(str(path))
+  assert '\n' not in str(e.value) and str(e.value).startswith(f'--config={path}')
+
+
+def test_a_missing_config_file_lists_the_config_files(tmp_path):
+  with pytest.raises(cli_checks.ConfigError, match='no such file') as e:
+    cli_checks.load_config_file(str(tmp_path / 'nope.py:quick'))
+  assert 'configs/decoder_only.py' in str(e.value) and 'configs/__init__.py' not in str(e.value)
+  with pytest.raises(cli_checks.ConfigError, match='--config= is empty'):
+    cli_checks.load_config_file('')
+
+
+def test_config_arguments_are_checked_and_parse_arg_is_restored():
+  path = os.path.join(ROOT, 'configs', 'decoder_only.py')
+  parse_arg = default.parse_arg
+  with pytest.raises(cli_checks.ConfigError, match="size='huge' is not valid; valid values: base, "
+                     'small, tiny'):
+    cli_checks.load_config_file(f'{path}:size=huge')
+  with pytest.raises(cli_checks.ConfigError,
+                     match="argument 'bogus' is not one .* reads; valid: quick, size"):
+    cli_checks.load_config_file(f'{path}:quick,bogus=1')
+  assert default.parse_arg is parse_arg
+  config = cli_checks.load_config_file(f'{path}:quick,size=tiny')
+  assert config.train.steps == 20 and config.model.d_model == 64
+  # A file with arguments of its own (rnn_seq2seq: cell, attention) reads them too.
+  rnn = cli_checks.load_config_file(os.path.join(ROOT, 'configs', 'rnn_seq2seq.py:attention=luong'))
+  assert rnn.model.rnn_attention == 'luong'
+  with pytest.raises(cli_checks.ConfigError, match='valid: attention, cell, quick, size'):
+    cli_checks.load_config_file(os.path.join(ROOT, 'configs', 'rnn_seq2seq.py:atention=luong'))
+  assert default.parse_arg is parse_arg
+
+
+def test_a_file_that_parses_its_argument_itself_is_not_second_guessed(tmp_path):
+  path = tmp_path / 'own.py'
+  path.write_text('from configs import default\n\ndef get_config(arg=None):\n'
+                  '  config = default.get_config()\n  config.train.steps = int(arg)\n'
+                  '  return config\n')
+  assert cli_checks.load_config_file(f'{path}:7').train.steps == 7
+
+
+def test_an_override_of_a_missing_field_names_the_valid_ones():
+  config = decoder_only.get_config()
+  cli_checks.check_field(config, 'model.d_model', '--config.model.d_model=8')
+  with pytest.raises(cli_checks.ConfigError, match="model has no field 'foo'; valid fields of "
+                     'model: arch, attention,') as e:
+    cli_checks.check_field(config, 'model.foo', '--config.model.foo=1')
+  assert str(e.value).startswith('--config.model.foo=1: ')
+  with pytest.raises(cli_checks.ConfigError, match=r"'modle' \(did you mean model\?\)"):
+    cli_checks.check_field(config, 'modle.d_model', '--config.modle.d_model=1')
+  with pytest.raises(cli_checks.ConfigError, match="model.d_model has no field 'x'"):
+    cli_checks.check_field(config, 'model.d_model.x', '--config.model.d_model.x=1')
+
+
+def test_absl_value_errors_become_one_line_naming_the_type():
+  config = decoder_only.get_config()
+  for text, expected in (
+      ('abc', "model.d_model='abc' is not valid (invalid literal for int() with base 10: 'abc'); "
+              'valid: an integer, e.g. 128'),
+      ('1e9', "model.d_model='1e9' is not valid (invalid literal for int() with base 10: '1e9'); "
+              'valid: an integer, e.g. 128')):
+    error = flags.IllegalFlagValueError(
+        f"flag --config.model.d_model={text}: invalid literal for int() with base 10: '{text}'")
+    assert cli_checks._value_error_line(error, config) == expected  # pylint: disable=protected-access
+  error = flags.IllegalFlagValueError("flag --config.train.steps=1.5: invalid literal for int() "
+                                      "with base 10: '1.5'")
+  assert cli_checks._value_error_line(error, config).endswith('valid: an integer, e.g. 1200')  # pylint: disable=protected-access
+
+
+def test_an_empty_workdir_is_refused():
+  with pytest.raises(cli_checks.ConfigError, match='--workdir is empty'):
+    cli_checks.check_workdir('')
+  with pytest.raises(cli_checks.ConfigError, match='--workdir is required'):
+    cli_checks.check_workdir(None)
+
+
+def test_a_mesh_that_does_not_cover_the_devices_is_a_config_error(tmp_path):
+  config = decoder_only.get_config('quick')
+  config.data.data_dir = str(tmp_path / 'd')
+  config.mesh.data = 3  # batch 8 is not a multiple of 3: validation refuses it
+  with pytest.raises(cli_checks.ConfigError, match='train.batch_size=8'):
+    cli_checks.check_train_run(config, str(tmp_path / 'w'))
+  config.mesh.data = 2  # the batch divides, but 2 is not the device count (8 here)
+  with pytest.raises(cli_checks.ConfigError, match=f'product 2 must equal the device count '
+                     f'{jax.device_count()}'):
+    cli_checks.check_train_run(config, str(tmp_path / 'w'))
+
+
+# --- eval.py's flags ---------------------------------------------------------------------------
+
+EVAL_DEFAULTS = dict(split=['validation', 'test'], max_examples=0, lengths=[], modes=[
+    'non_overlapping', 'sliding'], stride=0.5, num_beams=4, length_penalty=0.6, temperature=1.0,
+                     top_k=0, top_p=1.0, plot_attention=0, rope_scaling=None)
+BAD_EVAL_FLAGS = [
+    ('lengths', ['0'], "--lengths=0: '0' is not valid"),
+    ('lengths', ['-1'], "--lengths=-1: '-1' is not valid"),
+    ('lengths', ['abc'], "--lengths=abc: 'abc' is not valid"),
+    ('lengths', ['1', 'nan'], "--lengths=1,nan: 'nan' is not valid"),
+    ('num_beams', 0, '--num_beams=0 must be a positive integer'),
+    ('num_beams', -1, '--num_beams=-1 must be a positive integer'),
+    ('split', [], '--split= names an empty split'),
+    ('split', ['test', ''], '--split=test, names an empty split'),
+    ('top_p', 2.0, r'--top_p=2.0 must be in \(0, 1\]'),
+    ('top_p', 0.0, r'--top_p=0.0 must be in \(0, 1\]'),
+    ('temperature', 0.0, '--temperature=0.0 is refused: .*for greedy decoding use --decode=greedy'),
+    ('temperature', -1.0, '--temperature=-1.0 is refused'),
+    ('stride', 0.0, r'--stride=0.0 must be in \(0, 1\]'),
+    ('max_examples', -1, '--max_examples=-1 must be >= 0'),
+    ('top_k', -2, '--top_k=-2 must be >= 0'),
+    ('modes', ['sideways'], '--modes=sideways is not valid; valid: non_overlapping, sliding'),
+    ('rope_scaling', 'ntk', '--rope_scaling=ntk is not valid; valid: none, or pi:F'),
+    ('rope_scaling', 'ntk:0.5', '--rope_scaling=ntk:0.5 is not valid'),
+    ('rope_scaling', 'warp:2', '--rope_scaling=warp:2 is not valid'),
+    ('plot_attention', -1, '--plot_attention=-1 must be >= 0'),
+]
+
+
+@pytest.mark.parametrize('flag,value,message', BAD_EVAL_FLAGS,
+                         ids=[f'{f}={v}' for f, v, _ in BAD_EVAL_FLAGS])
+def test_bad_eval_flags_are_one_line(flag, value, message):
+  with pytest.raises(cli_checks.ConfigError, match=message) as e:
+    cli_checks.check_eval_flags(**{**EVAL_DEFAULTS, flag: value})
+  assert '\n' not in str(e.value)
+
+
+def test_good_eval_flags_pass_and_lengths_become_numbers():
+  assert cli_checks.check_eval_flags(**EVAL_DEFAULTS) == []
+  assert cli_checks.check_eval_flags(**{**EVAL_DEFAULTS, 'lengths': ['1', '2.5'],
+                                        'rope_scaling': 'ntk:4'}) == [1.0, 2.5]
+  assert cli_checks.check_eval_flags(**{**EVAL_DEFAULTS, 'rope_scaling': 'none'}) == []
+
+
+def _fake_run(path, data_dir, **model):
+  config = decoder_only.get_config('quick')
+  config.data.data_dir = str(data_dir)
+  config.model.update(model)
+  os.makedirs(path, exist_ok=True)
+  (path / 'config.json').write_text(config.to_json_best_effort())
+  return config
+
+
+def test_eval_lengths_beyond_the_model_or_the_stream_are_refused(tmp_path, data_dir):
+  learned = tmp_path / 'learned'
+  config = _fake_run(learned, data_dir, position='learned')
+  length = config.data.max_length
+  run = dict(split=['test'], translate=[], stream_split='test', rope_scaling=None)
+  cli_checks.check_eval_run(str(learned), lengths=[1.0], **run)
+  with pytest.raises(cli_checks.ConfigError, match=f'2 x data.max_length={length} = {2 * length} '
+                     f'positions; .*table has max_length={length} rows; valid: multiples <= 1'):
+    cli_checks.check_eval_run(str(learned), lengths=[2.0], **run)
+  rope = tmp_path / 'rope'
+  _fake_run(rope, data_dir, position='rope')
+  cli_checks.check_eval_run(str(rope), lengths=[4.0], **run)
+  with pytest.raises(cli_checks.ConfigError, match=f'1000 x data.max_length={length} = '
+                     f"{1000 * length} tokens, longer than the 'test' stream") as e:
+    cli_checks.check_eval_run(str(rope), lengths=[1000.0], **run)
+  limit = int(str(e.value).rsplit('<= ', 1)[1])
+  cli_checks.check_eval_run(str(rope), lengths=[float(limit)], **run)  # the largest that fits
+  with pytest.raises(cli_checks.ConfigError, match='is under one token'):
+    cli_checks.check_eval_run(str(rope), lengths=[0.001], **run)
+  with pytest.raises(cli_checks.ConfigError, match="'nosuch' is not a split of this run"):
+    cli_checks.check_eval_run(str(rope), lengths=[], **{**run, 'split': ['test', 'nosuch']})
+  with pytest.raises(cli_checks.ConfigError, match="needs a run with model.position='rope'"):
+    cli_checks.check_eval_run(str(learned), lengths=[], **{**run, 'rope_scaling': 'ntk:2'})
+
+
+def test_eval_json_must_be_writable(tmp_path):
+  cli_checks.check_can_write(str(tmp_path), 'eval.json')
+  assert os.listdir(tmp_path) == []  # the probe leaves nothing behind
+  os.makedirs(tmp_path / 'eval.json')
+  with pytest.raises(cli_checks.ConfigError, match='eval.json is a directory'):
+    cli_checks.check_can_write(str(tmp_path), 'eval.json')
+  with pytest.raises(cli_checks.ConfigError, match=r'cannot write eval.json in .* \(No such file'):
+    cli_checks.check_can_write(str(tmp_path / 'missing'), 'eval.json')
+
+
+# --- Sweeps ----------------------------------------------------------------------------------
+
+def test_sweep_seeds_and_files_that_cannot_load(tmp_path):
+  with pytest.raises(sweep.SweepError, match="--seeds=a,b: 'a' is not an integer"):
+    sweep.expand({}, seeds=['a', 'b'])
+  assert [c['seed'] for c in sweep.expand({}, seeds=['3', '4'])] == [3, 4]
+  path = tmp_path / 'broken.py'
+  path.write_text('def get_sweep(:\n  pass\n')
+  with pytest.raises(sweep.SweepError, match=f'sweep file {path} line 1: syntax error'):
+    sweep.load_sweep_module(str(path))
+  path.write_text('def get_config(arg=None):\n  raise ValueError("no")\n\n'
+                  'def get_sweep():\n  return [1]\n')
+  module = sweep.load_sweep_module(str(path))
+  with pytest.raises(sweep.SweepError, match='returned list'):
+    sweep.get_sweep(module)
+  with pytest.raises(sweep.SweepError, match=r"get_config\(None\) of .* raised ValueError: no"):
+    sweep.cell_config(module, None, {'name': 'seed=0', 'overrides': {}, 'seed': 0})
+
+
+SWEEP = '''
+from configs import decoder_only
+
+
+def get_config(arg=None):
+  return decoder_only.get_config('quick')
+
+
+def get_sweep():
+  return {'grid': {'model.ffn': ['relu', 'gelu', 'swiglu']}}
+'''
+
+
+@pytest.mark.parametrize('parallel', [1, 2])
+def test_a_signal_stops_the_running_cells_and_starts_no_other(tmp_path, parallel):
+  """The signal arrives while the first `parallel` cells run: they end (as train.py does, 128 + N
+  after saving), the queued one never starts, and run_sweep raises Stopped."""
+  spec = tmp_path / 'sweep.py'
+  spec.write_text(SWEEP)
+  children = processes.Children()
+  # Once every running cell has started, the signal comes (the barrier's action, run before any
+  # cell returns).
+  barrier = threading.Barrier(parallel, action=lambda: children.forward(signal.SIGTERM))
+  launched = []
+
+  def launch(argv, log_path, env):
+    del log_path, env
+    launched.append(argv)
+    barrier.wait(timeout=30)
+    return 128 + signal.SIGTERM
+
+  with pytest.raises(sweep.Stopped) as e:
+    sweep.run_sweep(str(spec), str(tmp_path / 'sw'), parallel=parallel, launch=launch,
+                    children=children, out=open(os.devnull, 'w'))
+  assert e.value.signum == signal.SIGTERM and len(launched) == parallel
+  results = list(e.value.results.values())
+  assert sorted(results) == sorted(['stopped (rc 143)'] * parallel
+                                   + ['not started'] * (3 - parallel))
+  assert len(os.listdir(tmp_path / 'sw')) == parallel  # no workdir for a cell never started
+
+
+# --- Memory ----------------------------------------------------------------------------------
+
+def huge_config(**mesh):
+  config = validation.resolve(decoder_only.get_config('quick'))
+  config.model.d_model = 16384  # ~2.1e9 parameters in two layers: 32 GiB of float32 state
+  config.mesh.update(mesh)
+  validation.validate(config)
+  return config
+
+
+def test_the_estimate_is_state_plus_activations():
+  config = huge_config()
+  need = memory.estimate(config, 166)
+  counted = sum(accounting.counted_params(accounting.abstract_model(
+      config.model, 166, config.data.max_length)).values())
+  assert need['state'] == 4 * 4 * counted  # params, grads and two Adam moments, float32
+  assert need['activations'] == accounting.activation_bytes(
+      config.model, 166, config.train.batch_size, config.data.max_length, config.mesh)
+  assert need['total'] == need['state'] + need['activations'] > 32 * GIB
+
+
+def test_an_estimate_over_the_limit_is_refused_in_one_line():
+  config = huge_config()
+  with pytest.raises(memory.OutOfMemory) as e:
+    memory.check_training_memory(config, 166, limit=(8 * GIB, 'test limit'))
+  message = str(e.value)
+  assert '\n' not in message
+  assert message.startswith('out of memory: estimated training memory 32.')
+  assert 'limit 8.0 GiB (test limit)' in message and 'mesh.fsdp' in message
+  small = validation.resolve(decoder_only.get_config('quick'))
+  need, limit, what = memory.check_training_memory(small, 166, limit=(8 * GIB, 'test limit'))
+  assert need['total'] < 8 * GIB and (limit, what) == (8 * GIB, 'test limit')
+
+
+def test_cpu_devices_of_one_mesh_share_the_host_limit():
+  config = huge_config(fsdp=4)  # needs 4 of the 8 simulated CPU devices
+  per_device = memory.estimate(config, 166)['total']
+  memory.check_training_memory(config, 166, limit=(4 * per_device, 'host'))
+  with pytest.raises(memory.OutOfMemory, match='x 4 devices sharing the host'):
+    memory.check_training_memory(config, 166, limit=(4 * per_device - 1, 'host'))
+
+
+def test_the_device_limit_on_cpu_is_the_host_memory():
+  limit, what = memory.device_limit()
+  assert jax.local_devices()[0].memory_stats() is None  # a CPU: no allocator limit
+  assert limit > 0
+  assert what in ('available host memory', 'room under the cgroup memory limit') or what.startswith(
+      'address space left under RLIMIT_AS'), what
+
+
+def test_an_xla_out_of_memory_error_is_one_line_with_the_estimate():
+  error = jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 1073741824 '
+                                     'bytes.\nmore lines of XLA detail')
+  assert memory.is_out_of_memory(error) and memory.is_out_of_memory(MemoryError())
+  assert not memory.is_out_of_memory(RuntimeError('INTERNAL: something else'))
+  line = memory.out_of_memory_line(error, huge_config(), 166)
+  assert '\n' not in line
+  assert line.startswith('train: out of memory: RESOURCE_EXHAUSTED: Out of memory allocating '
+                         '1073741824 bytes.; estimated training memory 32.')
+
+
+def test_meminfo_reads_kilobytes(tmp_path):
+  path = tmp_path / 'meminfo'
+  path.write_text('MemTotal:       24684092 kB\nMemAvailable:   1000 kB\n')
+  assert memory._meminfo('MemAvailable', str(path)) == 1000 * 1024  # pylint: disable=protected-access
+  assert memory._meminfo('Nope', str(path)) is None  # pylint: disable=protected-access
