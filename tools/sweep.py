@@ -34,7 +34,6 @@ import hashlib
 import importlib.util
 import inspect
 import itertools
-import json
 import math
 import os
 import re
@@ -46,6 +45,7 @@ import time
 from absl import app
 from absl import flags
 
+from training import writers
 from tools import processes
 from training import cli_checks
 from training import validation
@@ -254,13 +254,8 @@ def cell_status(workdir, steps):
 def _last_train_loss_nonfinite(path):
   if not os.path.exists(path):
     return False
-  last = None
-  with open(path) as f:
-    for line in f:
-      if line.strip():
-        row = json.loads(line)
-        if row.get('split') == 'train':
-          last = row.get('loss')
+  train = [r for r in writers.read_metrics(path, warn=False) if r.get('split') == 'train']
+  last = train[-1].get('loss') if train else None
   return last is not None and not math.isfinite(last)
 
 
@@ -279,14 +274,11 @@ def _final_loss(workdir):
   path = os.path.join(workdir, 'metrics.jsonl')
   valid = train = None
   if os.path.exists(path):
-    with open(path) as f:
-      for line in f:
-        if line.strip():
-          row = json.loads(line)
-          if row.get('split') == 'valid':
-            valid = row['loss']
-          elif row.get('split') == 'train':
-            train = row['loss']
+    for row in writers.read_metrics(path, warn=False):
+      if row.get('split') == 'valid':
+        valid = row['loss']
+      elif row.get('split') == 'train':
+        train = row['loss']
   return train, valid
 
 

@@ -18,10 +18,13 @@ from layers import rnn_attention
 from layers import sharding
 from models import rnn_seq2seq
 from models import stack
+from data import pipeline
+from training import state as state_lib
 
-SCHEDULES = ('cosine', 'linear', 'constant')
-LOSS_ON = ('target', 'all')
-PACKINGS = ('none', 'segments', 'stream')
+# The valid values live where they are used; validation only names them.
+SCHEDULES = state_lib.SCHEDULES
+LOSS_ON = pipeline.LOSS_ON
+PACKINGS = tuple(pipeline.PACKINGS)
 # The archs whose Transformer self-attention is causal (their decoders), and the one whose is not.
 CAUSAL_ARCHS = ('decoder_only', 'encoder_decoder')
 BIDIRECTIONAL_ARCHS = ('encoder_only',)
@@ -133,7 +136,7 @@ def validate(config):
     raise ConfigError(f'train.grad_accum_steps={accum!r} must be a positive integer dividing '
                       f'train.batch_size={t.batch_size}')
   # No float16: its gradients underflow without loss scaling, which the step does not do.
-  _choice('train.compute_dtype', t.get('compute_dtype', 'float32'), ('float32', 'bfloat16'))
+  _choice('train.compute_dtype', t.get('compute_dtype', 'float32'), state_lib.COMPUTE_DTYPES)
   _choice('train.loss_on', t.loss_on, LOSS_ON)
   _validate_loop_options(config)
 
