@@ -15,25 +15,6 @@ from tests.helpers import ROOT, tiny
 from tools import accounting as accounting_cli
 
 V = 166  # the toy task's vocabulary
-MIB = 2 ** 20
-
-
-CONFIGS = {
-    'dense_mha': {},
-    'gqa': dict(num_kv_heads=2),
-    'mqa_rmsnorm_post': dict(num_kv_heads=1, norm='rmsnorm', norm_position='post'),
-    'swiglu': dict(ffn='swiglu'),
-    'geglu_biases_learned': dict(ffn='geglu', use_bias=True, position='learned'),
-    't5_bias': dict(position='t5_bias'),
-    'encoder_decoder': dict(arch='encoder_decoder'),
-    'encoder_decoder_unshared': dict(arch='encoder_decoder', share_embeddings=False,
-                                     position='learned'),
-    'encoder_only_linformer': dict(arch='encoder_only', attention='linformer'),
-}
-
-BUILT = ('dense_mha', 'gqa', 'swiglu', 'encoder_decoder')
-
-FLOPS_RTOL = 0.10
 
 
 def run_cli(*args):

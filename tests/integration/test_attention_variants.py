@@ -17,15 +17,7 @@ from training import state as state_lib
 D, N, K, T = 16, 4, 2, 13  # T not a multiple of any block below; N/K = 2 (GQA)
 
 
-MASKING = {
-    'sliding_window': dict(window=3, block=4),
-    'longformer': dict(window=2, global_tokens=(0, 6), block=4),
-    'bigbird': dict(block=3, num_random=1, global_tokens=(0,), seed=1),
-}
-
 CAUSAL = ('sliding_window', 'longformer', 'bigbird', 'performer', 'linear')
-
-ALL = CAUSAL + ('linformer',)
 
 
 def _performer_layers(model):

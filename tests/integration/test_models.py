@@ -9,16 +9,12 @@ from configs import encoder_decoder
 from configs import encoder_only
 from configs import rnn_seq2seq
 from training import validation
-from data import tokenizer as tokenizer_lib
-from models import encoder_only as encoder_only_lib
 from tools import plots
 from training import evaluation
 from training import loop
 
 CONFIGS = {'encoder_only': encoder_only, 'encoder_decoder': encoder_decoder,
            'rnn_seq2seq': rnn_seq2seq}
-IDS = encoder_only_lib.SpecialIds.from_tokenizer(tokenizer_lib.Tokenizer.from_words(['a', 'b']))
-
 
 
 @pytest.fixture(scope='module')

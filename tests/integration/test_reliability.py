@@ -20,23 +20,7 @@ from training import checkpointing
 from training import loop
 
 
-
 metrics = metric_rows
-
-
-CATALOGUE = [
-    ('model.num_heads', 7), ('model.num_kv_heads', 3), ('model.arch', 'rnn'),
-    ('model.attention', 'sparse'), ('model.attention_impl', 'triton'), ('model.position', 'rotary'),
-    ('model.norm', 'batchnorm'), ('model.norm_position', 'middle'), ('model.ffn', 'tanh'),
-    ('model.num_layers', 0), ('model.d_model', -8), ('model.num_heads', 0), ('model.d_ff', -1),
-    ('model.dropout', 1.5), ('model.rope_scaling', 'linear'), ('model.rope_base', 0.5),
-    ('model.rope_fraction', 0.0), ('model.t5_num_buckets', 3), ('train.steps', 0),
-    ('train.batch_size', 0), ('train.learning_rate', 0.0), ('train.learning_rate', -1e-3),
-    ('train.warmup_steps', 5000), ('train.warmup_steps', -1), ('train.schedule', 'step'),
-    ('train.loss_on', 'source'), ('train.grad_clip_norm', -1.0), ('train.b2', 1.0),
-    ('train.checkpoint_every', 0), ('train.log_every', 0), ('data.packing', 'greedy'),
-    ('data.task', 'nosuch'), ('data.max_length', 4),
-]
 
 
 def cli(*args, timeout=180):

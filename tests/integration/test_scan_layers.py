@@ -12,9 +12,6 @@ from training import loop
 V, L = 23, 2
 # Positions applied inside attention (T5 bias, RoPE) are closed over by the scanned block body:
 # their gradients must leave the scan as well.
-ARCH_POSITION = {'decoder_only': 't5_bias', 'encoder_decoder': 'rope'}
-REMATS = {'decoder_only': ('none', 'full', 'dots'), 'encoder_decoder': ('none', 'full')}
-
 
 
 def test_a_few_scanned_steps_lower_the_loss_with_diagnostics(data_dir, tmp_path):

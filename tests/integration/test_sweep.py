@@ -2,7 +2,6 @@
 --dry_run, and the comparison's band, divergence, plateau and steps-to-target on synthetic runs."""
 
 from tests.helpers import ROOT, write_run
-import glob
 import io
 import json
 import os
@@ -13,7 +12,6 @@ import pytest
 
 from tools import sweep
 
-ABLATIONS = sorted(glob.glob(os.path.join(ROOT, 'configs', 'ablations', '[!_]*.py')))
 
 TINY_SWEEP = '''
 from configs import decoder_only

@@ -11,13 +11,8 @@ import pytest
 from configs import decoder_only
 from configs import default
 from training import validation
-from tests.helpers import metric_rows
 from training import checkpointing
 from training import state as state_lib
-
-
-
-metrics = metric_rows
 
 
 CATALOGUE = [
@@ -32,10 +27,17 @@ CATALOGUE = [
     ('train.loss_on', 'source'), ('train.grad_clip_norm', -1.0), ('train.b2', 1.0),
     ('train.checkpoint_every', 0), ('train.log_every', 0), ('data.packing', 'greedy'),
     ('data.task', 'nosuch'), ('data.max_length', 4),
+    # Non-finite and empty values, accepted before the reliability pass.
+    ('train.learning_rate', float('nan')), ('train.learning_rate', float('inf')),
+    ('train.weight_decay', float('nan')), ('train.weight_decay', float('inf')),
+    ('model.rope_scaling_factor', float('nan')), ('model.rope_scaling_factor', float('inf')),
+    ('model.rope_base', float('inf')), ('model.rope_base', float('nan')),
+    ('train.grad_clip_norm', float('nan')), ('train.grad_clip_norm', float('inf')),
+    ('data.data_dir', ''), ('data.data_dir', '  '),
 ]
 
 
-@pytest.mark.parametrize('field,value', CATALOGUE, ids=[f'{f}={v}' for f, v in CATALOGUE])
+@pytest.mark.parametrize('field,value', CATALOGUE, ids=[f'{f}={v!r}' for f, v in CATALOGUE])
 def test_bad_config_names_the_field(field, value):
   config = validation.resolve(decoder_only.get_config())
   section, name = field.split('.')

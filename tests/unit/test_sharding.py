@@ -13,9 +13,6 @@ import models
 from training import distributed
 from training import state as state_lib
 
-MESHES = [(8, 1, 1, 1), (2, 2, 2, 1), (1, 8, 1, 1), (1, 1, 1, 8)]
-
-
 
 def test_parameters_are_placed_by_their_logical_names():
   config = validation.resolve(default.get_config('quick'))

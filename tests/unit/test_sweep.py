@@ -13,20 +13,6 @@ from tools import sweep
 
 ABLATIONS = sorted(glob.glob(os.path.join(ROOT, 'configs', 'ablations', '[!_]*.py')))
 
-TINY_SWEEP = '''
-from configs import decoder_only
-
-
-def get_config(arg=None):
-  config = decoder_only.get_config('quick')
-  config.train.steps = 20
-  return config
-
-
-def get_sweep():
-  return {GRID}
-'''
-
 
 def test_grid_times_seeds_gives_sorted_stable_names():
   cells = sweep.expand({'grid': {'train.warmup_steps': [0, 100], 'model.norm_position': ['pre',
