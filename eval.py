@@ -15,6 +15,7 @@ from absl import logging
 import jax
 
 from tools import plots
+from training import checkpointing
 from training import cli_checks
 from training import distributed
 from training import evaluation
@@ -121,8 +122,8 @@ def main(argv):
         decode=_decode_options())
   except ValueError as e:
     cli_checks.fail('eval', e)
-  except FileNotFoundError as e:
-    print(str(e), file=sys.stderr)
+  except (FileNotFoundError, checkpointing.RunFailed) as e:  # no checkpoint, or none readable
+    print(f'eval: {e}' if isinstance(e, checkpointing.RunFailed) else str(e), file=sys.stderr)
     sys.exit(1)
   if jax.process_index() > 0:  # process 0 writes the results and draws the pictures
     return

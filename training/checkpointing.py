@@ -235,19 +235,20 @@ def restore_newest_good(mngr, state, workdir, move_aside=True):
       try:
         with _quiet():
           restored, data_state = restore_state(mngr, state, step)
-        return restored, data_state, step
       except Exception as e:  # pylint: disable=broad-except
         unreadable.append((step, _reason(e)))
-    step, reason = unreadable[-1]
-    if move_aside:
-      aside = os.path.join(mngr.directory, f'corrupt-{step}-{int(time.time())}')
-      print(f'train: checkpoint step {step} in {workdir} is unreadable ({reason}); moved to '
-            f'{aside}, trying the previous one', file=sys.stderr)
-      os.rename(os.path.join(mngr.directory, str(step)), aside)
-      mngr.reload()
-    else:
-      print(f'checkpoint step {step} in {workdir} is unreadable ({reason}); trying the previous '
-            'one', file=sys.stderr)
+      else:
+        # Only now, with a good one to go back to, are the newer unreadable ones moved aside.
+        for bad, _ in unreadable if move_aside else ():
+          os.rename(os.path.join(mngr.directory, str(bad)), os.path.join(
+              mngr.directory, f'corrupt-{bad}-{int(time.time())}'))
+        if unreadable and move_aside:
+          mngr.reload()
+        return restored, data_state, step
+    bad, reason = unreadable[-1]
+    print(f'checkpoint step {bad} in {workdir} is unreadable ({reason})' +
+          (f'; {"moving it to corrupt-" + str(bad) + "-TIME and " if move_aside else ""}trying '
+           'the previous one' if bad != steps[-1] else ''), file=sys.stderr)
   if unreadable:
     raise UnreadableCheckpoints(
         f'every checkpoint in {os.path.join(workdir, "checkpoints")} is unreadable (steps '

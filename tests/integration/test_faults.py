@@ -65,6 +65,12 @@ def test_every_checkpoint_unreadable_is_said_not_restarted(data_dir, tmp_path):
   with pytest.raises(checkpointing.UnreadableCheckpoints, match='every checkpoint .* unreadable'):
     loop.train_and_evaluate(config, str(tmp_path))
   assert metric_rows(tmp_path) == rows  # the record is kept
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2', '4']  # a rerun says it again
+  # eval.py says the same in one line (exit 1), not a parser message.
+  out = subprocess.run([sys.executable, 'eval.py', f'--workdir={tmp_path}', '--split=test'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines()[-1].startswith('eval: every checkpoint in'), out.stderr
 
 
 def test_a_second_run_on_a_busy_workdir_is_refused_naming_the_holder(data_dir, tmp_path):
