@@ -1,16 +1,100 @@
-"""The output projection and cross-entropy computed a vocabulary tile at a time (`train.loss_chunk`).
+"""The output projection and cross-entropy computed a tile at a time (`train.loss_chunk`).
 
 The plain path materialises the logits `[B, T, V]` in float32 and, for the backward pass, their
-gradient: at V = 32k and T = 2k that alone dominates memory. Here the tied output embedding
-`[V, D]` is cut into tiles of C rows; a `lax.scan` over the tiles keeps, per token, the running
-max and sum of the log-sum-exp (as in online softmax), the target's logit and the best logit so
-far (for accuracy). The body is rematerialised (`jax.checkpoint`), so the backward pass recomputes
-one `[B, T, C]` tile at a time: memory O(B·T·C) instead of O(B·T·V), for one more tile matmul.
-This is the cut-cross-entropy idea (Wijmans et al. 2024), as MaxText and big_vision do it.
+gradient: at V = 32k and T = 2k that alone dominates memory. Here the B·T tokens are cut into tiles
+of R = B·T·C / V tokens, so that a tile's logits `[R, V]` hold as many numbers as C vocabulary rows
+of the batch would (`[B, T, C]`): memory O(B·T·C) instead of O(B·T·V). A `lax.scan` over the tiles
+computes each tile's logits against the whole tied embedding `[V, D]`, its log-sum-exp, loss and
+accuracy, and (a custom VJP) at once the gradient of the summed loss with respect to the tile's
+hidden states and, accumulated over the tiles, the embedding: `w · (softmax - onehot)` multiplied
+into both. The backward pass only scales these by the incoming cotangent.
+
+Why tokens and not vocabulary rows per tile: with a tile of C vocabulary rows a token's softmax
+needs the log-sum-exp over all V first, so the backward pass must recompute every tile's logits
+(four tile matmuls per step against the plain path's three; on the benchmark in
+benchmarks/loss_chunk.py, where the output projection is most of the step's FLOPs, that ran at
+0.79-0.89x the plain step). A tile spanning the whole vocabulary has its log-sum-exp at hand, so
+its gradient is formed in the same pass: three matmuls, as the plain path. This is the
+cut-cross-entropy idea (Wijmans et al. 2024), tiled over tokens as MaxText's vocabulary tiling does.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
+
+
+def tile_tokens(batch, length, vocab, chunk):
+  """R, the tokens per tile: as many logits as `chunk` vocabulary rows of the batch (at least 1)."""
+  return max(1, batch * length * chunk // vocab)
+
+
+def _tiles(x, rows, fill=0):
+  """`[N, ...]` -> `[n, R, ...]`, padded with `fill` up to a multiple of R rows."""
+  n = -(-x.shape[0] // rows)
+  pad = n * rows - x.shape[0]
+  if pad:
+    x = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)
+  return x.reshape(n, rows, *x.shape[1:])
+
+
+def _scan(hidden, table, targets, weights, rows, with_grads):
+  """Per token the cross-entropy and whether the argmax is the target; with `with_grads` also the
+  gradient of sum(w · cross-entropy) with respect to `hidden` and `table`."""
+  b, t, d = hidden.shape
+  v = table.shape[0]
+  tiles = (_tiles(hidden.reshape(b * t, d), rows), _tiles(targets.reshape(b * t), rows),
+           _tiles(weights.reshape(b * t), rows))  # [n, R, D], [n, R], [n, R]
+
+  def tile(dtable, inputs):
+    h, y, w = inputs  # [R, D], [R], [R]
+    logits = jnp.einsum('RD,VD->RV', h, table, preferred_element_type=jnp.float32)  # [R, V]
+    m = jnp.max(logits, -1)  # [R]
+    # The softmax as jax.nn.softmax forms it, exp(l - m) / s: no exp overflows.
+    e = jnp.exp(logits - m[:, None])  # [R, V]
+    s = jnp.sum(e, -1)  # [R]
+    target_logit = jnp.take_along_axis(logits, y[:, None], -1)[:, 0]  # [R]
+    ce = m + jnp.log(s) - target_logit  # [R]
+    correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)  # first of tied maxima
+    if not with_grads:
+      return dtable, (ce, correct)
+    onehot = (y[:, None] == jnp.arange(v)).astype(jnp.float32)  # [R, V]
+    # d sum(w · ce) / d logits; in the compute dtype, as the plain path's backward matmuls are.
+    dlogits = (w[:, None] * (e * (1.0 / s)[:, None] - onehot)).astype(hidden.dtype)  # [R, V]
+    dh = jnp.einsum('RV,VD->RD', dlogits, table, preferred_element_type=jnp.float32)  # [R, D]
+    dtable = dtable + jnp.einsum('RV,RD->VD', dlogits, h, preferred_element_type=jnp.float32)
+    return dtable, (ce, correct, dh)
+
+  init = jnp.zeros(table.shape, jnp.float32) if with_grads else None  # [V, D]
+  dtable, out = jax.lax.scan(tile, init, tiles)
+  ce, correct = (x.reshape(-1)[:b * t].reshape(b, t) for x in out[:2])  # [B, T] each
+  if not with_grads:
+    return ce, correct
+  dh = out[2].reshape(-1, d)[:b * t].reshape(b, t, d)  # [B, T, D]
+  return ce, correct, dh.astype(hidden.dtype), dtable.astype(table.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _loss_and_correct(hidden, table, targets, weights, rows):
+  """(sum of w · cross-entropy, sum of w · [argmax == target]); differentiable in the first."""
+  ce, correct = _scan(hidden, table, targets, weights, rows, with_grads=False)
+  return jnp.sum(ce * weights), jnp.sum(correct * weights)
+
+
+def _loss_fwd(hidden, table, targets, weights, rows):
+  ce, correct, dh, dtable = _scan(hidden, table, targets, weights, rows, with_grads=True)
+  return (jnp.sum(ce * weights), jnp.sum(correct * weights)), (dh, dtable, ce)
+
+
+def _loss_bwd(rows, residuals, cotangents):
+  """The gradients formed in the forward pass, scaled; the accuracy (a count) has none."""
+  del rows
+  dh, dtable, ce = residuals
+  g = cotangents[0]
+  return (g * dh).astype(dh.dtype), (g * dtable).astype(dtable.dtype), None, g * ce
+
+
+_loss_and_correct.defvjp(_loss_fwd, _loss_bwd)
 
 
 def chunked_metrics(hidden, table, targets, weights, chunk):
@@ -21,42 +105,14 @@ def chunked_metrics(hidden, table, targets, weights, chunk):
     table: `[V, D]` the output embedding (tied with the input embedding).
     targets: `[B, T]` int token ids.
     weights: `[B, T]` loss weights (0 on padding).
-    chunk: C, vocabulary rows per tile (V is padded up to a multiple of C).
+    chunk: C: each tile holds the logits of B·T·C / V tokens over the whole vocabulary, as many
+      numbers as C vocabulary rows of the batch (the tokens are padded up to a multiple of it).
 
   Returns:
     {'loss_sum', 'correct_sum', 'weight_sum'}: the same sums as the plain path (to float
     rounding), differentiable with respect to `hidden` and `table`.
   """
-  v, d = table.shape
-  tiles = -(-v // chunk)
-  padded = jnp.pad(table, ((0, tiles * chunk - v), (0, 0))).reshape(tiles, chunk, d)  # [n, C, D]
   b, t = targets.shape
-  neg = jnp.full((b, t), -jnp.inf, jnp.float32)
-
-  @jax.checkpoint
-  def tile(carry, inputs):
-    m, s, target_logit, best, best_id = carry  # [B, T] each
-    rows, i = inputs  # [C, D], the tile's index
-    logits = jnp.einsum('BTD,CD->BTC', hidden, rows,
-                        preferred_element_type=jnp.float32)  # [B, T, C]
-    ids = i * chunk + jnp.arange(chunk)  # [C] vocabulary ids of the tile
-    logits = jnp.where(ids < v, logits, -jnp.inf)  # the padding rows are no tokens
-    # The running max is a constant of the log-sum-exp's value: no gradient flows through it.
-    m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(logits, -1)))
-    s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits - m_new[..., None]), -1)
-    local = targets - i * chunk  # [B, T] the target's column in this tile, if it is here
-    here = (local >= 0) & (local < chunk)
-    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, chunk - 1)[..., None], -1)[..., 0]
-    target_logit = jnp.where(here, picked, target_logit)
-    tile_best, tile_id = jnp.max(logits, -1), jnp.argmax(logits, -1) + i * chunk
-    better = tile_best > best  # strict: ties keep the earlier (lower) id, as jnp.argmax does
-    return (m_new, s, target_logit, jnp.where(better, tile_best, best),
-            jnp.where(better, tile_id, best_id)), None
-
-  init = (neg, jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t), jnp.float32), neg,
-          jnp.zeros((b, t), jnp.int32))
-  (m, s, target_logit, _, best_id), _ = jax.lax.scan(tile, init, (padded, jnp.arange(tiles)))
-  ce = m + jnp.log(s) - target_logit  # [B, T]
-  correct = (best_id == targets).astype(jnp.float32)
-  return {'loss_sum': jnp.sum(ce * weights), 'correct_sum': jnp.sum(correct * weights),
-          'weight_sum': jnp.sum(weights)}
+  rows = tile_tokens(b, t, table.shape[0], chunk)
+  loss_sum, correct_sum = _loss_and_correct(hidden, table, targets, weights, rows)
+  return {'loss_sum': loss_sum, 'correct_sum': correct_sum, 'weight_sum': jnp.sum(weights)}
