@@ -94,8 +94,9 @@ def get_config(arg=None):
   #                              masks are drawn per micro-batch)
   train.compute_dtype = 'float32'  # float32 | bfloat16: forward/backward on parameters
   #                                  cast to it; parameters, gradients, optimiser, loss in float32
-  train.loss_chunk = 0  # C > 0: output projection and loss C vocabulary rows at a time, so the
-  #                       [B, T, V] logits never exist (large vocabularies); 0 = the plain path
+  train.loss_chunk = 0  # C > 0: output projection and loss in tiles of B·T·C/V tokens (as many
+  #                       logits as C vocabulary rows), so the [B, T, V] logits never exist
+  #                       (large vocabularies); 0 = the plain path
   train.profile_steps = ''  # 'START,END': a jax.profiler trace of those steps in DIR/profile
   train.skip_nonfinite = False  # skip (and count) a step whose loss or gradient is NaN/inf instead
   #                               of stopping the run

@@ -45,7 +45,7 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
   backward passes run on parameters cast to it, while the parameters, their gradients and the
   optimiser stay float32 (and logits, loss and softmax statistics are float32 in the models).
 
-  With `loss_chunk` = C > 0 the output projection and loss run C vocabulary rows at a time
+  With `loss_chunk` = C > 0 the output projection and loss run in tiles of B·T·C/V tokens
   (training.losses.chunked_metrics): the `[B, T, V]` logits are never materialised.
 
   With `skip_nonfinite`, a step whose loss or gradient norm is not finite leaves the parameters and
