@@ -182,18 +182,24 @@ class _DropOrbaxErrors(logging.Filter):
   the failure in one line instead."""
 
   def filter(self, record):
-    return not (record.levelno >= logging.ERROR and 'orbax' in (record.pathname or ''))
+    if record.levelno < logging.ERROR:
+      return True
+    if 'orbax' in (record.pathname or ''):
+      return False
+    # The failed write's future, which asyncio reports when it is collected unretrieved.
+    return not (record.name == 'asyncio' and 'never retrieved' in str(record.msg))
 
 
 @contextlib.contextmanager
 def quiet_background_errors():
-  """While active, Orbax's own error records are dropped (see `confirm_saved`)."""
+  """While active, Orbax's own error records are dropped (see `confirm_saved`). After a failure the
+  filter stays: the failed write's futures are collected later, up to interpreter exit."""
   drop = _DropOrbaxErrors()
-  logger = logging.getLogger('absl')
-  logger.addFilter(drop)
-  try:
-    yield
-  finally:
+  loggers = [logging.getLogger('absl'), logging.getLogger('asyncio')]
+  for logger in loggers:
+    logger.addFilter(drop)
+  yield
+  for logger in loggers:  # reached only when the run ended without an exception
     logger.removeFilter(drop)
 
 
