@@ -9,6 +9,7 @@ and, per variant, temp(16k)/temp(4k) (linear growth: <= 4.5) where both lengths 
 
 import argparse
 import functools
+import json
 import os
 import sys
 import time
@@ -116,6 +117,8 @@ def main():
   p.add_argument('--repeats', type=int, default=3)
   p.add_argument('--max_seconds', type=float, default=10.0)
   p.add_argument('--mem_limit_gib', type=float, default=8.0, help='not run above this temp')
+  p.add_argument('--json', default='', help='also write the rows to this JSON file (read by '
+                 'benchmarks/attention_tradeoff.py)')
   args = p.parse_args()
   lengths = [int(x) for x in args.lengths.split(',')]
   variants = args.variants.split(',')
@@ -124,6 +127,7 @@ def main():
   print('| variant | T | pass | time (s) | temp memory |')
   print('|---|---|---|---|---|')
   temps = {}
+  rows = []
   for variant in variants:
     if variant == 'linformer' and args.causal:
       continue
@@ -133,6 +137,12 @@ def main():
         temps[variant, t, mode] = temp
         shown = f'{secs:.3f}' if secs is not None else 'not run (temp > limit)'
         print(f'| {variant} | {t} | {mode} | {shown} | {_fmt_bytes(temp)} |', flush=True)
+        rows.append({'variant': variant, 'length': t, 'mode': mode, 'seconds': secs,
+                     'temp_bytes': int(temp), 'causal': args.causal})
+        if args.json:  # rewritten after every row: a long run killed midway keeps what it measured
+          with open(args.json, 'w') as f:
+            json.dump({'batch': B, 'heads': N, 'head_dim': H, 'dtype': 'float32',
+                       'xla_flags': os.environ.get('XLA_FLAGS'), 'rows': rows}, f, indent=1)
   print()
   for (variant, t, mode), temp in sorted(temps.items()):
     if t == 16384 and (variant, 4096, mode) in temps:

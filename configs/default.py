@@ -64,6 +64,8 @@ def get_config(arg=None):
   model.performer_redraw = 0  # performer: 0 = fixed features, R = redraw every R steps
   # encoder_decoder
   model.share_embeddings = True  # one token embedding for encoder, decoder and output (else two)
+  model.decoder_attention = ''  # the decoder's self-attention variant ('' = model.attention), e.g.
+  #                               a linformer encoder (no causal form) with a dense decoder
   # encoder_only (masked-token prediction, BERT): which tokens are predicted and how they are hidden
   model.mlm_rate = 0.15  # share of real non-special tokens chosen for prediction
   model.mlm_mask_prob = 0.8  # of the chosen: replaced by <mask>

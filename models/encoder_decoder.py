@@ -17,8 +17,8 @@ class EncoderDecoder(nnx.Module):
     self.encoder = stack.Stack(cfg, vocab_size, max_length, rngs=rngs)
     # Shared embeddings (one table for source, target and output) suit a joint vocabulary.
     embed = self.encoder.embed if cfg.get('share_embeddings', True) else None
-    self.decoder = stack.Stack(cfg, vocab_size, max_length, cross_attention=True, embed=embed,
-                               stream=1, rngs=rngs)
+    self.decoder = stack.Stack(decoder_config(cfg), vocab_size, max_length, cross_attention=True,
+                               embed=embed, stream=1, rngs=rngs)
 
   def encode(self, batch, *, rngs=None):
     """`[B, S, D]` encoder output of `src_inputs` (non-causal)."""
@@ -89,3 +89,13 @@ class EncoderDecoder(nnx.Module):
                                         context_cache=cache['context'],
                                         context_mask=cache['context_mask'])  # [B, D]
     return self.decoder.embed.attend(h).astype(jnp.float32), {**cache, 'self': self_cache}
+
+
+def decoder_config(cfg):
+  """`cfg` with the decoder's self-attention variant (`model.decoder_attention`, '' = the
+  encoder's): an encoder variant with no causal form (Linformer) can then pair with a decoder."""
+  if not cfg.get('decoder_attention'):
+    return cfg
+  out = cfg.copy_and_resolve_references()
+  out.attention = cfg.decoder_attention
+  return out

@@ -220,10 +220,30 @@ def _validate_attention(config):
   m = config.model
   _check_registry('attention', attention_variants.VARIANTS, m, config.data)
   variant = attention_variants.VARIANTS[m.attention]
-  if not variant.supports_causal and m.arch in CAUSAL_ARCHS:
+  decoder = m.get('decoder_attention', '')
+  if decoder:
+    if m.arch != 'encoder_decoder':
+      raise ConfigError(f'model.decoder_attention={decoder!r} is read only by '
+                        f"model.arch='encoder_decoder' (model.arch={m.arch!r}); valid value "
+                        "here: '' (model.attention is used)")
+    _choice('model.decoder_attention', decoder, attention_variants.VARIANTS)
+    decoder_cfg = m.copy_and_resolve_references()
+    decoder_cfg.attention = decoder
+    _check_registry('attention', attention_variants.VARIANTS, decoder_cfg, config.data)
+    causal = [name for name, v in attention_variants.VARIANTS.items() if v.supports_causal]
+    if not attention_variants.VARIANTS[decoder].supports_causal:
+      raise ConfigError(f'model.decoder_attention={decoder!r} is not causal; valid values: '
+                        f"'', {', '.join(causal)}")
+    if m.scan_layers and not attention_variants.VARIANTS[decoder].scannable:
+      raise ConfigError(f'model.scan_layers=True is not valid for model.decoder_attention='
+                        f'{decoder!r} (its layers draw their own random blocks/features); use '
+                        'scan_layers=False')
+  elif not variant.supports_causal and m.arch in CAUSAL_ARCHS:
+    hint = (" or set model.decoder_attention to a causal variant (the encoder keeps "
+            f"{m.attention!r})" if m.arch == 'encoder_decoder' else '')
     raise ConfigError(f'model.attention={m.attention!r} is not causal and model.arch={m.arch!r} '
                       'needs causal self-attention; valid archs: '
-                      f'{", ".join(BIDIRECTIONAL_ARCHS)}')
+                      f'{", ".join(BIDIRECTIONAL_ARCHS)}{hint}')
   if not variant.supports_segments and config.data.packing == 'segments':
     raise ConfigError(f"data.packing='segments' is not valid for model.attention={m.attention!r} "
                       '(it hides padding only, not other segments); valid values: '

@@ -10,6 +10,7 @@ import pytest
 
 from tools import compare
 from tools import sweep
+from training import validation
 
 ABLATIONS = sorted(glob.glob(os.path.join(ROOT, 'configs', 'ablations', '[!_]*.py')))
 
@@ -101,7 +102,11 @@ def test_attention_sweep_names_every_registered_variant():
   module = sweep.load_sweep_module(os.path.join(ROOT, 'configs', 'ablations',
                                                 'attention_variants.py'))
   cells = sweep.expand(sweep.get_sweep(module))
-  assert sorted(c['overrides']['model.attention'] for c in cells) == sorted(attention_variants.VARIANTS)
+  assert sorted({c['overrides']['model.attention'] for c in cells}) == sorted(
+      attention_variants.VARIANTS)
+  assert len(cells) == 3 * len(attention_variants.VARIANTS)  # three seeds
+  for c in cells:  # every cell is a valid config (Linformer's decoder is dense)
+    validation.validate(validation.resolve(sweep.cell_config(module, None, c)))
 
 
 def test_band_is_mean_min_max_across_seeds():

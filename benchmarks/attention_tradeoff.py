@@ -1,0 +1,186 @@
+"""Efficient attention: what each variant costs against what it loses, one table and one picture.
+
+    .venv/bin/python benchmarks/attention_tradeoff.py --sweep_dir=DIR \
+        --costs=benchmarks/attention_variants.json [--length=16384] \
+        [--out=benchmarks/attention_tradeoff.png]
+
+Quality comes from a finished `configs/ablations/attention_variants.py` sweep run with
+`--sweep_eval` (each cell's eval.json: validation loss, greedy exact match on test and test_long);
+cost from `benchmarks/attention_variants.py --json=...` (fwd+bwd seconds and XLA temp memory of the
+kernel alone). Prints a markdown table (mean [min, max] over seeds) and draws quality against
+fwd+bwd time at `--length`, one point per variant, with dense attention in both exact kernels
+(`xla`, `blockwise`) as references: they compute the same function (tests hold them equal to 1e-5),
+so both carry the dense cells' quality.
+
+A cost that was not measured because its temp memory exceeded the benchmark's limit (dense xla at
+16k needs 32 GiB) is extrapolated from the longest measured length as T^2 and drawn hollow; the
+table says so.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from tools import plot_style  # pylint: disable=wrong-import-position
+
+# The kernels of the dense variant in the cost benchmark, and the labels they are shown under.
+DENSE_KERNELS = (('dense', 'dense (xla)'), ('dense_flash', 'dense (blockwise)'))
+TABLE_LENGTHS = (1024, 4096, 16384)
+_FIELD = re.compile(r'(?:^|,)([a-z_.]+)=([^,]+)')
+
+
+def cell_fields(name):
+  """'model.attention=linformer,model.decoder_attention=dense,seed=1' -> {field: value}."""
+  return dict(_FIELD.findall(name))
+
+
+def read_quality(sweep_dir):
+  """{variant: {'val_loss': [...], 'test_em': [...], 'long_em': [...], 'decoder': str}} over the
+  seeds of every cell of `sweep_dir` that has an eval.json (cells without one are skipped)."""
+  out = {}
+  for name in sorted(os.listdir(sweep_dir)):
+    path = os.path.join(sweep_dir, name, 'eval.json')
+    if not os.path.isfile(path):
+      continue
+    fields = cell_fields(name)
+    variant = fields.get('model.attention', 'dense')
+    with open(path) as f:
+      ev = json.load(f)
+    trans = ev.get('translation', {})
+    entry = out.setdefault(variant, {'val_loss': [], 'test_em': [], 'long_em': [],
+                                     'decoder': fields.get('model.decoder_attention', '')})
+    entry['val_loss'].append(ev['loss']['validation'])
+    entry['test_em'].append(trans.get('test', {}).get('exact_match', math.nan))
+    entry['long_em'].append(trans.get('test_long', {}).get('exact_match', math.nan))
+  return out
+
+
+def read_costs(path):
+  """{(kernel, length): {'seconds': float or None, 'temp_bytes': int}} of the fwd_bwd rows."""
+  with open(path) as f:
+    rows = json.load(f)['rows']
+  return {(r['variant'], r['length']): r for r in rows if r['mode'] == 'fwd_bwd'}
+
+
+def time_at(costs, kernel, length):
+  """(seconds at `length`, measured?) for `kernel`; when `length` was not run (temp over the
+  limit), the longest measured length's time scaled by (length / T)^2 — the exact kernels' cost
+  grows as T^2 — with measured=False; (None, False) when nothing was measured."""
+  row = costs.get((kernel, length))
+  if row and row['seconds'] is not None:
+    return row['seconds'], True
+  measured = sorted(t for (k, t), r in costs.items()
+                    if k == kernel and r['seconds'] is not None and t < length)
+  if not measured:
+    return None, False
+  t = measured[-1]
+  return costs[kernel, t]['seconds'] * (length / t) ** 2, False
+
+
+def _spread(values, fmt, scale=1.0):
+  v = np.asarray(values, np.float64) * scale
+  v = v[~np.isnan(v)]
+  if not v.size:
+    return 'n/a'
+  if v.size == 1:
+    return fmt.format(v[0])
+  return f'{fmt.format(v.mean())} [{fmt.format(v.min())}, {fmt.format(v.max())}]'
+
+
+def _mib(n):
+  return f'{n / 2 ** 30:.2f} GiB' if n >= 2 ** 30 else f'{n / 2 ** 20:.0f} MiB'
+
+
+def points(quality, costs, length):
+  """Rows [(label, kernel, quality entry, seconds at `length`, measured?)], dense as two rows."""
+  out = []
+  for variant, entry in sorted(quality.items()):
+    kernels = DENSE_KERNELS if variant == 'dense' else ((variant, variant),)
+    for kernel, label in kernels:
+      if entry['decoder']:
+        label = f'{label} (decoder: {entry["decoder"]})'
+      secs, measured = time_at(costs, kernel, length)
+      out.append((label, kernel, entry, secs, measured))
+  return out
+
+
+def table(rows, costs):
+  """The markdown table: quality (mean [min, max] over seeds) and cost at TABLE_LENGTHS."""
+  head = ['variant', 'seeds', 'validation loss', 'exact match test (%)',
+          'exact match test_long (%)']
+  head += [f'fwd+bwd {t // 1024}k (s)' for t in TABLE_LENGTHS]
+  head += [f'temp {t // 1024}k' for t in TABLE_LENGTHS]
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for label, kernel, entry, _, _ in rows:
+    cells = [label, str(len(entry['val_loss'])), _spread(entry['val_loss'], '{:.3f}'),
+             _spread(entry['test_em'], '{:.1f}', 100), _spread(entry['long_em'], '{:.1f}', 100)]
+    for t in TABLE_LENGTHS:
+      secs, measured = time_at(costs, kernel, t)
+      cells.append('n/a' if secs is None else f'{secs:.2f}' if measured
+                   else f'~{secs:.0f} (T² extrapolated)')
+    for t in TABLE_LENGTHS:
+      row = costs.get((kernel, t))
+      cells.append('n/a' if row is None else _mib(row['temp_bytes']))
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
+def draw(rows, length, out):
+  """Validation loss and test_long exact match against fwd+bwd time at `length` (log x)."""
+  plt = plot_style.pyplot()
+  with plt.rc_context(plot_style.STYLE):
+    fig, axes = plt.subplots(1, 2, figsize=(plot_style.WIDTH, 4.2))
+    panels = (('val_loss', 1.0, 'validation loss (lower is better)'),
+              ('long_em', 100.0, 'exact match on test_long, % (higher is better)'))
+    for ax, (key, scale, ylabel) in zip(axes, panels):
+      for i, (label, _, entry, secs, measured) in enumerate(rows):
+        if secs is None:
+          continue
+        v = np.asarray(entry[key], np.float64) * scale
+        v = v[~np.isnan(v)]
+        if not v.size:
+          continue
+        color = plot_style.PALETTE[i % len(plot_style.PALETTE)]
+        ax.errorbar([secs], [v.mean()], yerr=[[v.mean() - v.min()], [v.max() - v.mean()]],
+                    fmt='o', color=color, mfc=color if measured else 'white', ms=7, capsize=3,
+                    label=label + ('' if measured else ' (time T² extrapolated)'))
+      ax.set_xscale('log')
+      ax.set_xlabel(f'kernel fwd+bwd time at T={length:,} (s, log)')
+      ax.set_ylabel(ylabel)
+      ax.grid(True, alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc='lower center', ncol=3, frameon=False)
+    fig.suptitle('Efficient attention: quality (mean, seed min-max) against cost')
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
+    fig.savefig(out, dpi=plot_style.DPI)
+    plt.close(fig)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--sweep_dir', required=True)
+  p.add_argument('--costs', required=True, help='JSON of benchmarks/attention_variants.py --json')
+  p.add_argument('--length', type=int, default=16384)
+  p.add_argument('--out', default=os.path.join(ROOT, 'benchmarks', 'attention_tradeoff.png'))
+  args = p.parse_args(argv)
+  quality = read_quality(args.sweep_dir)
+  if not quality:
+    p.error(f'--sweep_dir={args.sweep_dir}: no cell has an eval.json (run the sweep with '
+            '--sweep_eval)')
+  rows = points(quality, read_costs(args.costs), args.length)
+  print(table(rows, read_costs(args.costs)))
+  draw(rows, args.length, args.out)
+  print(f'\nwrote {args.out}')
+
+
+if __name__ == '__main__':
+  main()
