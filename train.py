@@ -72,6 +72,8 @@ def main(argv):
       memory.check_training_memory(config, vocab_size, limit)
   except memory.OutOfMemory as e:
     cli_checks.fail('train', e)
+  except pipeline.DataError as e:  # your own data: a bad file (named, with the line) or vocab_size
+    cli_checks.fail('data error', e)
   except validation.ConfigError as e:
     cli_checks.fail('config error', e)
   try:

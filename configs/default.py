@@ -112,9 +112,17 @@ def get_config(arg=None):
   train.diagnostics_batch = 8  # rows of the batch the attention/activation pass reads (0 = all)
 
   config.data = data = ml_collections.ConfigDict()
-  data.task = 'base'  # the toy translation builder config
+  data.task = 'base'  # base (the toy translation task) | text_pairs (your TSV files of
+  #                     source<TAB>target lines) | text_lm (your text files, one document per line)
   data.max_length = 64  # training length in tokens
   data.data_dir = './tfds_data'  # where the dataset is generated (first use) and read
+  # text_pairs / text_lm: your files, local or gs://, prepared once into
+  # data_dir/<task>/vocab<V>-<shared|separate>-<hash of the files and settings>, with the
+  # SentencePiece tokenizer (trained on the train file) beside the dataset.
+  data.files = ml_collections.ConfigDict({'train': '', 'validation': '', 'test': ''})
+  data.vocab_size = 1000  # text tasks: pieces per SentencePiece model, the 6 special ones included
+  data.shared_vocab = True  # text_pairs: one model for source and target (else one per side, their
+  #                           ids side by side: V = 2 * vocab_size - 6)
   data.packing = 'none'  # none (one pair per padded row) | segments (packed, attention per pair)
   #                        | stream (packed, attention across pairs: LM / extrapolation studies)
   # S disjoint shards of the training split, each giving batch_size / S rows of every batch: with

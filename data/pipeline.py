@@ -1,5 +1,7 @@
-"""grain input pipeline: toy translation pairs -> padded, packed or streamed batches per architecture."""
+"""grain input pipeline: sentence pairs (the toy task, your TSV files) or documents (your text
+files) -> padded, packed or streamed batches per architecture."""
 
+import collections
 import functools
 import os
 
@@ -8,11 +10,14 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
+from data import text_corpus
 from data import tokenizer as tokenizer_lib
 from data import toy_translation
 
 BOS, EOS, SEP = tokenizer_lib.BOS, tokenizer_lib.EOS, tokenizer_lib.SEP
 LOSS_ON = ('target', 'all')
+TASKS = tuple(toy_translation.TASKS) + text_corpus.TASKS  # toy task names, then your own data
+DataError = text_corpus.DataError  # a bad input file or data setting (one line naming the file)
 
 
 def _field(data_config, name, default):
@@ -25,34 +30,68 @@ def _check(name, value, valid):
     raise ValueError(f'Unknown {name} {value!r}; valid values: {", ".join(valid)}')
 
 
-def _task_and_dir(data_config) -> tuple[str, str]:
+ToySource = collections.namedtuple('ToySource', 'task data_dir')
+
+
+def _source(data_config):
+  """The hashable identity of the configured corpus (the per-process caches are keyed by it): a
+  ToySource, or a text_corpus.CorpusSpec for data.task text_pairs / text_lm."""
   task = _field(data_config, 'task', 'base')
-  _check('task', task, list(toy_translation.TASKS))
-  return task, os.path.abspath(os.path.expanduser(_field(data_config, 'data_dir', './tfds_data')))
+  _check('task', task, TASKS)
+  if task in text_corpus.TASKS:
+    return text_corpus.spec_from_config(data_config)
+  return ToySource(task, os.path.abspath(os.path.expanduser(
+      _field(data_config, 'data_dir', './tfds_data'))))
+
+
+def is_text(source) -> bool:
+  return isinstance(source, text_corpus.CorpusSpec)
+
+
+def has_pairs(data_config) -> bool:
+  """Whether the task's examples are (source, target) pairs (translation can be scored); text_lm
+  holds documents."""
+  return _field(data_config, 'task', 'base') != 'text_lm'
 
 
 @functools.lru_cache(maxsize=None)
-def _tokenizer(data_dir: str, task: str) -> tokenizer_lib.Tokenizer:
-  return toy_translation.load_tokenizer(data_dir, task)
+def _prepared(source) -> str:
+  """Prepares the corpus once per process (reused from data_dir if there); its folder."""
+  if is_text(source):
+    return text_corpus.prepare(source)
+  return toy_translation.prepare(source.data_dir, source.task)
 
 
-def get_tokenizer(data_config) -> tokenizer_lib.Tokenizer:
+@functools.lru_cache(maxsize=None)
+def _tokenizer(source):
+  if is_text(source):
+    return text_corpus.load_tokenizer(_prepared(source))
+  return toy_translation.load_tokenizer(source.data_dir, source.task)
+
+
+def get_tokenizer(data_config):
   """Returns the task's tokenizer, preparing the dataset under data_config.data_dir on first use.
 
   Args:
-    data_config: ConfigDict with `task` and `data_dir`.
+    data_config: ConfigDict with `task` and `data_dir` (and for text_pairs / text_lm `files`,
+      `vocab_size`, `shared_vocab`).
 
   Returns:
-    The Tokenizer saved next to the prepared dataset.
+    The tokenizer saved next to the prepared dataset: `data.tokenizer.Tokenizer` for the toy task,
+    `data.sentencepiece_tokenizer.SentencePieceTokenizer` for your own data (same interface).
+
+  Raises:
+    DataError: a bad input file or vocab_size (text tasks), in one line.
   """
-  task, data_dir = _task_and_dir(data_config)
-  return _tokenizer(data_dir, task)
+  return _tokenizer(_source(data_config))
 
 
 def split_names(data_config) -> list[str]:
   """Returns the task's split names (train, validation and the test splits)."""
-  task, _ = _task_and_dir(data_config)
-  return list(toy_translation.TASKS[task].splits)
+  source = _source(data_config)
+  if is_text(source):
+    return list(text_corpus.SPLITS)
+  return list(toy_translation.TASKS[source.task].splits)
 
 
 def _check_split(data_config, split):
@@ -60,25 +99,36 @@ def _check_split(data_config, split):
 
 
 @functools.lru_cache(maxsize=None)
-def _read_split(data_dir: str, task: str, split: str) -> tuple[tuple[str, str], ...]:
-  """Reads a whole split once per process: (source, target) strings in file order.
+def _read_split(source, split: str) -> tuple[tuple[str, str], ...]:
+  """Reads a whole split once per process: (source, target) strings in file order; a text_lm
+  document is ('', text).
 
   The corpus is a few MB, so one bulk read through tfds.data_source (array_record, no TensorFlow)
   replaces a random-access read per example, which costs ~0.25 ms each in the TFDS decoder.
   """
-  toy_translation.prepare(data_dir, task)
-  source = tfds.data_source(f'toy_translation/{task}', data_dir=data_dir, split=split)
-  records = source.__getitems__(range(len(source)))
+  if is_text(source):
+    return tuple(text_corpus.read_split(_prepared(source), split))
+  _prepared(source)
+  data = tfds.data_source(f'toy_translation/{source.task}', data_dir=source.data_dir, split=split)
+  records = data.__getitems__(range(len(data)))
   return tuple((r['source'].decode(), r['target'].decode()) for r in records)
 
 
+def _encode(tokenizer, src, tgt):
+  """(source ids, target ids); a document (empty source) is all target: `_sequence` then gives
+  `<bos> doc <eos>`, every token but <bos> to predict."""
+  return (tokenizer.encode_source(src) if src else []), tokenizer.encode_target(tgt)
+
+
 @functools.lru_cache(maxsize=None)
-def _encoded_split(data_dir: str, task: str, split: str) -> tuple[dict[str, np.ndarray], ...]:
+def _encoded_split(source, split: str) -> tuple[dict[str, np.ndarray], ...]:
   """The split as {'source', 'target'} int32 id arrays (no specials), cached per process."""
-  tokenizer = _tokenizer(data_dir, task)
-  return tuple({'source': np.asarray(tokenizer.encode(src), np.int32),
-                'target': np.asarray(tokenizer.encode(tgt), np.int32)}
-               for src, tgt in _read_split(data_dir, task, split))
+  tokenizer = _tokenizer(source)
+  out = []
+  for src, tgt in _read_split(source, split):
+    src_ids, tgt_ids = _encode(tokenizer, src, tgt)
+    out.append({'source': np.asarray(src_ids, np.int32), 'target': np.asarray(tgt_ids, np.int32)})
+  return tuple(out)
 
 
 def load_examples(data_config, split: str) -> list[dict]:
@@ -90,16 +140,29 @@ def load_examples(data_config, split: str) -> list[dict]:
 
   Returns:
     Dicts with 'source', 'target' (str) and 'source_ids', 'target_ids' (list[int], no bos/eos/sep).
+
+  Raises:
+    ValueError: data.task='text_lm' (documents, nothing to translate).
   """
   _check_split(data_config, split)
-  task, data_dir = _task_and_dir(data_config)
-  tokenizer = get_tokenizer(data_config)
-  return [{'source': src, 'target': tgt, 'source_ids': tokenizer.encode(src),
-           'target_ids': tokenizer.encode(tgt)} for src, tgt in _read_split(data_dir, task, split)]
+  if not has_pairs(data_config):
+    raise ValueError("data.task='text_lm' holds documents, not sentence pairs: nothing to "
+                     'translate; valid: loss/perplexity splits and --lengths')
+  source = _source(data_config)
+  tokenizer = _tokenizer(source)
+  out = []
+  for src, tgt in _read_split(source, split):
+    src_ids, tgt_ids = _encode(tokenizer, src, tgt)
+    out.append({'source': src, 'target': tgt, 'source_ids': src_ids, 'target_ids': tgt_ids})
+  return out
 
 
 def _sequence(src, tgt):
-  """Returns `<bos> src <sep> tgt <eos>` and its target-side mask (1 on tgt and the eos)."""
+  """Returns `<bos> src <sep> tgt <eos>` and its target-side mask (1 on tgt and the eos); with an
+  empty src (a text_lm document) `<bos> tgt <eos>`, no <sep>."""
+  if len(src) == 0:
+    tokens = np.concatenate([[BOS], tgt, [EOS]]).astype(np.int32)
+    return tokens, (np.arange(len(tokens)) > 0).astype(np.float32)
   tokens = np.concatenate([[BOS], src, [SEP], tgt, [EOS]]).astype(np.int32)
   in_target = (np.arange(len(tokens)) > len(src) + 1).astype(np.float32)
   return tokens, in_target
@@ -295,12 +358,12 @@ def make_iterator(data_config, split: str, batch_size: int, *, arch: str = 'deco
     raise ValueError(f'shard_index {shard_index} must be in [0, shard_count={shard_count})')
   length = length or _field(data_config, 'max_length', 64)
   _check_split(data_config, split)
-  task, data_dir = _task_and_dir(data_config)
+  source = _source(data_config)
 
   if packing == 'stream' and arch == 'encoder_decoder':
     raise ValueError("Unsupported packing 'stream' for arch 'encoder_decoder'; "
                      "valid values: none, segments")
-  shard = _encoded_split(data_dir, task, split)[shard_index::shard_count]
+  shard = _encoded_split(source, split)[shard_index::shard_count]
   fits = functools.partial(_fits, length=length, arch=arch, packing=packing)
   num_dropped = sum(not fits(pair) for pair in shard)
   if num_dropped:
@@ -392,7 +455,6 @@ def stream_tokens(data_config, split: str) -> tuple[np.ndarray, np.ndarray]:
     target-side tokens (target words and their eos).
   """
   _check_split(data_config, split)
-  task, data_dir = _task_and_dir(data_config)
-  parts = [_sequence(p['source'], p['target']) for p in _encoded_split(data_dir, task, split)]
+  parts = [_sequence(p['source'], p['target']) for p in _encoded_split(_source(data_config), split)]
   return (np.concatenate([t for t, _ in parts]).astype(np.int32),
           np.concatenate([m for _, m in parts]).astype(np.float32))

@@ -1,4 +1,9 @@
-"""Word-level tokenizer with fixed special ids, saved as JSON next to the dataset."""
+"""Word-level tokenizer with fixed special ids, saved as JSON next to the dataset.
+
+Every tokenizer of data/ (this one, `data.sentencepiece_tokenizer.SentencePieceTokenizer`) offers
+the same interface: `pad_id` ... `unk_id` (the ids below), `vocab_size`, `tokens` (id -> piece),
+`encode_source(text)`, `encode_target(text)` and `decode(ids, stop_at_eos=, skip_special=)`.
+"""
 
 import json
 import os
@@ -33,6 +38,9 @@ class Tokenizer:
   def encode(self, text: str) -> list[int]:
     """Returns the ids of the space-separated words of text; unknown words map to <unk>."""
     return [self._ids.get(word, UNK) for word in text.split()]
+
+  # One vocabulary serves both sides of the toy pairs.
+  encode_source = encode_target = encode
 
   def decode(self, ids, *, stop_at_eos: bool = False, skip_special: bool = False) -> str:
     """Returns the words of ids joined by spaces.

@@ -135,7 +135,9 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     result['loss'][split] = m['loss']
     result['perplexity'][split] = math.exp(min(m['loss'], 50.0))
     result['accuracy'][split] = m['accuracy']
-  for split in list(splits) + [s for s in translate_splits if s not in splits]:
+  # text_lm documents have no target to translate (an explicit --translate says so in one line).
+  scored = list(splits) if pipeline.has_pairs(config.data) else []
+  for split in scored + [s for s in translate_splits if s not in splits]:
     examples = pipeline.load_examples(config.data, split)
     if max_examples:
       examples = examples[:max_examples]
@@ -147,6 +149,7 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     result['extrapolation'], per_position = extrapolation.extrapolate(
         config, model, lengths, modes, stride, stream_split)
   main_split = 'test' if 'test' in splits else splits[-1]
-  result['exact_match'] = result['translation'][main_split]['exact_match']
-  result['token_accuracy'] = result['translation'][main_split]['token_accuracy']
+  if main_split in result['translation']:
+    result['exact_match'] = result['translation'][main_split]['exact_match']
+    result['token_accuracy'] = result['translation'][main_split]['token_accuracy']
   return result, Run(config, model, tokenizer, per_position)

@@ -75,11 +75,11 @@ def generate_translations(config, model, examples, tokenizer, *, method='greedy'
   return decoding.generate(model, [[tokenizer.bos_id]] * len(examples), sources=sources, **kwargs)
 
 
-def bleu(hyps, refs, tokenizer):
-  """Corpus BLEU (sacrebleu, 0-100) of token lists against one reference each."""
+def bleu(hyp_texts, ref_texts):
+  """Corpus BLEU (sacrebleu, 0-100, its own 13a tokenization) of detokenized hypotheses against
+  one reference text each."""
   import sacrebleu  # pylint: disable=g-import-not-at-top
-  return float(sacrebleu.corpus_bleu([tokenizer.decode(h) for h in hyps],
-                                     [[tokenizer.decode(r) for r in refs]]).score)
+  return float(sacrebleu.corpus_bleu(list(hyp_texts), [list(ref_texts)]).score)
 
 
 SAMPLE_BATCH = 64  # rows per sampling batch (models.decoding.generate's default)
@@ -103,26 +103,32 @@ def translate(config, model, examples, tokenizer, *, method='greedy', **decode_k
     print(f'eval: process {jax.process_index()} of {jax.process_count()} decodes sentences '
           f'{start}-{stop} of {len(examples)}', file=sys.stderr)
   hyps = distributed.gather_token_lists(hyps)
-  exact = sum(h == r for h, r in zip(hyps, refs))
+  # Exact match on detokenized text: SentencePiece can spell one text with several piece
+  # sequences (for the toy tokenizer text and ids match one to one).
+  hyp_texts = [tokenizer.decode(h) for h in hyps]
+  matches = [t == tokenizer.decode(r) for t, r in zip(hyp_texts, refs)]
+  exact = sum(matches)
   # Token accuracy: reference positions (and the final eos) predicted correctly at the same index.
   correct = total = 0
   for h, r in zip(hyps, refs):
     r_eos, h_eos = r + [tokenizer.eos_id], h + [tokenizer.eos_id]
     correct += sum(a == b for a, b in zip(h_eos, r_eos))
     total += len(r_eos)
-  samples = [{'source': e['source'], 'reference': e['target'], 'output': tokenizer.decode(h)}
-             for e, h in zip(examples[:5], hyps[:5])]
+  samples = [{'source': e['source'], 'reference': e['target'], 'output': text}
+             for e, text in zip(examples[:5], hyp_texts[:5])]
   buckets = {}
-  for e, h, r in zip(examples, hyps, refs):
+  for e, match in zip(examples, matches):
     n = len(e['source_ids'])
     lo = next(b for b in reversed(LENGTH_BUCKETS) if n >= b)
     hit, cnt = buckets.get(lo, (0, 0))
-    buckets[lo] = (hit + (h == r), cnt + 1)
+    buckets[lo] = (hit + match, cnt + 1)
   by_length = [{'source_words': f'{lo}-{hi - 1}', 'exact_match': hit / cnt, 'n': cnt}
                for lo, hi in zip(LENGTH_BUCKETS, LENGTH_BUCKETS[1:] + (10 ** 6,))
                if lo in buckets for hit, cnt in [buckets[lo]]]
   return {'exact_match': exact / len(refs), 'token_accuracy': correct / total,
-          'bleu': bleu(hyps, refs, tokenizer), 'n': len(refs), 'by_length': by_length,
+          # Against the references as written, not re-spelt by the tokenizer.
+          'bleu': bleu(hyp_texts, [e['target'] for e in examples]), 'n': len(refs),
+          'by_length': by_length,
           'samples': samples, 'decoding': method}
 
 

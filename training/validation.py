@@ -19,6 +19,7 @@ from layers import sharding
 from models import rnn_seq2seq
 from models import stack
 from data import pipeline
+from data import text_corpus
 from training import state as state_lib
 
 # The valid values live where they are used; validation only names them.
@@ -151,10 +152,40 @@ def validate(config):
                       f'train.batch_size={t.batch_size} (each shard gives batch_size / shards rows)')
   if not isinstance(d.max_length, int) or d.max_length < 8:
     raise ConfigError(f'data.max_length={d.max_length!r} must be an integer >= 8')
-  from data import toy_translation  # pylint: disable=g-import-not-at-top
-  tasks = [c.name for c in toy_translation.ToyTranslation.BUILDER_CONFIGS]
-  _choice('data.task', d.task, tasks)
+  _choice('data.task', d.task, pipeline.TASKS)
+  if d.task in text_corpus.TASKS:
+    _validate_text_data(config)
   _validate_mesh(config)
+
+
+def _validate_text_data(config):
+  """data.files, data.vocab_size and data.shared_vocab of your own corpus (text_pairs, text_lm);
+  the files' contents are checked where they are read (`data.text_corpus`, one line naming the
+  file and line)."""
+  d, m = config.data, config.model
+  files = d.get('files', None)
+  for split in text_corpus.SPLITS:
+    path = files.get(split, '') if files is not None else ''
+    if not isinstance(path, str) or not path.strip():
+      lines = 'source<TAB>target lines' if d.task == 'text_pairs' else 'one document per line'
+      raise ConfigError(f'data.files.{split}={path!r} must name a file of {lines} for '
+                        f'data.task={d.task!r} (a local path or gs://)')
+  if '://' in str(d.data_dir):
+    raise ConfigError(f'data.data_dir={d.data_dir!r}: data.task={d.task!r} prepares its dataset '
+                      'in a local folder (an atomic rename); valid: a local path (the input files '
+                      'may be gs://)')
+  vocab = d.get('vocab_size', None)
+  if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 6:
+    raise ConfigError(f'data.vocab_size={vocab!r} must be an integer > 6 (the SentencePiece pieces, '
+                      'the 6 special tokens included), e.g. 1000')
+  if not isinstance(d.get('shared_vocab', True), bool):
+    raise ConfigError(f'data.shared_vocab={d.shared_vocab!r} must be True or False')
+  if d.task == 'text_lm' and m.arch not in ('decoder_only', 'encoder_only'):
+    raise ConfigError(f"data.task='text_lm' (documents, no sentence pairs) is not valid for "
+                      f'model.arch={m.arch!r}; valid archs: decoder_only, encoder_only')
+  if d.task == 'text_lm' and m.arch == 'encoder_only' and m.mlm_target_rate > 0:
+    raise ConfigError(f"model.mlm_target_rate={m.mlm_target_rate!r} masks a target side, which "
+                      "data.task='text_lm' documents lack; valid: 0")
 
 
 def _validate_mesh(config):

@@ -1,0 +1,292 @@
+"""Your own corpus: TSV sentence pairs (text_pairs) or one document per line (text_lm), prepared
+once as a TFDS dataset (array_record, no TensorFlow) with a SentencePiece tokenizer beside it.
+
+The prepared folder is `data_dir/<task>/vocab<V>-<shared|separate>-<hash>`, the hash covering the
+files' bytes and the vocabulary settings: the same inputs reuse it, changed files or another
+vocab_size get a folder of their own. It is written in a hidden sibling folder and renamed when
+complete, so a bad input or a crash leaves nothing half-written in data_dir.
+"""
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+from etils import epath
+import tensorflow_datasets as tfds
+
+from data import sentencepiece_tokenizer as spt
+
+TASKS = ('text_pairs', 'text_lm')
+SPLITS = ('train', 'validation', 'test')
+CORPUS_FILE = 'corpus.json'  # what the folder was prepared from (files, sizes, hashes, vocab)
+FORMAT_VERSION = 1  # bump when the preparation changes: old folders are then left unused
+
+
+class DataError(ValueError):
+  """A bad input file or data setting; the message is one line naming the file (and line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusSpec:
+  """A user corpus as the config names it (hashable: the pipeline caches by it).
+
+  Attributes:
+    task: 'text_pairs' or 'text_lm'.
+    data_dir: absolute root where prepared corpora live.
+    files: (train, validation, test) paths, local or gs://.
+    vocab_size: pieces of each SentencePiece model, specials included.
+    shared_vocab: text_pairs: one model for both sides (else one per side).
+  """
+  task: str
+  data_dir: str
+  files: tuple[str, str, str]
+  vocab_size: int
+  shared_vocab: bool = True
+
+  @property
+  def pairs(self) -> bool:
+    return self.task == 'text_pairs'
+
+  @property
+  def shared(self) -> bool:
+    return self.shared_vocab or not self.pairs  # a document has one side
+
+
+def spec_from_config(data_config) -> CorpusSpec:
+  """The CorpusSpec of a data config with task text_pairs or text_lm.
+
+  Raises:
+    DataError: a file of data.files unset.
+  """
+  files = data_config.get('files', None) or {}
+  paths = tuple(str(files.get(split, '') or '') for split in SPLITS)
+  for split, path in zip(SPLITS, paths):
+    if not path.strip():
+      raise DataError(f'data.files.{split} is not set; data.task={data_config.task!r} needs '
+                      f'data.files.{{{",".join(SPLITS)}}} (local paths or gs://)')
+  data_dir = os.path.abspath(os.path.expanduser(data_config.get('data_dir', './tfds_data')))
+  return CorpusSpec(task=data_config.task, data_dir=data_dir, files=paths,
+                    vocab_size=data_config.get('vocab_size', 1000),
+                    shared_vocab=bool(data_config.get('shared_vocab', True)))
+
+
+# --- Reading and checking the user's files ----------------------------------------------------
+
+def _read_text(path: str, name: str) -> str:
+  """The file's text, strictly UTF-8; a DataError names the file and the line of a bad byte."""
+  try:
+    raw = epath.Path(path).read_bytes()
+  except FileNotFoundError:
+    raise DataError(f'{name}={path}: no such file') from None
+  except IsADirectoryError:
+    raise DataError(f'{name}={path} is a directory; valid: a text file') from None
+  except OSError as e:
+    raise DataError(f'{name}={path} cannot be read ({e.strerror or e})') from None
+  try:
+    return raw.decode('utf-8')
+  except UnicodeDecodeError as e:
+    line = raw[:e.start].count(b'\n') + 1
+    raise DataError(f'{name}={path} line {line}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset '
+                    f'{e.start}); valid: UTF-8 text') from None
+
+
+def _lines(text: str):
+  """(line number, line) of the non-blank lines; a '\\r' before '\\n' (Windows files) dropped."""
+  for number, line in enumerate(text.split('\n'), 1):
+    line = line.removesuffix('\r')
+    if line.strip():
+      yield number, line
+
+
+def read_pairs(path: str, name: str) -> list[tuple[str, str]]:
+  """Reads `source<TAB>target` lines (blank lines skipped).
+
+  Args:
+    path: a local or gs:// path.
+    name: the config field that named it, for the messages (e.g. 'data.files.train').
+
+  Raises:
+    DataError: the first bad line, or an empty file, in one line.
+  """
+  pairs = []
+  for number, line in _lines(_read_text(path, name)):
+    fields = line.split('\t')
+    if len(fields) != 2:
+      what = 'no tab' if len(fields) == 1 else f'{len(fields) - 1} tabs'
+      raise DataError(f'{name}={path} line {number}: {what}; valid: source<TAB>target, one pair '
+                      'per line')
+    source, target = (f.strip() for f in fields)
+    if not source or not target:
+      raise DataError(f'{name}={path} line {number}: empty {"source" if not source else "target"}'
+                      '; valid: source<TAB>target, both non-empty')
+    pairs.append((source, target))
+  if not pairs:
+    raise DataError(f'{name}={path} is empty; valid: source<TAB>target lines')
+  return pairs
+
+
+def read_documents(path: str, name: str) -> list[str]:
+  """Reads one document per line (blank lines skipped); DataError for an empty file."""
+  docs = [line.strip() for _, line in _lines(_read_text(path, name))]
+  if not docs:
+    raise DataError(f'{name}={path} is empty; valid: one document per line')
+  return docs
+
+
+def read_corpus(spec: CorpusSpec) -> tuple[dict[str, list], str]:
+  """Reads and checks every file of spec; returns ({split: examples}, hash of files + settings).
+
+  An example is a (source, target) pair for text_pairs, a document (str) for text_lm.
+  """
+  digest = hashlib.sha256(json.dumps(
+      [FORMAT_VERSION, spec.task, spec.vocab_size, spec.shared]).encode())
+  splits = {}
+  for split, path in zip(SPLITS, spec.files):
+    name = f'data.files.{split}'
+    splits[split] = read_pairs(path, name) if spec.pairs else read_documents(path, name)
+    digest.update(json.dumps(splits[split], ensure_ascii=False).encode())
+  return splits, digest.hexdigest()[:16]
+
+
+def folder_name(spec: CorpusSpec, digest: str) -> str:
+  """`vocab<V>-<shared|separate>-<hash>`: the settings readable, the hash telling inputs apart."""
+  return f'vocab{spec.vocab_size}-{"shared" if spec.shared else "separate"}-{digest}'
+
+
+# --- The TFDS builder -------------------------------------------------------------------------
+
+class TextCorpusConfig(tfds.core.BuilderConfig):
+  """One prepared corpus: its examples, already read and checked."""
+
+  def __init__(self, *, pairs: bool, splits: dict[str, list], **kwargs):
+    super().__init__(version=tfds.core.Version('1.0.0'), **kwargs)
+    self.pairs = pairs
+    self.splits = splits
+
+
+class TextCorpus(tfds.core.GeneratorBasedBuilder):
+  """A user corpus; its config carries the examples (read from the user's files beforehand)."""
+
+  VERSION = tfds.core.Version('1.0.0')
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    if self.builder_config.pairs:
+      features = {'source': tfds.features.Text(), 'target': tfds.features.Text()}
+    else:
+      features = {'text': tfds.features.Text()}
+    return tfds.core.DatasetInfo(
+        builder=self, description='A user corpus (data.task=text_pairs or text_lm).',
+        features=tfds.features.FeaturesDict(features),
+        disable_shuffling=True)  # file order: samples and streams follow the user's files
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # The files were read (and checked) before the builder was made.
+    return {split: self._generate_examples(examples)
+            for split, examples in self.builder_config.splits.items()}
+
+  def _generate_examples(self, examples):
+    for i, example in enumerate(examples):
+      if self.builder_config.pairs:
+        yield i, {'source': example[0], 'target': example[1]}
+      else:
+        yield i, {'text': example}
+
+
+# --- Preparation ------------------------------------------------------------------------------
+
+def _lock_path(final_dir: str) -> str:
+  # In the temp dir, not data_dir: a failed preparation must leave data_dir as it was.
+  key = hashlib.sha256(final_dir.encode()).hexdigest()[:16]
+  return os.path.join(tempfile.gettempdir(), f'attnlab-text-corpus-{key}.lock')
+
+
+def _build(spec: CorpusSpec, splits: dict[str, list], digest: str, tmp: str) -> str:
+  """Trains the tokenizer and writes the dataset under tmp; returns the folder to rename."""
+  train = splits['train']
+  models = []
+  sides = [None] if spec.shared else [0, 1]
+  for side in sides:
+    if spec.pairs and side is None:
+      sentences = [s for pair in train for s in pair]  # one model of both languages
+    elif spec.pairs:
+      sentences = [pair[side] for pair in train]
+    else:
+      sentences = train
+    try:
+      models.append(spt.train(sentences, spec.vocab_size))
+    except spt.TrainingError as e:
+      which = '' if side is None else f' ({("source", "target")[side]} side)'
+      raise DataError(f'data.vocab_size={spec.vocab_size} does not fit data.files.train='
+                      f'{spec.files[0]}{which}: SentencePiece: {e}') from None
+  tokenizer = spt.SentencePieceTokenizer(*models)
+  builder = TextCorpus(config=TextCorpusConfig(name=f'c{digest}', pairs=spec.pairs,
+                                               splits=splits),
+                       data_dir=os.path.join(tmp, 'tfds'))
+  tfds.disable_progress_bar()
+  builder.download_and_prepare(file_format='array_record')
+  dataset_dir = os.fspath(builder.data_dir)
+  tokenizer.save(dataset_dir)
+  record = {'format_version': FORMAT_VERSION, 'task': spec.task, 'vocab_size': spec.vocab_size,
+            'shared_vocab': spec.shared, 'tokenizer_vocab_size': tokenizer.vocab_size,
+            'files': dict(zip(SPLITS, spec.files)),
+            'examples': {split: len(examples) for split, examples in splits.items()}}
+  with open(os.path.join(dataset_dir, CORPUS_FILE), 'w') as f:
+    json.dump(record, f, indent=2)
+  return dataset_dir
+
+
+def prepare(spec: CorpusSpec) -> str:
+  """Reads and checks the files, then prepares the corpus unless its folder exists.
+
+  Concurrent first calls (local processes, test workers) are serialised by a file lock; the folder
+  appears by one rename when complete, so its existence means a complete dataset.
+
+  Returns:
+    The prepared folder: the array_record files, dataset_info.json, the SentencePiece model(s)
+    and corpus.json.
+
+  Raises:
+    DataError: a bad file or a vocab_size the corpus cannot fill, in one line; data_dir is then
+      as it was (a data_dir this call created is removed again).
+  """
+  splits, digest = read_corpus(spec)
+  task_dir = os.path.join(spec.data_dir, spec.task)
+  final_dir = os.path.join(task_dir, folder_name(spec, digest))
+  if os.path.isdir(final_dir):
+    return final_dir
+  created = [d for d in (spec.data_dir, task_dir) if not os.path.exists(d)]
+  with open(_lock_path(final_dir), 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if os.path.isdir(final_dir):  # another process finished meanwhile
+      return final_dir
+    os.makedirs(task_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(final_dir)}.tmp', dir=task_dir)
+    try:
+      os.rename(_build(spec, splits, digest, tmp), final_dir)
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      for d in reversed(created):  # the folders this call made, innermost first, if still empty
+        if os.path.isdir(d) and not os.listdir(d):
+          os.rmdir(d)
+      raise
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
+  return final_dir
+
+
+def load_tokenizer(dataset_dir: str) -> spt.SentencePieceTokenizer:
+  """The tokenizer saved beside a prepared corpus."""
+  return spt.SentencePieceTokenizer.load(dataset_dir)
+
+
+def read_split(dataset_dir: str, split: str) -> list[tuple[str, str]]:
+  """A prepared split in file order, as (source, target); a text_lm document is ('', text)."""
+  source = tfds.builder_from_directory(dataset_dir).as_data_source(split=split)
+  records = source.__getitems__(range(len(source)))
+  if records and 'text' in records[0]:
+    return [('', r['text'].decode()) for r in records]
+  return [(r['source'].decode(), r['target'].decode()) for r in records]
