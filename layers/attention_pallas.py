@@ -1,4 +1,9 @@
-"""FlashAttention-2 as Pallas kernels (forward, dQ, dK/dV); interpreted on CPU, Triton on GPU.
+"""FlashAttention-2 as Pallas kernels (forward, dQ, dK/dV): Triton on GPU, Mosaic on TPU.
+
+The kernel is chosen by the platform the program is lowered for (`lax.platform_dependent`), not by
+the host that traces it: a program compiled on a CPU host for a pod holds the pod's kernel.
+cuda/rocm: the Triton kernels of this file; tpu: `layers.attention_pallas_tpu` (dense bias/mask
+arrays go to the blockwise kernel there); any other platform: this file's kernels interpreted.
 
 The algorithm and the visible-block bands are those of `layers.attention_blockwise`; masks and the
 ALiBi bias come from `layers.masks` evaluated on each tile's positions. One program handles one
@@ -13,6 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from layers import attention_blockwise as blockwise
+from layers import attention_pallas_tpu
 from layers import masks
 
 # Tile sizes (powers of two for the GPU lowering, which wants power-of-two tensor shapes).
@@ -163,15 +169,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, fla
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, name):
-  interpret = jax.default_backend() == 'cpu'
+def _call(kernel, grid, in_specs, out_specs, out_shape, name, backend):
+  """backend 'triton' (GPU lowering) or 'interpret' (any platform, the CPU tests)."""
   params = None
-  if jax.default_backend() == 'gpu':
+  if backend == 'triton':
     from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
     params = plgpu.CompilerParams(num_warps=4, num_stages=2)
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                        out_shape=out_shape, interpret=interpret, compiler_params=params,
-                        name=name)
+                        out_shape=out_shape, interpret=backend == 'interpret',
+                        compiler_params=params, name=name)
 
 
 def _optional_specs(opt, g, bq, bk, per_q_tile):
@@ -224,7 +230,7 @@ def _flags(opt):
   return {name: opt[name] is not None for name in ('bias', 'mask', 'slopes', 'q_seg', 'kv_seg')}
 
 
-def _forward(cfg, q, k, v, opt):
+def _forward(cfg, backend, q, k, v, opt):
   """q `[B, N, Tp, H]`, k/v `[B, K, Sp, H]` -> out `[B, N, Tp, H]` float32, lse `[B, N, Tp]`."""
   b, n, tp, h = q.shape
   kh, sp = k.shape[1], k.shape[2]
@@ -237,11 +243,11 @@ def _forward(cfg, q, k, v, opt):
       [q_spec, kv_spec, kv_spec] + _optional_specs(opt, g, bq, cfg.block_k, True),
       [q_spec, pl.BlockSpec((None, None, bq), lambda bb, nn, i: (bb, nn, i))],
       [jax.ShapeDtypeStruct((b, n, tp, v.shape[-1]), jnp.float32),
-       jax.ShapeDtypeStruct((b, n, tp), jnp.float32)], 'flash_forward',
+       jax.ShapeDtypeStruct((b, n, tp), jnp.float32)], 'flash_forward', backend,
   )(q, k, v, *_opt_args(opt))
 
 
-def _backward(cfg, q, k, v, opt, out, lse, d_out):
+def _backward(cfg, backend, q, k, v, opt, out, lse, d_out):
   b, n, tp, h = q.shape
   kh, sp = k.shape[1], k.shape[2]
   g, bq, bk = n // kh, cfg.block_q, cfg.block_k
@@ -256,7 +262,7 @@ def _backward(cfg, q, k, v, opt, out, lse, d_out):
       functools.partial(_dq_kernel, cfg=cfg, flags=flags, num_k_blocks=sp // bk),
       (b, n, tp // bq),
       [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + _optional_specs(opt, g, bq, cfg.block_k, True),
-      q_spec, jax.ShapeDtypeStruct(q.shape, jnp.float32), 'flash_dq',
+      q_spec, jax.ShapeDtypeStruct(q.shape, jnp.float32), 'flash_dq', backend,
   )(q, k, v, do, lse, delta, *_opt_args(opt))
 
   # The G query heads of kv head kk are the kk-th group of G consecutive heads.
@@ -279,7 +285,7 @@ def _backward(cfg, q, k, v, opt, out, lse, d_out):
                         bias_per_head=bias_per_head),
       (b, kh, sp // bk),
       [qg_spec, kt_spec, kt_spec, qg_spec, rowg_spec, rowg_spec] + _optional_specs(opt, g, bq, bk, False),
-      out_specs, out_shape, 'flash_dkv',
+      out_specs, out_shape, 'flash_dkv', backend,
   )(q, k, v, do, lse, delta, *_opt_args(opt))
   dk, dv = res[0], res[1]
   dbias = None
@@ -291,19 +297,19 @@ def _backward(cfg, q, k, v, opt, out, lse, d_out):
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, opt):
-  return _forward(cfg, q, k, v, opt)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash(cfg, backend, q, k, v, opt):
+  return _forward(cfg, backend, q, k, v, opt)[0]
 
 
-def _flash_fwd(cfg, q, k, v, opt):
-  out, lse = _forward(cfg, q, k, v, opt)
+def _flash_fwd(cfg, backend, q, k, v, opt):
+  out, lse = _forward(cfg, backend, q, k, v, opt)
   return out, (q, k, v, opt, out, lse)  # O(T) residuals besides the inputs
 
 
-def _flash_bwd(cfg, res, d_out):
+def _flash_bwd(cfg, backend, res, d_out):
   q, k, v, opt, out, lse = res
-  dq, dk, dv, dbias = _backward(cfg, q, k, v, opt, out, lse, d_out)
+  dq, dk, dv, dbias = _backward(cfg, backend, q, k, v, opt, out, lse, d_out)
   d_opt = {name: None for name in opt}
   d_opt['bias'] = dbias
   return dq, dk, dv, d_opt
@@ -312,10 +318,11 @@ def _flash_bwd(cfg, res, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
-              alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None,
-              block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
-  """Pallas FlashAttention-2; the arguments are those of `attention_blockwise.attention`.
+def gpu_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
+                  alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None,
+                  block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, backend='interpret'):
+  """The Triton kernels; arguments as `attention_blockwise.attention`, and `backend`: 'triton'
+  (lowers for cuda/rocm only) or 'interpret' (any platform).
 
   Returns:
     `[B, T, N, H]` in the query's dtype; rows with no visible key are zeros.
@@ -353,5 +360,39 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
       'q_seg': None if q_segment_ids is None else pad_t(q_segment_ids.astype(jnp.int32), 1, tp),
       'kv_seg': None if kv_segment_ids is None else pad_t(kv_segment_ids.astype(jnp.int32), 1, sp),
   }
-  out = _flash(cfg, q, k, v, opt)  # [B, N, Tp, H]
+  out = _flash(cfg, backend, q, k, v, opt)  # [B, N, Tp, H]
   return out[:, :, :t].transpose(0, 2, 1, 3).astype(query.dtype)
+
+
+def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
+              alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None,
+              block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
+  """Pallas FlashAttention-2 for the platform the program is lowered for; the arguments are those
+  of `attention_blockwise.attention` (block_q/block_k: the Triton/interpreted kernel's tiles; the
+  TPU kernel keeps its own multiples of 128).
+
+  Every branch is traced; lowering keeps only the lowering platform's (the others never reach a
+  compiler), so a CPU host can lower the pod's kernel, and the unit tests check that it does.
+
+  Returns:
+    `[B, T, N, H]` in the query's dtype; rows with no visible key are zeros.
+  """
+  kw = dict(scale=scale, is_causal=is_causal, window=window)
+
+  def gpu(backend):
+    return lambda x, y, z, o: gpu_attention(
+        x, y, z, o['bias'], o['mask'], alibi_slopes=o['slopes'], q_segment_ids=o['q_seg'],
+        kv_segment_ids=o['kv_seg'], block_q=block_q, block_k=block_k, backend=backend, **kw)
+
+  def tpu(x, y, z, o):
+    if o['bias'] is not None or o['mask'] is not None:
+      # The Mosaic kernel takes no dense [T, S] arrays; the blockwise kernel does, in O(T) memory.
+      return blockwise.attention(x, y, z, o['bias'], o['mask'], alibi_slopes=o['slopes'],
+                                 q_segment_ids=o['q_seg'], kv_segment_ids=o['kv_seg'], **kw)
+    return attention_pallas_tpu.attention(x, y, z, alibi_slopes=o['slopes'],
+                                          q_segment_ids=o['q_seg'], kv_segment_ids=o['kv_seg'], **kw)
+
+  opt = {'bias': bias, 'mask': mask, 'slopes': alibi_slopes, 'q_seg': q_segment_ids,
+         'kv_seg': kv_segment_ids}
+  return lax.platform_dependent(query, key, value, opt, cuda=gpu('triton'), rocm=gpu('triton'),
+                                tpu=tpu, default=gpu('interpret'))

@@ -1,0 +1,370 @@
+"""FlashAttention-2 as Mosaic TPU Pallas kernels (forward, dQ, dK/dV) with a custom VJP.
+
+Written the way Mosaic wants it (jax's pallas/ops/tpu/flash_attention.py is the model): every block's
+last two dimensions are multiples of (8, 128) or the whole array dimension; the loop over the other
+sequence is the last grid dimension, marked "arbitrary", so that the running max, sum and output
+accumulate in VMEM scratch across its steps; per-row statistics are kept 128 lanes wide (one vreg
+row) and tiled to the key tile's width. Tiles outside the causal/window band of
+`layers.attention_blockwise` are skipped: their step does no work (`pl.when`) and their index map
+repeats the band's edge block, so the pipeline fetches nothing new for them.
+
+Options: GQA/MQA, causal, sliding window, ALiBi (slopes in SMEM, the bias computed in the kernel),
+segment ids, float32 and bfloat16. Dense bias/mask arrays are not taken (`layers.attention_pallas`
+sends those to the blockwise kernel on TPU).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from layers import attention_blockwise as blockwise
+
+LANES = 128  # a vreg is [8, 128]: the lane (last) dimension of every block is a multiple of this
+SUBLANES = 8
+# jax's TPU flash kernel uses 128 by default; it compiles on every TPU generation. Larger tiles are
+# faster on large problems but are untuned here (no TPU measured them).
+DEFAULT_BLOCK_Q = 128
+DEFAULT_BLOCK_K = 128
+
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+
+
+def _tile_lanes(x, width):
+  """A lane-replicated statistic `[r, 128]` at `width` (the key tile, a multiple of 128)."""
+  return jnp.tile(x, (1, width // LANES))
+
+
+def _to_head_dim(x, h):
+  """A lane-replicated statistic `[r, 128]` at the head dim: sliced below 128, tiled above."""
+  return x[:, :h] if h <= LANES else jnp.tile(x, (1, h // LANES))
+
+
+def _logits(q, k, i, j, cfg, *, slope=None, q_seg=None, kv_seg=None):
+  """Scaled scores `[bq, bk]` (float32) of query tile i and key tile j, -inf where hidden.
+
+  q `[bq, H]`, k `[bk, H]`; slope a scalar; q_seg `[bq, 128]` (lane-replicated), kv_seg `[1, bk]`.
+  """
+  bq, bk = q.shape[0], k.shape[0]
+  s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * cfg.scale  # [bq, bk]
+  # Mosaic has no 1-D iota: positions are [bq, bk] tiles.
+  q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+  k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  if slope is not None:
+    # masks.alibi_bias: -slope * |i - j|, here from a scalar slope (SMEM) on the tile's positions.
+    s = s - slope * jnp.abs(q_pos - k_pos).astype(jnp.float32)
+  vis = k_pos < cfg.kv_len  # keys past S pad the last tile
+  if cfg.is_causal:
+    vis = vis & (k_pos <= q_pos)
+  if cfg.window is not None:
+    left, right = cfg.window
+    vis = vis & (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
+  if q_seg is not None:
+    vis = vis & (_tile_lanes(q_seg, bk) == kv_seg)
+  # -inf (not a large negative number) gives exact zeros after exp, as in the other kernels.
+  return jnp.where(vis, s, -jnp.inf)
+
+
+def _safe(m):
+  return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def _clamp(x, lo, hi, n):
+  """x clamped into the band [lo, hi) and into [0, n): a skipped step re-reads the edge block."""
+  x = jnp.minimum(jnp.maximum(x, lo), hi - 1)
+  return jnp.minimum(jnp.maximum(x, 0), n - 1)
+
+
+def _pop_options(refs, flags):
+  """(slopes_ref, q_seg_ref, kv_seg_ref, rest): the optional inputs (None when absent)."""
+  refs = list(refs)
+  slopes = refs.pop(0) if flags[0] else None
+  q_seg, kv_seg = (refs.pop(0), refs.pop(0)) if flags[1] else (None, None)
+  return slopes, q_seg, kv_seg, refs
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg, flags, nk):
+  slopes_ref, q_seg_ref, kv_seg_ref, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _pop_options(refs, flags)
+  n, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  h = acc_sc.shape[-1]
+
+  @pl.when(j == 0)
+  def _init():
+    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+  lo, hi = blockwise.key_block_band(i, cfg, nk)
+
+  @pl.when((j >= lo) & (j < hi))
+  def _step():
+    s = _logits(q_ref[...], k_ref[...], i, j, cfg,
+                slope=None if slopes_ref is None else slopes_ref[n],
+                q_seg=None if q_seg_ref is None else q_seg_ref[...],
+                kv_seg=None if kv_seg_ref is None else kv_seg_ref[:1, :])  # [bq, bk]
+    m_prev = m_sc[...]  # [bq, 128]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1)[:, None])  # [bq, 128]
+    shift = _safe(m_next)  # a row with nothing visible yet keeps max -inf; exp(-inf - 0) = 0
+    p = jnp.exp(s - _tile_lanes(shift, s.shape[1]))  # [bq, bk]
+    alpha = jnp.exp(m_prev - shift)  # rescales earlier tiles when the running max grows
+    l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1)[:, None]
+    m_sc[...] = m_next
+    v = v_ref[...]
+    acc_sc[...] = _to_head_dim(alpha, h) * acc_sc[...] + jnp.dot(
+        p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+  @pl.when(j == nk - 1)
+  def _store():
+    l, m = l_sc[...], m_sc[...]
+    empty = l == 0.0  # no visible key: output 0, lse +inf (so the backward's p is 0)
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = (acc_sc[...] / _to_head_dim(l_safe, h)).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(l_safe))
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, flags, nk):
+  slopes_ref, q_seg_ref, kv_seg_ref, (dq_ref, dq_sc) = _pop_options(refs, flags)
+  n, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _init():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+  lo, hi = blockwise.key_block_band(i, cfg, nk)
+
+  @pl.when((j >= lo) & (j < hi))
+  def _step():
+    k = k_ref[...]
+    s = _logits(q_ref[...], k, i, j, cfg,
+                slope=None if slopes_ref is None else slopes_ref[n],
+                q_seg=None if q_seg_ref is None else q_seg_ref[...],
+                kv_seg=None if kv_seg_ref is None else kv_seg_ref[:1, :])  # [bq, bk]
+    bk = s.shape[1]
+    p = jnp.exp(s - _tile_lanes(lse_ref[...], bk))  # lse = +inf on empty rows: p = 0
+    dp = lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
+    ds = p * (dp - _tile_lanes(delta_ref[...], bk))
+    dq_sc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+  @pl.when(j == nk - 1)
+  def _store():
+    dq_ref[...] = (cfg.scale * dq_sc[...]).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, flags, nq, groups):
+  """dK, dV of key tile j of kv head kk: sums over its G query heads (grid axis 3) and the query
+  tiles of its band (grid axis 4)."""
+  slopes_ref, q_seg_ref, kv_seg_ref, (dk_ref, dv_ref, dk_sc, dv_sc) = _pop_options(refs, flags)
+  kk, j, g, i = pl.program_id(1), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+
+  @pl.when((g == 0) & (i == 0))
+  def _init():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+  lo, hi = blockwise.query_block_band(j, cfg, nq)
+
+  @pl.when((i >= lo) & (i < hi))
+  def _step():
+    q, do, v = q_ref[...], do_ref[...], v_ref[...]
+    s = _logits(q, k_ref[...], i, j, cfg,
+                slope=None if slopes_ref is None else slopes_ref[kk * groups + g],
+                q_seg=None if q_seg_ref is None else q_seg_ref[...],
+                kv_seg=None if kv_seg_ref is None else kv_seg_ref[:1, :])  # [bq, bk]
+    bk = s.shape[1]
+    p = jnp.exp(s - _tile_lanes(lse_ref[...], bk))  # [bq, bk]
+    dv_sc[...] += lax.dot_general(p.astype(do.dtype), do, _TN, preferred_element_type=jnp.float32)
+    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+    ds = p * (dp - _tile_lanes(delta_ref[...], bk))
+    dk_sc[...] += lax.dot_general(ds.astype(q.dtype), q, _TN, preferred_element_type=jnp.float32)
+
+  @pl.when((g == groups - 1) & (i == nq - 1))
+  def _store():
+    dk_ref[...] = (cfg.scale * dk_sc[...]).astype(dk_ref.dtype)
+    dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, semantics, interpret, name):
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=0, grid=grid, in_specs=in_specs, out_specs=out_specs,
+          scratch_shapes=scratch),
+      out_shape=out_shape,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+      # Pallas's TPU interpreter runs the same kernel on CPU, with VMEM/SMEM scratch that persists
+      # along the grid's sequential order, as on the chip.
+      interpret=pltpu.InterpretParams() if interpret else False,
+      name=name)
+
+
+def _option_specs(opt, bq, bk, q_map, kv_map):
+  """Specs of slopes (all of it, in SMEM), q segments `[bq, 128]` and kv segments `[8, bk]`."""
+  specs = []
+  if opt['slopes'] is not None:
+    specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+  if opt['q_seg'] is not None:
+    specs += [pl.BlockSpec((None, bq, LANES), q_map), pl.BlockSpec((None, SUBLANES, bk), kv_map)]
+  return specs
+
+
+def _option_args(opt):
+  args = [] if opt['slopes'] is None else [opt['slopes']]
+  return args if opt['q_seg'] is None else args + [opt['q_seg'], opt['kv_seg']]
+
+
+def _flags(opt):
+  return (opt['slopes'] is not None, opt['q_seg'] is not None)
+
+
+def _lanes(x):
+  """`[..., L]` -> `[..., L, 128]`: a per-row statistic replicated over a vreg's lanes."""
+  return jnp.broadcast_to(x[..., None], x.shape + (LANES,))
+
+
+def _forward(cfg, interpret, q, k, v, opt):
+  """q `[B, N, Tp, H]`, k/v `[B, K, Sp, H]` -> out `[B, N, Tp, H]` float32, lse `[B, N, Tp]`."""
+  b, n, tp, h = q.shape
+  kh, sp = k.shape[1], k.shape[2]
+  g, bq, bk = n // kh, cfg.block_q, cfg.block_k
+  nq, nk = tp // bq, sp // bk
+
+  def kv_block(i, j):
+    lo, hi = blockwise.key_block_band(i, cfg, nk)
+    return _clamp(j, lo, hi, nk)
+
+  q_spec = pl.BlockSpec((None, None, bq, h), lambda bb, nn, i, j: (bb, nn, i, 0))
+  kv_spec = pl.BlockSpec((None, None, bk, h),
+                         lambda bb, nn, i, j: (bb, lax.div(nn, g), kv_block(i, j), 0))
+  row_spec = pl.BlockSpec((None, None, bq, LANES), lambda bb, nn, i, j: (bb, nn, i, 0))
+  opt_specs = _option_specs(opt, bq, bk, lambda bb, nn, i, j: (bb, i, 0),
+                            lambda bb, nn, i, j: (bb, 0, kv_block(i, j)))
+  out, lse = _call(
+      functools.partial(_fwd_kernel, cfg=cfg, flags=_flags(opt), nk=nk), (b, n, nq, nk),
+      [q_spec, kv_spec, kv_spec] + opt_specs, [q_spec, row_spec],
+      [jax.ShapeDtypeStruct((b, n, tp, h), jnp.float32),
+       jax.ShapeDtypeStruct((b, n, tp, LANES), jnp.float32)],
+      [pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
+       pltpu.VMEM((bq, h), jnp.float32)],
+      ('parallel', 'parallel', 'parallel', 'arbitrary'), interpret, 'flash_forward_tpu',
+  )(q, k, v, *_option_args(opt))
+  return out, lse[..., 0]
+
+
+def _backward(cfg, interpret, q, k, v, opt, out, lse, d_out):
+  b, n, tp, h = q.shape
+  kh, sp = k.shape[1], k.shape[2]
+  g, bq, bk = n // kh, cfg.block_q, cfg.block_k
+  nq, nk = tp // bq, sp // bk
+  flags = _flags(opt)
+  delta = _lanes(jnp.sum(out * d_out.astype(jnp.float32), axis=-1))  # [B, N, Tp, 128]: rowsum(dO*O)
+  lse = _lanes(lse)  # [B, N, Tp, 128]
+  do = d_out.astype(q.dtype)
+
+  def kv_block(i, j):
+    lo, hi = blockwise.key_block_band(i, cfg, nk)
+    return _clamp(j, lo, hi, nk)
+
+  q_spec = pl.BlockSpec((None, None, bq, h), lambda bb, nn, i, j: (bb, nn, i, 0))
+  row_spec = pl.BlockSpec((None, None, bq, LANES), lambda bb, nn, i, j: (bb, nn, i, 0))
+  kv_spec = pl.BlockSpec((None, None, bk, h),
+                         lambda bb, nn, i, j: (bb, lax.div(nn, g), kv_block(i, j), 0))
+  dq = _call(
+      functools.partial(_dq_kernel, cfg=cfg, flags=flags, nk=nk), (b, n, nq, nk),
+      [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + _option_specs(
+          opt, bq, bk, lambda bb, nn, i, j: (bb, i, 0),
+          lambda bb, nn, i, j: (bb, 0, kv_block(i, j))),
+      q_spec, jax.ShapeDtypeStruct(q.shape, jnp.float32), [pltpu.VMEM((bq, h), jnp.float32)],
+      ('parallel', 'parallel', 'parallel', 'arbitrary'), interpret, 'flash_dq_tpu',
+  )(q, k, v, do, lse, delta, *_option_args(opt))
+
+  # Grid (b, kv head kk, key tile j, query head g of the group, query tile i): the G query heads
+  # of kv head kk are the kk-th group of G consecutive heads; both inner axes accumulate.
+  def q_block(j, i):
+    lo, hi = blockwise.query_block_band(j, cfg, nq)
+    return _clamp(i, lo, hi, nq)
+
+  qg_spec = pl.BlockSpec((None, None, bq, h),
+                         lambda bb, kk, j, gg, i: (bb, kk * g + gg, q_block(j, i), 0))
+  rowg_spec = pl.BlockSpec((None, None, bq, LANES),
+                           lambda bb, kk, j, gg, i: (bb, kk * g + gg, q_block(j, i), 0))
+  kt_spec = pl.BlockSpec((None, None, bk, h), lambda bb, kk, j, gg, i: (bb, kk, j, 0))
+  dk, dv = _call(
+      functools.partial(_dkv_kernel, cfg=cfg, flags=flags, nq=nq, groups=g), (b, kh, nk, g, nq),
+      [qg_spec, kt_spec, kt_spec, qg_spec, rowg_spec, rowg_spec] + _option_specs(
+          opt, bq, bk, lambda bb, kk, j, gg, i: (bb, q_block(j, i), 0),
+          lambda bb, kk, j, gg, i: (bb, 0, j)),
+      [kt_spec, kt_spec],
+      [jax.ShapeDtypeStruct(k.shape, jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32)],
+      [pltpu.VMEM((bk, h), jnp.float32), pltpu.VMEM((bk, h), jnp.float32)],
+      ('parallel', 'parallel', 'parallel', 'arbitrary', 'arbitrary'), interpret, 'flash_dkv_tpu',
+  )(q, k, v, do, lse, delta, *_option_args(opt))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash(cfg, interpret, q, k, v, opt):
+  return _forward(cfg, interpret, q, k, v, opt)[0]
+
+
+def _flash_fwd(cfg, interpret, q, k, v, opt):
+  out, lse = _forward(cfg, interpret, q, k, v, opt)
+  return out, (q, k, v, opt, out, lse)  # O(T) residuals besides the inputs
+
+
+def _flash_bwd(cfg, interpret, res, d_out):
+  q, k, v, opt, out, lse = res
+  dq, dk, dv = _backward(cfg, interpret, q, k, v, opt, out, lse, d_out)
+  return dq, dk, dv, {name: None for name in opt}  # slopes and segment ids: no gradient
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _round_up(x, m):
+  return -(-x // m) * m
+
+
+def attention(query, key, value, *, scale, is_causal=False, window=None, alibi_slopes=None,
+              q_segment_ids=None, kv_segment_ids=None, block_q=DEFAULT_BLOCK_Q,
+              block_k=DEFAULT_BLOCK_K, interpret=False):
+  """Mosaic TPU FlashAttention-2; arguments as `attention_blockwise.attention` less bias and mask.
+
+  Args:
+    query: `[B, T, N, H]`; key, value: `[B, S, K, H]`, N a multiple of K.
+    scale, is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids: as in
+      `layers.attention.dot_product_attention` (window already normalised to (left, right)).
+    block_q, block_k: tile sizes, multiples of 128 (shrunk to the padded length when it is less).
+    interpret: run in Pallas's TPU interpret mode (on any backend; the numerics tests on CPU).
+
+  Returns:
+    `[B, T, N, H]` in the query's dtype; rows with no visible key are zeros.
+  """
+  if block_q % LANES or block_k % LANES:
+    raise ValueError(f'TPU tiles must be multiples of {LANES}; got {block_q}, {block_k}')
+  b, t, n, h = query.shape
+  s = key.shape[1]
+  # Lengths are padded to whole tiles; padded keys are masked (k_pos < S) and padded query rows
+  # are dropped, and their zero cotangent adds nothing to dK/dV: results are exact.
+  bq, bk = min(block_q, _round_up(t, LANES)), min(block_k, _round_up(s, LANES))
+  tp, sp = _round_up(t, bq), _round_up(s, bk)
+  cfg = blockwise.Config(float(scale), bool(is_causal), None if window is None else tuple(window),
+                         t, s, bq, bk)
+  pad = blockwise._pad_axis  # pylint: disable=protected-access
+  q = pad(query, 1, tp).transpose(0, 2, 1, 3)  # [B, N, Tp, H]
+  k = pad(key, 1, sp).transpose(0, 2, 1, 3)  # [B, K, Sp, H]
+  v = pad(value, 1, sp).transpose(0, 2, 1, 3)  # [B, K, Sp, H]
+  opt = {'slopes': None, 'q_seg': None, 'kv_seg': None}
+  if alibi_slopes is not None:
+    opt['slopes'] = lax.stop_gradient(alibi_slopes.astype(jnp.float32))  # [N]
+  if q_segment_ids is not None:
+    # Mosaic layouts: query ids replicated over 128 lanes, key ids over 8 sublanes.
+    q_seg = pad(q_segment_ids.astype(jnp.int32), 1, tp)  # [B, Tp]
+    kv_seg = pad(kv_segment_ids.astype(jnp.int32), 1, sp)  # [B, Sp]
+    opt['q_seg'] = jnp.broadcast_to(q_seg[:, :, None], (b, tp, LANES))
+    opt['kv_seg'] = jnp.broadcast_to(kv_seg[:, None, :], (b, SUBLANES, sp))
+  out = _flash(cfg, bool(interpret), q, k, v, opt)  # [B, N, Tp, H] float32
+  return out[:, :, :t].transpose(0, 2, 1, 3).astype(query.dtype)
