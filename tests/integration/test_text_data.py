@@ -1,0 +1,136 @@
+"""Your own data through the command lines: an encoder-decoder trained on a generated TSV corpus
+(2,000 pairs of real words) until its loss falls and evaluated (BLEU, exact match), a decoder-only
+LM on text files with the extrapolation harness, the prepared folder reused by eval.py, and each
+bad input as one line with exit status 2 and data_dir left clean."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, metric_rows
+from tests.unit.test_text_data import write_corpus
+
+TRAIN = os.path.join(ROOT, 'train.py')
+EVAL = os.path.join(ROOT, 'eval.py')
+# A tiny model (configs' `quick`) for a few CPU seconds of training.
+SMALL = ['--config.train.batch_size=32', '--config.train.log_every=10',
+         '--config.train.warmup_steps=10', '--config.train.learning_rate=3e-3']
+
+
+def cli(*args, timeout=120):
+  return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def pairs_args(corpus_dir, data_dir, workdir, steps=60):
+  return [TRAIN, f'--config={ROOT}/configs/text_pairs.py:dir={corpus_dir},quick',
+          f'--workdir={workdir}', f'--config.data.data_dir={data_dir}',
+          '--config.data.vocab_size=160', '--config.data.max_length=40',
+          f'--config.train.steps={steps}', f'--config.train.eval_every={steps}',
+          f'--config.train.checkpoint_every={steps}', *SMALL]
+
+
+@pytest.fixture(scope='module')
+def pairs_run(tmp_path_factory):
+  """(workdir, data_dir) of an encoder-decoder trained 60 steps on the generated TSV corpus."""
+  root = tmp_path_factory.mktemp('text_pairs')
+  write_corpus(str(root / 'corpus'))
+  out = cli(*pairs_args(root / 'corpus', root / 'data', root / 'run'))
+  assert out.returncode == 0, out.stderr[-3000:]
+  return root / 'run', root / 'data'
+
+
+def test_text_pairs_trains_until_the_loss_falls(pairs_run):
+  workdir, data_dir = pairs_run
+  losses = [row['loss'] for row in metric_rows(str(workdir))]
+  assert len(losses) == 6 and losses[-1] < 0.5 * losses[0], losses  # measured: 5.0 -> 1.1
+  assert metric_rows(str(workdir), 'valid')  # the validation file was evaluated
+  folders = os.listdir(data_dir / 'text_pairs')
+  assert len(folders) == 1 and folders[0].startswith('vocab160-shared-'), folders
+  assert {'spm.model', 'corpus.json', 'dataset_info.json'} <= set(
+      os.listdir(data_dir / 'text_pairs' / folders[0]))
+
+
+def test_text_pairs_evaluates_with_bleu_on_detokenized_text(pairs_run):
+  workdir, data_dir = pairs_run
+  folder = os.listdir(data_dir / 'text_pairs')[0]
+  mtime = os.stat(data_dir / 'text_pairs' / folder / 'corpus.json').st_mtime_ns
+  out = cli(EVAL, f'--workdir={workdir}', '--split=test', '--max_examples=16')
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(workdir / 'eval.json') as f:
+    result = json.load(f)
+  test = result['translation']['test']
+  assert test['n'] == 16 and 0 < test['bleu'] <= 100 and 0 <= result['exact_match'] <= 1
+  # Outputs are detokenized text (SentencePiece's '▁' gone), in the corpus's own language.
+  assert all('▁' not in s['output'] and s['reference'].startswith('Die ') for s in test['samples'])
+  assert result['loss']['test'] < 2.0
+  # eval.py reused the prepared folder: nothing re-prepared, nothing added.
+  assert os.listdir(data_dir / 'text_pairs') == [folder]
+  assert os.stat(data_dir / 'text_pairs' / folder / 'corpus.json').st_mtime_ns == mtime
+
+
+@pytest.fixture(scope='module')
+def lm_run(tmp_path_factory):
+  """(workdir, data_dir) of a decoder-only LM trained 50 steps on generated documents."""
+  root = tmp_path_factory.mktemp('text_lm')
+  write_corpus(str(root / 'corpus'), num_train=300, num_eval=40, lm=True)
+  out = cli(TRAIN, f'--config={ROOT}/configs/text_lm.py:dir={root / "corpus"},quick',
+            f'--workdir={root / "run"}', f'--config.data.data_dir={root / "data"}',
+            '--config.data.vocab_size=96', '--config.data.max_length=64',
+            '--config.train.steps=50', '--config.train.eval_every=50',
+            '--config.train.checkpoint_every=50', '--config.train.batch_size=16', *SMALL[1:])
+  assert out.returncode == 0, out.stderr[-3000:]
+  return root / 'run', root / 'data'
+
+
+def test_text_lm_trains_until_the_loss_falls(lm_run):
+  workdir, data_dir = lm_run
+  losses = [row['loss'] for row in metric_rows(str(workdir))]
+  assert len(losses) == 5 and losses[-1] < 0.5 * losses[0], losses  # measured: 4.9 -> 1.6
+  assert os.listdir(data_dir / 'text_lm')[0].startswith('vocab96-shared-')
+
+
+def test_text_lm_evaluates_loss_and_extrapolation(lm_run):
+  workdir, _ = lm_run
+  out = cli(EVAL, f'--workdir={workdir}', '--split=test', '--lengths=1,2',
+            '--modes=non_overlapping')
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(workdir / 'eval.json') as f:
+    result = json.load(f)
+  assert result['translation'] == {} and result['loss']['test'] < 2.5
+  assert [(r['length'], r['mode']) for r in result['extrapolation']] == [
+      (64, 'non_overlapping'), (128, 'non_overlapping')]
+
+
+# (file to replace, its bytes or None, extra flags, words the one line holds): each exits 2 and
+# leaves data_dir clean.
+BAD_INPUTS = [
+    ('train', b'The cat sees.\tDie katze sieht.\nThe dog sees the cat\n', [],
+     ['data error:', 'line 2: no tab']),
+    ('validation', b'', [], ['data error:', 'validation.tsv is empty']),
+    ('test', b'The cat sees.\tDie katze sieht.\nThe caf\xe9.\tDas caf\xe9.\n', [],
+     ['data error:', 'test.tsv line 2: not UTF-8']),
+    (None, None, ['--config.data.vocab_size=5000'],
+     ['data error:', 'data.vocab_size=5000', 'Please set it to a value <=']),
+    (None, None, ['--config.data.files.test='], ['config error:', "data.files.test=''"]),
+]
+
+
+@pytest.mark.parametrize('split,content,flags,needles', BAD_INPUTS)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, split, content, flags, needles):
+  corpus = write_corpus(str(tmp_path / 'corpus'), num_train=300, num_eval=20)
+  if split:
+    with open(corpus[split], 'wb') as f:
+      f.write(content)
+  data_dir = tmp_path / 'data'
+  out = cli(*pairs_args(tmp_path / 'corpus', data_dir, tmp_path / 'run'), *flags)
+  lines = out.stderr.strip().splitlines()
+  assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr[-3000:])
+  for needle in needles:
+    assert needle in lines[0], lines[0]
+  if split:
+    assert f'data.files.{split}={corpus[split]}' in lines[0]
+  assert not data_dir.exists()  # nothing half-written
