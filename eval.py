@@ -67,11 +67,14 @@ def _decode_options():
 
 def print_summary(result, splits):
   """One line per split (loss only where it was computed) and per extrapolation row."""
-  for split in splits:
-    t = result['translation'][split]
+  for split in splits or list(result['loss']):  # text_lm runs translate nothing: loss lines only
+    t = result['translation'].get(split)
     # --translate splits are decoded only (no loss pass over them).
     loss = (f'loss {result["loss"][split]:.4f}  ppl {result["perplexity"][split]:.3f}  '
             if split in result['loss'] else '')
+    if t is None:
+      print(f'{split}: {loss.strip()}')
+      continue
     print(f'{split}: {loss}exact_match {t["exact_match"]:.4f}  token_accuracy '
           f'{t["token_accuracy"]:.4f}  bleu {t["bleu"]:.2f}  (n={t["n"]})')
   for row in result.get('extrapolation', []):

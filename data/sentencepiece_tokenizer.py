@@ -12,6 +12,10 @@ SHARED_FILE = 'spm.model'
 SOURCE_FILE, TARGET_FILE = 'spm_source.model', 'spm_target.model'
 NUM_SPECIAL = len(tokenizer_lib.SPECIAL_TOKENS)
 MAX_SENTENCES = 2_000_000  # lines the vocabulary is learnt from (a sample of larger corpora)
+# Fixed, not the host's core count: the trainer's result depends on how many threads split the
+# work (measured: 1, 4 and 16 threads give three different models of one corpus), and every host
+# of a multi-host run prepares its own copy, which must be the same.
+TRAINER_THREADS = 8
 
 
 class TrainingError(ValueError):
@@ -48,7 +52,7 @@ def train(sentences, vocab_size: int) -> bytes:
         # One document per line can be long: the default (4,192 bytes) would leave long lines out
         # of the vocabulary's statistics.
         max_sentence_length=1 << 16, shuffle_input_sentence=False,
-        num_threads=os.cpu_count() or 1, minloglevel=2)
+        num_threads=TRAINER_THREADS, minloglevel=2)
   except RuntimeError as e:
     # 'INTERNAL: src/trainer_interface.cc(744) [...] Vocabulary size too high (5000). Please ...'
     raise TrainingError(str(e).rsplit('] ', 1)[-1].strip()) from None

@@ -98,6 +98,7 @@ def test_text_lm_evaluates_loss_and_extrapolation(lm_run):
   out = cli(EVAL, f'--workdir={workdir}', '--split=test', '--lengths=1,2',
             '--modes=non_overlapping')
   assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.startswith('test: loss ') and 'extrapolation x2 L=128' in out.stdout
   with open(workdir / 'eval.json') as f:
     result = json.load(f)
   assert result['translation'] == {} and result['loss']['test'] < 2.5

@@ -341,3 +341,15 @@ def test_example_configs_validate():
     config = cli_checks.load_config_file(f'{ROOT}/configs/{name}.py:dir=/corpus,quick')
     assert config.data.files.test == f'/corpus/test.{suffix}'
     validation.validate(validation.resolve(config))
+
+
+def test_tokenizer_does_not_depend_on_the_host(monkeypatch):
+  """Every host of a multi-host run trains its own copy: the model must not follow the core count
+  (SentencePiece's result depends on its thread count)."""
+  rng = random.Random(1)
+  sentences = [s for _ in range(1500) for s in sample_pair(rng)]
+  models = []
+  for cores in (1, 16):
+    monkeypatch.setattr(os, 'cpu_count', lambda cores=cores: cores)
+    models.append(spt.train(sentences, VOCAB))
+  assert models[0] == models[1]
