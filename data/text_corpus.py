@@ -9,6 +9,7 @@ complete, so a bad input or a crash leaves nothing half-written in data_dir.
 
 import dataclasses
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -264,7 +265,10 @@ def prepare(spec: CorpusSpec) -> str:
     if os.path.isdir(final_dir):  # another process finished meanwhile
       return final_dir
     os.makedirs(task_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(final_dir)}.tmp', dir=task_dir)
+    prefix = f'.{os.path.basename(final_dir)}.tmp'
+    for stale in glob.glob(os.path.join(glob.escape(task_dir), prefix + '*')):
+      shutil.rmtree(stale, ignore_errors=True)  # a killed preparation's (the lock is ours now)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=task_dir)
     try:
       os.rename(_build(spec, splits, digest, tmp), final_dir)
     except BaseException:

@@ -172,6 +172,27 @@ def test_other_vocab_size_or_changed_file_gets_its_own_folder(corpus, tmp_path):
       ('A cat.', 'Eine katze.')]
 
 
+def test_interrupted_preparation_leaves_nothing_behind(corpus, tmp_path, monkeypatch):
+  spec = text_corpus.spec_from_config(data_config(corpus, tmp_path / 'data'))
+  build = text_corpus._build
+
+  def killed_before_the_rename(*args):
+    build(*args)  # every file written into the temporary folder
+    raise KeyboardInterrupt
+  monkeypatch.setattr(text_corpus, '_build', killed_before_the_rename)
+  with pytest.raises(KeyboardInterrupt):
+    text_corpus.prepare(spec)
+  assert not (tmp_path / 'data').exists()
+  # A SIGKILLed preparation cannot clean up: the next one removes its temporary folder.
+  monkeypatch.setattr(text_corpus, '_build', build)
+  _, digest = text_corpus.read_corpus(spec)
+  stale = tmp_path / 'data' / 'text_pairs' / f'.{text_corpus.folder_name(spec, digest)}.tmpdead'
+  stale.mkdir(parents=True)
+  (stale / 'half.array_record').write_text('x')
+  folder = text_corpus.prepare(spec)
+  assert os.listdir(tmp_path / 'data' / 'text_pairs') == [os.path.basename(folder)]
+
+
 def test_splits_read_back_in_file_order(prepared, corpus):
   config, _ = prepared
   assert pipeline.split_names(config) == ['train', 'validation', 'test']
