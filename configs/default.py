@@ -29,7 +29,8 @@ def get_config(arg=None):
   model.arch = 'decoder_only'  # decoder_only | encoder_only | encoder_decoder | rnn_seq2seq
   model.attention = 'dense'  # attention variant, a key of layers.attention_variants.VARIANTS
   model.attention_impl = 'xla'  # exact softmax kernel: xla | blockwise | pallas | cudnn (GPU)
-  model.position = 'sinusoidal'  # sinusoidal | learned | rope | alibi | t5_bias | nope
+  model.position = 'sinusoidal'  # sinusoidal | learned | rope | alibi | t5_bias | nope | fire |
+  #                                kerple (log variant) | xpos
   model.norm = 'layernorm'  # layernorm | rmsnorm
   model.norm_position = 'pre'  # pre (Pre-LN, final norm added) | post (Post-LN, the original)
   model.ffn = 'relu'  # relu | gelu | swiglu | geglu
@@ -51,6 +52,12 @@ def get_config(arg=None):
   model.rope_scaling_factor = 1.0  # its factor s = L_eval / L_train (1.0 = no scaling)
   model.t5_num_buckets = 32  # T5 relative-position buckets (position=t5_bias), shared by the layers
   model.t5_max_distance = 128  # T5: distances beyond this share the last bucket
+  model.fire_mlp_width = 32  # FIRE: hidden width of the MLP on the interpolated log distance
+  model.fire_threshold = 512.0  # FIRE: L_init of the learned threshold L (Li et al.'s listing: 512)
+  model.xpos_scale_base = 512.0  # xPos: gamma in q * zeta^(n/gamma), k * zeta^(-m/gamma)
+  model.random_positions_max = 0  # N > 0: training draws sorted position ids from [0, N)
+  #                                 (Ruoss et al. 2023; rope | learned | sinusoidal); evaluation
+  #                                 uses 0..T-1; 0 = off
   # attention variants (layers/sparse_attention.py, layers/linear_attention.py)
   model.unscaled = False  # scores q·k without the 1/sqrt(d_k) scale (the scaling ablation)
   model.window = 16  # sliding_window/longformer: w; encoders see |i - j| <= w, decoders i - w <= j <= i
@@ -110,6 +117,9 @@ def get_config(arg=None):
   # attention max logit and entropy and activation RMS; at step 1, DIR/init_grad_norms.json.
   train.diagnostics = True
   train.diagnostics_batch = 8  # rows of the batch the attention/activation pass reads (0 = all)
+  train.init_from = ''  # WORKDIR of another run: start from its newest parameters (fresh
+  #                       optimiser, step 0); '' = a fresh initialisation. A run with its own
+  #                       checkpoints resumes from them instead.
 
   config.data = data = ml_collections.ConfigDict()
   data.task = 'base'  # base (the toy translation task) | text_pairs (your TSV files of

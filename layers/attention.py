@@ -44,7 +44,7 @@ IMPLEMENTATIONS = {
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                           local_window_size=None, alibi_slopes=None, segment_ids=None,
-                          implementation=None):
+                          implementation=None, position_bias=None):
   """Scaled dot-product attention, mirroring `jax.nn.dot_product_attention`.
 
   Args:
@@ -59,6 +59,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     segment_ids: `[B, T]` (self-attention) or a pair (`[B, T]`, `[B, S]`); attention stays within
       equal ids (packed sequences; give padding its own id).
     implementation: None (= 'xla') or a key of `IMPLEMENTATIONS`.
+    position_bias: optional `layers.relative_bias.PositionBias` (FIRE, KERPLE), a learned bias of
+      the positions; only the xla and blockwise kernels evaluate it.
 
   Returns:
     `[B, T, N, H]`; a query row with no visible key is zeros.
@@ -75,6 +77,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     raise ValueError(f'query heads ({n}) must be a multiple of key/value heads ({k})')
   if scale is None:
     scale = 1.0 / math.sqrt(query.shape[-1])
+  extra = {}
+  if position_bias is not None:
+    if impl not in positions_lib.POSITION_BIAS_IMPLS:
+      raise ValueError(f'implementation={impl!r} cannot take a learned position bias (FIRE, '
+                       f'KERPLE); valid: {", ".join(positions_lib.POSITION_BIAS_IMPLS)}')
+    extra['position_bias'] = position_bias
   q_seg = kv_seg = None
   if segment_ids is not None:
     if isinstance(segment_ids, (tuple, list)):
@@ -84,7 +92,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   return IMPLEMENTATIONS[impl](
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       window=masks.normalize_window(local_window_size), alibi_slopes=alibi_slopes,
-      q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+      q_segment_ids=q_seg, kv_segment_ids=kv_seg, **extra)
 
 
 class Attention(nnx.Module, options.Configurable):
@@ -322,7 +330,7 @@ class Attention(nnx.Module, options.Configurable):
       # The new key is rotated (RoPE) at its own absolute position before it is stored.
       q_in = q
       q, k, kwargs = position.in_attention(q, k, q_pos, q_pos, is_causal=True)
-      if 'bias' in kwargs:
+      if 'bias' in kwargs or 'position_bias' in kwargs:
         # A score term over key positions (T5): recompute it against every cached slot; only the
         # kwargs of this call are used, so a method that also rotates q/k is not applied twice.
         _, _, kwargs = position.in_attention(q_in, k, q_pos, k_pos, is_causal=True)
@@ -336,6 +344,9 @@ class Attention(nnx.Module, options.Configurable):
       keys, values = cache['k'], cache['v']
     bias = kwargs.pop('bias', None)
     slopes = kwargs.pop('alibi_slopes', None)
+    position_bias = kwargs.pop('position_bias', None)
+    if position_bias is not None:  # FIRE, KERPLE at the absolute positions: [B, N, 1, S_max]
+      bias = position_bias.dense() if bias is None else bias + position_bias.dense()
     if kwargs:
       raise ValueError(f'decode: unsupported in_attention kwargs {sorted(kwargs)}')
     if slopes is not None:

@@ -31,6 +31,7 @@ class Config(NamedTuple):
   kv_len: int  # S before padding
   block_q: int
   block_k: int
+  bias_fn: object = None  # PositionBias.fn (FIRE, KERPLE) evaluated per tile, or None
 
 
 def _floor_div(x, d):
@@ -72,7 +73,8 @@ def query_block_band(j, cfg, num_q_blocks):
   return lo, hi
 
 
-def block_logits(q, k, i, j, cfg, *, bias=None, mask=None, slopes=None, q_seg=None, kv_seg=None):
+def block_logits(q, k, i, j, cfg, *, bias=None, mask=None, slopes=None, q_seg=None, kv_seg=None,
+                 pos_bias=None):
   """Scaled, biased scores of query block i against key block j, -inf where hidden.
 
   Args:
@@ -82,6 +84,7 @@ def block_logits(q, k, i, j, cfg, *, bias=None, mask=None, slopes=None, q_seg=No
     mask: None or boolean, shaped like `bias`.
     slopes: None or `[N]` ALiBi slopes.
     q_seg, kv_seg: None or `[B, bq]`, `[B, bk]`.
+    pos_bias: None or (params, q_pos `[B|1, bq]`, k_pos `[B|1, bk]`) of `cfg.bias_fn`.
 
   Returns:
     `[B, K, G, bq, bk]` float32.
@@ -96,6 +99,8 @@ def block_logits(q, k, i, j, cfg, *, bias=None, mask=None, slopes=None, q_seg=No
   if slopes is not None:
     # From the block's positions: the [N, T, S] bias is never formed.
     s = s + masks.alibi_bias(slopes, q_pos, k_pos).reshape(kh, g, bq, bk)
+  if pos_bias is not None:
+    s = s + _tile_position_bias(cfg, *pos_bias).reshape(-1, kh, g, bq, bk)
   vis = masks.visible(q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
                       q_seg=None if q_seg is None else q_seg[:, :, None],
                       k_seg=None if kv_seg is None else kv_seg[:, None, :])
@@ -114,6 +119,16 @@ def block_logits(q, k, i, j, cfg, *, bias=None, mask=None, slopes=None, q_seg=No
   return jnp.where(vis, s, -jnp.inf)
 
 
+def _tile_position_bias(cfg, params, q_pos, k_pos):
+  """`cfg.bias_fn` on one tile's positions: `[B|1, N, bq, bk]` (no `[T, S]` bias is formed)."""
+  return cfg.bias_fn(params, q_pos[:, :, None], k_pos[:, None, :])
+
+
+def _tile_pb(pb, qp, j):
+  """The `pos_bias` of `block_logits` for a query block's positions `qp` and key block j."""
+  return None if pb is None else (pb[0], qp, pb[2][j])
+
+
 def _safe(m):
   """A row max usable as an exp shift: -inf (no visible key yet) becomes 0, so exp(-inf - 0) = 0."""
   return jnp.where(jnp.isneginf(m), 0.0, m)
@@ -130,12 +145,13 @@ def _slice_bt(x, i, j, cfg):
   return x
 
 
-def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg):
+def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, pb):
   """Online-softmax forward over blocked inputs.
 
   Args:
     q: `[nq, B, K, G, bq, H]`; k, v: `[nk, B, K, bk, H]`; bias/mask: see `_slice_bt`;
-    q_seg: `[nq, B, bq]`; kv_seg: `[nk, B, bk]`.
+    q_seg: `[nq, B, bq]`; kv_seg: `[nk, B, bk]`; pb: None or (params, q_pos `[nq, B|1, bq]`,
+    k_pos `[nk, B|1, bk]`) of `cfg.bias_fn`.
 
   Returns:
     out `[nq, B, K, G, bq, H]` float32 and logsumexp `[nq, B, K, G, bq]` (+inf on empty rows).
@@ -143,14 +159,15 @@ def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg):
   nq, nk = q.shape[0], k.shape[0]
 
   def one_query_block(_, xs):
-    i, qb, qs = xs
+    i, qb, qs, qp = xs
     shape = qb.shape[:-1]  # [B, K, G, bq]
 
     def body(j, carry):
       m, l, acc = carry
       s = block_logits(qb, k[j], i, j, cfg, bias=_slice_bt(bias, i, j, cfg),
                        mask=_slice_bt(mask, i, j, cfg), slopes=slopes, q_seg=qs,
-                       kv_seg=None if kv_seg is None else kv_seg[j])  # [B, K, G, bq, bk]
+                       kv_seg=None if kv_seg is None else kv_seg[j],
+                       pos_bias=_tile_pb(pb, qp, j))  # [B, K, G, bq, bk]
       m_new = jnp.maximum(m, s.max(-1))
       shift = _safe(m_new)
       p = jnp.exp(s - shift[..., None])  # [B, K, G, bq, bk]
@@ -171,13 +188,14 @@ def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg):
     lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
     return None, (out, lse)
 
-  _, (out, lse) = lax.scan(one_query_block, None, (jnp.arange(nq), q, q_seg))
+  _, (out, lse) = lax.scan(one_query_block, None,
+                           (jnp.arange(nq), q, q_seg, None if pb is None else pb[1]))
   return out, lse
 
 
 def _backward(cfg, res, d_out):
   """FlashAttention-2 backward: per key block, sweep its query band, recomputing probabilities."""
-  q, k, v, bias, mask, slopes, q_seg, kv_seg, out, lse = res
+  q, k, v, bias, mask, slopes, q_seg, kv_seg, pb, out, lse = res
   nq, nk = q.shape[0], k.shape[0]
   do = d_out.astype(jnp.float32)
   delta = jnp.sum(do * out, axis=-1)  # [nq, B, K, G, bq]: rowsum(dO * O) = sum_j P_ij dP_ij
@@ -187,10 +205,11 @@ def _backward(cfg, res, d_out):
     j, kb, vb, ks = xs
 
     def body(i, carry):
-      dk, dv, dq, dbias = carry
+      dk, dv, dq, dbias, dpb = carry
       bias_ij = _slice_bt(bias, i, j, cfg)
       s = block_logits(q[i], kb, i, j, cfg, bias=bias_ij, mask=_slice_bt(mask, i, j, cfg),
-                       slopes=slopes, q_seg=None if q_seg is None else q_seg[i], kv_seg=ks)
+                       slopes=slopes, q_seg=None if q_seg is None else q_seg[i], kv_seg=ks,
+                       pos_bias=_tile_pb(pb, None if pb is None else pb[1][i], j))
       p = jnp.exp(s - lse[i][..., None])  # [B, K, G, bq, bk]
       dv = dv + jnp.einsum('BKGTS,BKGTH->BKSH', p.astype(do.dtype), do[i],
                            preferred_element_type=jnp.float32)
@@ -209,30 +228,40 @@ def _backward(cfg, res, d_out):
                  0 if bias.shape[4] == 1 else j * cfg.block_k)
         dbias = lax.dynamic_update_slice(
             dbias, lax.dynamic_slice(dbias, start, db.shape) + db, start)
-      return dk, dv, dq, dbias
+      if dpb is not None:
+        qp, kp = pb[1][i], pb[2][j]  # [B|1, bq], [B|1, bk]
+        _, vjp = jax.vjp(lambda params: _tile_position_bias(cfg, params, qp, kp), pb[0])
+        ct = ds.reshape(ds.shape[0], -1, *ds.shape[3:])  # [B, N, bq, bk]
+        if qp.shape[0] == 1:  # positions shared by the rows: so is the bias
+          ct = ct.sum(0, keepdims=True)
+        dpb = jax.tree.map(jnp.add, dpb, vjp(ct)[0])
+      return dk, dv, dq, dbias, dpb
 
-    dq, dbias = carry
-    init = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32), dq, dbias)
+    dq, dbias, dpb = carry
+    init = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32), dq, dbias, dpb)
     lo, hi = query_block_band(j, cfg, nq)
-    dk, dv, dq, dbias = lax.fori_loop(lo, hi, body, init)
-    return (dq, dbias), (dk, dv)
+    dk, dv, dq, dbias, dpb = lax.fori_loop(lo, hi, body, init)
+    return (dq, dbias, dpb), (dk, dv)
 
   dbias0 = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
-  (dq, dbias), (dk, dv) = lax.scan(one_key_block, (jnp.zeros(q.shape, jnp.float32), dbias0),
-                                   (jnp.arange(nk), k, v, kv_seg))
+  dpb0 = None if pb is None else jax.tree.map(jnp.zeros_like, pb[0])
+  (dq, dbias, dpb), (dk, dv) = lax.scan(
+      one_key_block, (jnp.zeros(q.shape, jnp.float32), dbias0, dpb0),
+      (jnp.arange(nk), k, v, kv_seg))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          None if bias is None else dbias.astype(bias.dtype), None, None, None, None)
+          None if bias is None else dbias.astype(bias.dtype), None, None, None, None,
+          None if pb is None else (dpb, None, None))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg):
-  return _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg)[0]
+def _flash(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, pb):
+  return _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, pb)[0]
 
 
-def _flash_fwd(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg):
-  out, lse = _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg)
+def _flash_fwd(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, pb):
+  out, lse = _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, pb)
   # Only O(T) residuals: inputs, output and one logsumexp per row.
-  return out, (q, k, v, bias, mask, slopes, q_seg, kv_seg, out, lse)
+  return out, (q, k, v, bias, mask, slopes, q_seg, kv_seg, pb, out, lse)
 
 
 _flash.defvjp(_flash_fwd, _backward)
@@ -262,7 +291,8 @@ def _blocked_bt(x, n, k, t_pad, s_pad):
 
 def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
               alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None,
-              block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
+              block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
+              position_bias=None):
   """Exact attention in `[block_q, block_k]` tiles; the arguments are those of `attention_xla`.
 
   Args:
@@ -271,6 +301,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
     bias: None or broadcastable to `[B, N, T, S]` (receives a gradient).
     mask: None or boolean broadcastable to `[B, N, T, S]`, True where visible.
     scale, is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids: see `attention_xla`.
+    position_bias: None or a `layers.relative_bias.PositionBias` (FIRE, KERPLE): its function is
+      evaluated per tile from the tile's positions, and its parameters receive a gradient.
     block_q, block_k: tile sizes (clipped to T and S); T and S need not be multiples of them.
 
   Returns:
@@ -296,6 +328,15 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
   mask5 = _blocked_bt(None if mask is None else mask.astype(jnp.bool_), n, kh, tp, sp)
   slopes = None if alibi_slopes is None else lax.stop_gradient(alibi_slopes)
 
-  out = _flash(cfg, q, k, v, bias5, mask5, slopes, q_seg, kv_seg)  # [nq, B, K, G, bq, H]
+  pb = None
+  if position_bias is not None:
+    qp, kp = position_bias.q_pos, position_bias.k_pos  # [B|1, T], [B|1, S]
+    qp = _pad_axis(qp, 1, tp).reshape(qp.shape[0], nq, bq).transpose(1, 0, 2)  # [nq, B|1, bq]
+    kp = _pad_axis(kp, 1, sp).reshape(kp.shape[0], nk, bk).transpose(1, 0, 2)  # [nk, B|1, bk]
+    pb = (position_bias.params, qp, kp)
+    cfg = cfg._replace(bias_fn=position_bias.fn)
+
+  out = _flash(cfg, q, k, v, bias5, mask5, slopes, q_seg, kv_seg,
+               pb)  # [nq, B, K, G, bq, H]
   out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, n, -1)[:, :t]  # [B, T, N, H]
   return out.astype(query.dtype)

@@ -31,7 +31,6 @@ DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 128
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
 def _tile_lanes(x, width):
@@ -176,10 +175,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, fla
                 kv_seg=None if kv_seg_ref is None else kv_seg_ref[:1, :])  # [bq, bk]
     bk = s.shape[1]
     p = jnp.exp(s - _tile_lanes(lse_ref[...], bk))  # [bq, bk]
-    dv_sc[...] += lax.dot_general(p.astype(do.dtype), do, _TN, preferred_element_type=jnp.float32)
+    # Transposes in float32, then the cast: jax's TPU kernel's order (32-bit transposes lower on
+    # every TPU generation).
+    dv_sc[...] += jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
     ds = p * (dp - _tile_lanes(delta_ref[...], bk))
-    dk_sc[...] += lax.dot_general(ds.astype(q.dtype), q, _TN, preferred_element_type=jnp.float32)
+    dk_sc[...] += jnp.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
 
   @pl.when((g == groups - 1) & (i == nq - 1))
   def _store():

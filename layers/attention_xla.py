@@ -11,7 +11,7 @@ NEG = float(jnp.finfo(jnp.float32).min)
 
 
 def scores(query, key, bias=None, mask=None, *, scale, is_causal=False, window=None,
-           alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None):
+           alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None, position_bias=None):
   """The logits the softmax sees and which keys each query sees: the one score computation that
   `attention`, `attention_weights` and the training statistics (`score_statistics`) share.
 
@@ -22,6 +22,8 @@ def scores(query, key, bias=None, mask=None, *, scale, is_causal=False, window=N
     mask: None or boolean broadcastable to `[B, N, T, S]`, True where a key is visible.
     scale: multiplies q·k (1/sqrt(H) keeps the scores at unit variance).
     is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids: see `layers.masks`.
+    position_bias: None or a `layers.relative_bias.PositionBias` (FIRE, KERPLE), evaluated here on
+      the whole `[T, S]` grid at its own positions.
 
   Returns:
     (logits `[B, N, T, S]` float32: the scaled scores plus the bias and ALiBi terms, at every key;
@@ -40,6 +42,8 @@ def scores(query, key, bias=None, mask=None, *, scale, is_causal=False, window=N
     logits = logits + bias.astype(jnp.float32)
   if alibi_slopes is not None:
     logits = logits + masks.alibi_bias(alibi_slopes, q_pos, k_pos)[None]
+  if position_bias is not None:
+    logits = logits + position_bias.dense()  # [B|1, N, T, S]
   vis = masks.visible(
       q_pos, k_pos, is_causal=is_causal, window=window,
       q_seg=None if q_segment_ids is None else q_segment_ids[:, :, None],
@@ -64,14 +68,14 @@ def probabilities(logits, vis):
 
 
 def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
-              alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None):
+              alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None, position_bias=None):
   """Materialises the `[B, N, T, S]` scores; the arguments are those of `dot_product_attention`.
 
   Args:
     query: `[B, T, N, H]`.
     key, value: `[B, S, K, H]`, N a multiple of K (query head n reads key/value head n // G).
-    bias, mask, scale, is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids: see
-      `scores`.
+    bias, mask, scale, is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids,
+      position_bias: see `scores`.
 
   Returns:
     `[B, T, N, H]` in the query's dtype; rows with no visible key are zeros.
@@ -80,18 +84,21 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
   s, k = key.shape[1], key.shape[2]
   logits, vis = scores(query, key, bias, mask, scale=scale, is_causal=is_causal, window=window,
                        alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
-                       kv_segment_ids=kv_segment_ids)  # [B, N, T, S]
+                       kv_segment_ids=kv_segment_ids,
+                       position_bias=position_bias)  # [B, N, T, S]
   probs = probabilities(logits, vis).reshape(b, k, n // k, t, s)  # [B, K, G, T, S]
   out = jnp.einsum('BKGTS,BSKH->BTKGH', probs, value.astype(jnp.float32))  # [B, T, K, G, H]
   return out.reshape(b, t, n, value.shape[-1]).astype(query.dtype)
 
 
 def attention_weights(query, key, bias=None, mask=None, *, scale, is_causal=False, window=None,
-                      alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None):
+                      alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None,
+                      position_bias=None):
   """The `[B, N, T, S]` float32 attention probabilities of `attention` (for plots and tests)."""
   logits, vis = scores(query.astype(jnp.float32), key.astype(jnp.float32), bias, mask,
                        scale=scale, is_causal=is_causal, window=window, alibi_slopes=alibi_slopes,
-                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                       position_bias=position_bias)
   return probabilities(logits, vis)  # [B, N, T, S]
 
 

@@ -8,11 +8,13 @@ One object is built per stack and shared by its layers (one T5 table per stack, 
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from layers import options
+from layers import relative_bias
 from layers import rope
 
 rope_inv_freq = rope.rope_inv_freq  # re-exported: the RoPE frequencies under a scaling
@@ -90,7 +92,8 @@ class Learned(Position):
 
   @classmethod
   def from_config(cls, cfg, max_length, *, rngs):
-    return cls(cfg.d_model, max_length, rngs=rngs)
+    # Randomized positions (random_positions_max = N) train every row of an N-row table.
+    return cls(cfg.d_model, max(max_length, cfg.get('random_positions_max', 0)), rngs=rngs)
 
   def check_length(self, length):
     if length > self.max_length:
@@ -221,6 +224,139 @@ class T5Bias(Position):
     return q, k, {'bias': bias}
 
 
+# The methods that read absolute position ids, which `model.random_positions_max` randomizes.
+RANDOM_POSITIONS = ('rope', 'learned', 'sinusoidal')
+
+
+def random_positions(key, positions, max_position):
+  """Randomized positions (Ruoss et al. 2023): each row's ids mapped to sorted draws from [0, N).
+
+  Per row, T distinct values are drawn from [0, N) without replacement and sorted; position p of
+  the row becomes the p-th smallest. Packed segments, whose positions restart at 0, keep their
+  order within the segment; a row of 0..T-1 becomes the sorted draw itself.
+
+  Args:
+    key: a jax random key.
+    positions: `[B, T]` int positions in [0, T).
+    max_position: N >= T.
+
+  Returns:
+    `[B, T]` int32 positions, increasing where `positions` increase, in [0, N).
+  """
+  b, t = positions.shape
+  # The T smallest of N uniform keys' indices: a uniform T-subset of [0, N), then sorted.
+  order = jnp.argsort(jax.random.uniform(key, (b, max_position)), axis=-1)[:, :t]  # [B, T]
+  table = jnp.sort(order, axis=-1).astype(jnp.int32)  # [B, T]
+  return jnp.take_along_axis(table, positions.astype(jnp.int32), axis=1)  # [B, T]
+
+
+# Kernels that evaluate a `relative_bias.PositionBias` (FIRE, KERPLE); the others have no way to take
+# a learned function of the positions (pallas/cudnn take a dense bias, ring only its own terms).
+POSITION_BIAS_IMPLS = ('xla', 'blockwise')
+
+
+class LearnedBias(Position):
+  """A learned bias function of the positions (FIRE, KERPLE): `in_attention` returns it unevaluated
+  as a `relative_bias.PositionBias` for the kernel to compute on its tiles (subclasses set `fn`)."""
+
+  score_terms = True
+  name = None  # the POSITIONS key, for messages
+  fn = None  # a function of `layers.relative_bias`
+
+  @classmethod
+  def check_config(cls, model_cfg, data_cfg):
+    """Only the kernels that evaluate a PositionBias (xla, blockwise) can take it."""
+    del data_cfg
+    impl = model_cfg.attention_impl
+    if impl not in POSITION_BIAS_IMPLS:
+      raise options.ConfigError(
+          f'model.position={cls.name!r} is a learned bias of the positions that '
+          f'model.attention_impl={impl!r} cannot take; valid values: '
+          f'{", ".join(sorted(POSITION_BIAS_IMPLS))}')
+
+  def bias_params(self):
+    """The pytree of arrays `fn` reads."""
+    raise NotImplementedError
+
+  def in_attention(self, q, k, q_pos, k_pos, *, is_causal):
+    del is_causal  # |i - j|: causal decoders mask j > i anyway; encoders get the symmetric form
+    if q_pos is None:
+      q_pos = jnp.arange(q.shape[1])[None]  # [1, T]
+    if k_pos is None:
+      k_pos = jnp.arange(k.shape[1])[None]  # [1, S]
+    return q, k, {'position_bias': relative_bias.PositionBias(
+        type(self).fn, self.bias_params(), q_pos, k_pos)}
+
+
+def _uniform(rngs, shape, bound):
+  """PyTorch's nn.Linear init, U(-bound, bound) with bound = 1/sqrt(fan_in) (FIRE's listing)."""
+  return nnx.Param(jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound))
+
+
+class FIRE(LearnedBias):
+  """FIRE (Li et al. 2023): an MLP of the progressively interpolated log distance, one bias per head.
+
+  One MLP per stack, shared by its layers (as the T5 table). Parameters as the paper's listing:
+  hidden width 32, c initialised to 0.1, the threshold L = |multiplier * L_init| with the multiplier
+  learned from 1.0 and L_init = `model.fire_threshold`.
+  """
+
+  name = 'fire'
+  fn = staticmethod(relative_bias.fire_bias)
+  options = ('fire_mlp_width', 'fire_threshold')
+
+  def __init__(self, num_heads, *, mlp_width=32, threshold=512.0, rngs):
+    self.init_threshold = float(threshold)
+    self.w1 = _uniform(rngs, (mlp_width,), 1.0)  # fan_in 1
+    self.b1 = _uniform(rngs, (mlp_width,), 1.0)
+    self.w2 = _uniform(rngs, (mlp_width, num_heads), mlp_width ** -0.5)
+    self.b2 = _uniform(rngs, (num_heads,), mlp_width ** -0.5)
+    self.c = nnx.Param(jnp.array(0.1, jnp.float32))
+    self.threshold = nnx.Param(jnp.array(1.0, jnp.float32))  # L's learned multiplier
+
+  @classmethod
+  def from_config(cls, cfg, max_length, *, rngs):
+    del max_length  # L_init is a config value: a model rebuilt for a longer eval keeps it
+    return cls(cfg.num_heads, mlp_width=cfg.fire_mlp_width, threshold=cfg.fire_threshold,
+               rngs=rngs)
+
+  @classmethod
+  def check_options(cls, model_cfg):
+    m = model_cfg
+    if not isinstance(m.fire_mlp_width, int) or isinstance(m.fire_mlp_width, bool) or (
+        m.fire_mlp_width < 1):
+      raise options.ConfigError(f'model.fire_mlp_width={m.fire_mlp_width!r} must be a positive '
+                                'integer')
+    options.positive('model.fire_threshold', m.fire_threshold)
+
+  def bias_params(self):
+    return {'c': self.c[...], 'threshold': self.threshold[...],
+            'init_threshold': jnp.float32(self.init_threshold), 'w1': self.w1[...],
+            'b1': self.b1[...], 'w2': self.w2[...], 'b2': self.b2[...]}
+
+
+class KERPLE(LearnedBias):
+  """KERPLE, logarithmic variant (Chi et al. 2022): -r1 log(1 + r2 |i - j|) with r1, r2 per head.
+
+  Initialised as the reference code: r1 ~ U(0, 2), r2 ~ U(0, 1); both clamped to >= 0.01 in use.
+  """
+
+  name = 'kerple'
+  fn = staticmethod(relative_bias.kerple_log_bias)
+
+  def __init__(self, num_heads, *, rngs):
+    self.r1 = nnx.Param(2.0 * jax.random.uniform(rngs.params(), (num_heads,), jnp.float32))
+    self.r2 = nnx.Param(jax.random.uniform(rngs.params(), (num_heads,), jnp.float32))
+
+  @classmethod
+  def from_config(cls, cfg, max_length, *, rngs):
+    del max_length
+    return cls(cfg.num_heads, rngs=rngs)
+
+  def bias_params(self):
+    return {'r1': self.r1[...], 'r2': self.r2[...]}
+
+
 # Position methods, keyed by `config.model.position`; each has `from_config(config.model,
 # max_length, rngs=)`, the checks of layers.options.Configurable and `score_terms`.
 POSITIONS = {
@@ -230,6 +366,9 @@ POSITIONS = {
     'rope': rope.RoPE,
     'alibi': ALiBi,
     't5_bias': T5Bias,
+    'fire': FIRE,
+    'kerple': KERPLE,
+    'xpos': rope.XPos,
 }
 
 

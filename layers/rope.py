@@ -201,3 +201,75 @@ class RoPE(nnx.Module, options.Configurable):
     inv_freq = jnp.asarray(self.inv_freq(), jnp.float32)  # [d/2]
     scale = attention_factor(self.scaling, self.factor)
     return apply_rope(q, q_pos, inv_freq, scale), apply_rope(k, k_pos, inv_freq, scale), {}
+
+
+# xPos's constants (Sun et al. 2022; torchscale's XPOS): zeta_i = (i / (d/2) + 0.4) / 1.4.
+XPOS_GAMMA = 0.4
+
+
+def xpos_zeta(rotary_dims):
+  """`[d/2]` float64 per-pair decay bases zeta_i = (2i + 0.4 d) / (1.4 d), in (0, 1)."""
+  d = rotary_dims
+  return (np.arange(0, d, 2, dtype=np.float64) + XPOS_GAMMA * d) / ((1.0 + XPOS_GAMMA) * d)
+
+
+def apply_xpos_scale(x, positions, zeta, scale_base, centre, sign):
+  """Scales pair i of the rotated dims by zeta_i^(sign * (p - centre) / scale_base).
+
+  With sign +1 for queries at n and -1 for keys at m, q.k gains zeta^((n - m) / scale_base): a
+  decay in the distance only. The centre cancels; it keeps the exponents small, so that neither
+  factor overflows float32 at long positions (torchscale centres positions the same way).
+
+  Args:
+    x: `[B, T, N, H]` (already rotated); positions `[B|1, T]` int; zeta `[d/2]` float32.
+
+  Returns:
+    `[B, T, N, H]` in x's dtype.
+  """
+  d = 2 * zeta.shape[0]
+  power = sign * (positions.astype(jnp.float32) - centre) / scale_base  # [B, T]
+  factor = jnp.exp(power[..., None] * jnp.log(zeta))[:, :, None, :]  # [B, T, 1, d/2]
+  xf = x.astype(jnp.float32)
+  out = jnp.concatenate([xf[..., :d // 2] * factor, xf[..., d // 2:d] * factor, xf[..., d:]], -1)
+  return out.astype(x.dtype)
+
+
+class XPos(RoPE):
+  """xPos (Sun et al. 2022): RoPE with q scaled by zeta^(n/gamma) and k by zeta^(-m/gamma).
+
+  The scores get zeta^((n - m)/gamma) on each pair, a decay with the distance n - m >= 0 in a causal
+  decoder (the paper's form; in an encoder the factor grows for keys ahead of the query). Positions
+  are centred on `centre` (half the training length), fixed per model, so a cached key keeps the
+  factor the full forward gives it. The RoPE scalings (eval.py's --rope_scaling) change only the
+  rotation frequencies.
+  """
+
+  options = RoPE.options + ('xpos_scale_base',)
+
+  def __init__(self, head_dim, *, scale_base=512.0, centre=0, **kwargs):
+    super().__init__(head_dim, **kwargs)
+    self.scale_base = float(scale_base)
+    self.centre = int(centre)
+
+  @classmethod
+  def from_config(cls, cfg, max_length, *, rngs):
+    del rngs
+    head_dim = cfg.get('head_dim', 0) or cfg.d_model // cfg.num_heads  # model.head_dim, 0 = D / N
+    return cls(head_dim, scale_base=cfg.xpos_scale_base,
+               centre=max_length // 2, fraction=cfg.rope_fraction, base=cfg.rope_base,
+               scaling=cfg.rope_scaling, factor=cfg.rope_scaling_factor,
+               original_max_length=max_length)
+
+  @classmethod
+  def check_options(cls, model_cfg):
+    options.positive('model.xpos_scale_base', model_cfg.xpos_scale_base)
+
+  def in_attention(self, q, k, q_pos, k_pos, *, is_causal):
+    if q_pos is None:
+      q_pos = jnp.arange(q.shape[1])[None]  # [1, T]
+    if k_pos is None:
+      k_pos = jnp.arange(k.shape[1])[None]  # [1, S]
+    q, k, extra = super().in_attention(q, k, q_pos, k_pos, is_causal=is_causal)
+    zeta = jnp.asarray(xpos_zeta(self.rotary_dims), jnp.float32)  # [d/2]
+    return (apply_xpos_scale(q, q_pos, zeta, self.scale_base, self.centre, 1.0),
+            apply_xpos_scale(k, k_pos, zeta, self.scale_base, self.centre, -1.0), extra)

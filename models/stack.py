@@ -57,6 +57,7 @@ class Stack(nnx.Module):
         embedding_init=sharding.partitioned(
             nnx.initializers.normal(stddev=1.0 / math.sqrt(cfg.d_model)), 'vocab', 'embed'))
     self.position = positions_lib.make(cfg, max_length, rngs=rngs)
+    self.random_positions_max = cfg.get('random_positions_max', 0)  # Ruoss et al.; 0 = off
     self.num_layers = cfg.num_layers
     self.scan_layers = cfg.get('scan_layers', False)
     self.remat = cfg.get('remat', 'none')
@@ -89,6 +90,9 @@ class Stack(nnx.Module):
     """
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)  # [B, T]
+    if self.random_positions_max and rngs is not None:  # training only: evaluation sees 0..T-1
+      positions = positions_lib.random_positions(rngs.dropout(), positions,
+                                                 self.random_positions_max)
     x = self.embed(tokens) * math.sqrt(self.d_model)  # [B, T, D]
     x = self.position.embed(x, positions)
     x = self.dropout(x, deterministic=rngs is None, rngs=rngs)

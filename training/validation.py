@@ -78,6 +78,7 @@ def validate(config):
     raise ConfigError(f'model.num_kv_heads={m.num_kv_heads} must divide model.num_heads='
                       f'{m.num_heads}; valid values: {", ".join(map(str, divisors))}')
   _check_registry('position', positions.POSITIONS, m, d)
+  _validate_random_positions(config)
   _check_registry('norm', norms.NORMS, m, d)
   _check_registry('ffn', feed_forward.FFNS, m, d)
   if not isinstance(m.share_embeddings, bool):
@@ -243,6 +244,23 @@ def _validate_scan(config):
                       '(its layers draw their own random blocks/features from '
                       'model.attention_seed, and scanned layers share one trace); use '
                       'scan_layers=False')
+
+
+def _validate_random_positions(config):
+  """`model.random_positions_max` (Ruoss et al. 2023): an integer N >= data.max_length, for the
+  position methods that read absolute position ids."""
+  m = config.model
+  n = m.get('random_positions_max', 0)
+  if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+    raise ConfigError(f'model.random_positions_max={n!r} must be an integer >= 0 (0 = off)')
+  if not n:
+    return
+  if m.position not in positions.RANDOM_POSITIONS:
+    raise ConfigError(f'model.random_positions_max={n} needs model.position in '
+                      f'{", ".join(positions.RANDOM_POSITIONS)}, not {m.position!r} (or set it to 0)')
+  if n < config.data.max_length:
+    raise ConfigError(f'model.random_positions_max={n} must be >= data.max_length='
+                      f'{config.data.max_length} (T distinct positions are drawn from [0, N))')
 
 
 def _validate_attention(config):
