@@ -355,9 +355,12 @@ def attention(query, key, value, *, scale, is_causal=False, window=None, alibi_s
   cfg = blockwise.Config(float(scale), bool(is_causal), None if window is None else tuple(window),
                          t, s, bq, bk)
   pad = blockwise._pad_axis  # pylint: disable=protected-access
-  q = pad(query, 1, tp).transpose(0, 2, 1, 3)  # [B, N, Tp, H]
-  k = pad(key, 1, sp).transpose(0, 2, 1, 3)  # [B, K, Sp, H]
-  v = pad(value, 1, sp).transpose(0, 2, 1, 3)  # [B, K, Sp, H]
+  # A head dim above 128 is padded to whole lanes (the statistics are tiled to it): zero features
+  # add nothing to q·k, and v's zero columns give output columns that are dropped.
+  hp = h if h <= LANES else _round_up(h, LANES)
+  q = pad(pad(query, 1, tp), 3, hp).transpose(0, 2, 1, 3)  # [B, N, Tp, Hp]
+  k = pad(pad(key, 1, sp), 3, hp).transpose(0, 2, 1, 3)  # [B, K, Sp, Hp]
+  v = pad(pad(value, 1, sp), 3, hp).transpose(0, 2, 1, 3)  # [B, K, Sp, Hp]
   opt = {'slopes': None, 'q_seg': None, 'kv_seg': None}
   if alibi_slopes is not None:
     opt['slopes'] = lax.stop_gradient(alibi_slopes.astype(jnp.float32))  # [N]
@@ -367,5 +370,5 @@ def attention(query, key, value, *, scale, is_causal=False, window=None, alibi_s
     kv_seg = pad(kv_segment_ids.astype(jnp.int32), 1, sp)  # [B, Sp]
     opt['q_seg'] = jnp.broadcast_to(q_seg[:, :, None], (b, tp, LANES))
     opt['kv_seg'] = jnp.broadcast_to(kv_seg[:, None, :], (b, SUBLANES, sp))
-  out = _flash(cfg, bool(interpret), q, k, v, opt)  # [B, N, Tp, H] float32
-  return out[:, :, :t].transpose(0, 2, 1, 3).astype(query.dtype)
+  out = _flash(cfg, bool(interpret), q, k, v, opt)  # [B, N, Tp, Hp] float32
+  return out[:, :, :t, :h].transpose(0, 2, 1, 3).astype(query.dtype)

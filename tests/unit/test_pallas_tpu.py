@@ -126,6 +126,19 @@ def test_rows_without_visible_keys_are_zero_with_finite_gradients():
     np.testing.assert_allclose(got, want, atol=GRAD_TOL, rtol=0)
 
 
+def test_head_dim_above_128_is_padded_to_whole_lanes_exactly():
+  """H=192 is not a lane multiple: the kernel runs at 256 and drops the padding's columns."""
+  rng = np.random.default_rng(3)
+  q, k, v, ct = (jnp.asarray(rng.standard_normal((B, 130, 1, 192)), jnp.float32) for _ in range(4))
+  kwargs = dict(scale=0.1, is_causal=True)
+  out, grads = _run(_tpu, q, k, v, ct, **kwargs)
+  want_out, want_grads = _run(attention_xla.attention, q, k, v, ct, **kwargs)
+  assert out.shape == q.shape and all(g.shape == q.shape for g in grads)
+  np.testing.assert_allclose(out, want_out, atol=FWD_TOL, rtol=0)
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_allclose(got, want, atol=GRAD_TOL, rtol=0)
+
+
 def test_tiles_must_be_lane_multiples():
   (q, k, v), _ = _inputs(128, 128, 1, 1, jnp.float32)
   with pytest.raises(ValueError, match='multiples of 128'):
