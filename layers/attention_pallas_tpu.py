@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from layers import attention_blockwise as blockwise
+from layers import masks
 
 LANES = 128  # a vreg is [8, 128]: the lane (last) dimension of every block is a multiple of this
 SUBLANES = 8
@@ -56,14 +57,11 @@ def _logits(q, k, i, j, cfg, *, slope=None, q_seg=None, kv_seg=None):
   if slope is not None:
     # masks.alibi_bias: -slope * |i - j|, here from a scalar slope (SMEM) on the tile's positions.
     s = s - slope * jnp.abs(q_pos - k_pos).astype(jnp.float32)
-  vis = k_pos < cfg.kv_len  # keys past S pad the last tile
-  if cfg.is_causal:
-    vis = vis & (k_pos <= q_pos)
-  if cfg.window is not None:
-    left, right = cfg.window
-    vis = vis & (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
-  if q_seg is not None:
-    vis = vis & (_tile_lanes(q_seg, bk) == kv_seg)
+  # The one definition of visibility (layers.masks), on the tile's positions and segment ids.
+  vis = masks.visible(q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
+                      q_seg=None if q_seg is None else _tile_lanes(q_seg, bk), k_seg=kv_seg)
+  in_range = k_pos < cfg.kv_len  # keys past S pad the last tile
+  vis = in_range if vis is None else vis & in_range
   # -inf (not a large negative number) gives exact zeros after exp, as in the other kernels.
   return jnp.where(vis, s, -jnp.inf)
 
