@@ -20,6 +20,7 @@ from training import cli_checks
 from training import distributed
 from training import evaluation
 from training import host
+from training import paths
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'A train.py workdir.')
 _SPLIT = flags.DEFINE_list('split', ['validation', 'test'], 'Splits to evaluate.')
@@ -93,7 +94,8 @@ def check_flags():
   cli_checks.check_eval_run(_WORKDIR.value, split=_SPLIT.value, translate=_TRANSLATE.value,
                             lengths=lengths, stream_split=_STREAM_SPLIT.value,
                             rope_scaling=_ROPE_SCALING.value)
-  if jax.process_index() == 0 and os.path.isdir(_WORKDIR.value):
+  if jax.process_index() == 0 and not paths.is_remote(_WORKDIR.value) and os.path.isdir(
+      _WORKDIR.value):  # a local probe file; a gs:// workdir is written by the run's own writes
     cli_checks.check_can_write(_WORKDIR.value, 'eval.json')  # before hours of evaluation
   return lengths
 
@@ -137,7 +139,7 @@ def main(argv):
     print(json.dumps(result, default=str))  # the whole eval.json, so that nothing is lost
     cli_checks.fail('eval', f'could not write the results in {_WORKDIR.value} ({e}); they are '
                     'printed above as JSON', status=1)
-  print(f'wrote {os.path.join(_WORKDIR.value, "eval.json")} and {result["loss_curve"]}')
+  print(f'wrote {paths.join(_WORKDIR.value, "eval.json")} and {result["loss_curve"]}')
 
 
 if __name__ == '__main__':

@@ -10,6 +10,7 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
+from data import remote_dir
 from data import text_corpus
 from data import tokenizer as tokenizer_lib
 from data import toy_translation
@@ -40,8 +41,9 @@ def _source(data_config):
   _check('task', task, TASKS)
   if task in text_corpus.TASKS:
     return text_corpus.spec_from_config(data_config)
-  return ToySource(task, os.path.abspath(os.path.expanduser(
-      _field(data_config, 'data_dir', './tfds_data'))))
+  # A gs:// data_dir is read through a local mirror (data.remote_dir).
+  return ToySource(task, remote_dir.local_data_dir(_field(data_config, 'data_dir', './tfds_data'),
+                                                   task))
 
 
 def is_text(source) -> bool:

@@ -24,15 +24,16 @@ Flags (on the raw train loss of each run, documented in the table's footnote):
 import functools
 import json
 import math
-import os
 import sys
 
 from absl import app
 from absl import flags
 import numpy as np
 
+from training import paths as paths_lib  # local or gs:// (the arguments are `paths` here)
 from training import writers
 from tools import plot_style
+from tools import plots
 from tools.plot_style import band, smooth  # pylint: disable=g-importing-member  (compare.band)
 
 SPIKE_FACTOR = 2.0  # diverged: train loss > this x the running minimum ...
@@ -44,7 +45,7 @@ IGNORED_FIELDS = ('train.seed', 'data.data_dir')  # differences that do not make
 
 
 def is_workdir(path):
-  return os.path.exists(os.path.join(path, 'metrics.jsonl'))
+  return paths_lib.exists(paths_lib.join(path, 'metrics.jsonl'))
 
 
 def find_runs(paths):
@@ -53,9 +54,9 @@ def find_runs(paths):
   for path in paths:
     if is_workdir(path):
       runs.append(path)
-    elif os.path.isdir(path):
-      runs.extend(os.path.join(path, d) for d in sorted(os.listdir(path))
-                  if is_workdir(os.path.join(path, d)))
+    elif paths_lib.isdir(path):
+      runs.extend(paths_lib.join(path, d) for d in paths_lib.listdir(path)
+                  if is_workdir(paths_lib.join(path, d)))
     else:
       raise FileNotFoundError(f'compare: {path} is neither a workdir nor a directory')
   if not runs:
@@ -81,23 +82,20 @@ def _default_fields():
 
 
 def _read_json(path):
-  if os.path.exists(path):
-    with open(path) as f:
-      return json.load(f)
-  return {}
+  return paths_lib.read_json(path) if paths_lib.exists(path) else {}
 
 
 def load_run(workdir):
   """{'workdir', 'config' (flat dotted dict), 'train'/'valid' (steps, losses arrays), 'rows',
   'info' (run_info.json), 'init_grad' (init_grad_norms.json or {})}."""
-  rows = writers.read_metrics(os.path.join(workdir, 'metrics.jsonl'))
-  config = flatten(_read_json(os.path.join(workdir, 'config.json')))
+  rows = writers.read_metrics(paths_lib.join(workdir, 'metrics.jsonl'))
+  config = flatten(_read_json(paths_lib.join(workdir, 'config.json')))
   if config:  # fields attnlab gained after the run was written hold their defaults
     config = {**_default_fields(), **config}
-  run = {'workdir': workdir, 'name': os.path.basename(os.path.normpath(workdir)), 'rows': rows,
+  run = {'workdir': workdir, 'name': paths_lib.basename(workdir), 'rows': rows,
          'config': config,
-         'info': _read_json(os.path.join(workdir, 'run_info.json')),
-         'init_grad': _read_json(os.path.join(workdir, 'init_grad_norms.json'))}
+         'info': _read_json(paths_lib.join(workdir, 'run_info.json')),
+         'init_grad': _read_json(paths_lib.join(workdir, 'init_grad_norms.json'))}
   for split in ('train', 'valid'):
     points = sorted((r['step'], r['loss']) for r in rows if r.get('split') == split)
     run[split] = (np.array([p[0] for p in points], np.int64),
@@ -172,7 +170,7 @@ def group_runs(runs):
       label = ','.join(f'{short[k]}={_fmt(members[0]["config"].get(k))}' for k in differing)
     else:
       label = members[0]['name'].split(',seed=')[0] if len(groups) > 1 else (
-          os.path.basename(os.path.dirname(os.path.normpath(members[0]['workdir']))) or
+          paths_lib.basename(paths_lib.dirname(members[0]['workdir'])) or
           members[0]['name'])
     out.append((label, members))
   return out
@@ -394,8 +392,8 @@ def plot(groups, summary, out, *, smoothing=None, logy=False, logx=False, title=
   plt = plot_style.pyplot()
   fig, _ = figure(groups, summary, smoothing=smoothing, logy=logy, logx=logx, title=title,
                   color_by=color_by, style_by=style_by, band_kind=band_kind)
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  fig.savefig(out, dpi=plot_style.DPI)
+  paths_lib.makedirs(paths_lib.dirname(paths_lib.absolute(out)))
+  plots.save_figure(fig, out)
   plt.close(fig)
   return out
 
@@ -423,7 +421,7 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   band([(np.zeros(1), np.zeros(1))], band_kind)
   groups = group_runs(runs)
   summary = summarize(groups, target_loss)
-  title = ', '.join(os.path.basename(os.path.normpath(p)) for p in paths)
+  title = ', '.join(paths_lib.basename(p) for p in paths)
   title = f'{title}: ' if len(title) <= 60 else ''
   title += f'{len(runs)} runs in {len(groups)} cells' if len(groups) > 1 else f'{len(runs)} runs'
   plot(groups, summary, out, smoothing=smoothing, logy=logy, logx=logx, title=title,
@@ -462,7 +460,7 @@ def main(argv):
     print('compare: name at least one workdir or sweep directory: python -m tools.compare DIR '
           '[DIR ...]', file=sys.stderr)
     sys.exit(2)
-  out = FLAGS.out or os.path.join(paths[0], 'compare.png')
+  out = FLAGS.out or paths_lib.join(paths[0], 'compare.png')
   try:
     table = compare(paths, out, smoothing=FLAGS.smooth, logy=FLAGS.logy, logx=FLAGS.logx,
                     target_loss=FLAGS.target_loss, color_by=FLAGS.color_by,

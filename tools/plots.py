@@ -1,13 +1,21 @@
 """The pictures of a run: loss curve, loss per position of extrapolation windows, attention maps."""
 
+import io
 import json
-import os
 
 import numpy as np
 
 from data import pipeline
+from training import paths
 from training import writers
 from tools import plot_style
+
+
+def save_figure(fig, path, dpi=plot_style.DPI):
+  """Writes `fig` as a PNG to `path`, local or gs:// (rendered in memory, written whole)."""
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format='png', dpi=dpi)
+  paths.write_bytes(path, buffer.getvalue())
 
 
 def _save(fig, ax, path):
@@ -16,7 +24,7 @@ def _save(fig, ax, path):
   ax.legend()
   ax.grid(alpha=0.3)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  save_figure(fig, path, dpi=120)
   plt.close(fig)
   return path
 
@@ -66,8 +74,8 @@ def plot_per_position(workdir, per_position, title, train_length=None):
   """Draws `per_position_figure` into workdir/extrapolation.png; returns its path."""
   plt = plot_style.pyplot()
   fig = per_position_figure(per_position, title, train_length)
-  path = os.path.join(workdir, 'extrapolation.png')
-  fig.savefig(path, dpi=plot_style.DPI)
+  path = paths.join(workdir, 'extrapolation.png')
+  save_figure(fig, path)
   plt.close(fig)
   return path
 
@@ -156,7 +164,7 @@ def plot_attention_maps(workdir, config, model, examples, tokenizer, layer=-1):
     The written paths.
   """
   plt = plot_style.pyplot()
-  paths = []
+  written = []
   for i, example in enumerate(examples):
     batch, q_words, self_words, cross_words = attention_batch(config, example, tokenizer)
     maps = dict(model.attention_weights(batch)[layer])
@@ -169,18 +177,18 @@ def plot_attention_maps(workdir, config, model, examples, tokenizer, layer=-1):
     for kind, (w, rows, cols) in panels.items():
       fig = attention_figure(w, rows, cols,
                              f'{config.model.arch}, layer {layer}, {kind}: {example["source"]}')
-      path = os.path.join(workdir, f'attention_{i}_{kind}.png')
-      fig.savefig(path, dpi=plot_style.DPI)
+      path = paths.join(workdir, f'attention_{i}_{kind}.png')
+      save_figure(fig, path)
       plt.close(fig)
-      paths.append(path)
-  return paths
+      written.append(path)
+  return written
 
 
 def plot_loss_curve(workdir):
   """Draws train and validation loss against step from metrics.jsonl into loss_curve.png."""
   plt = plot_style.pyplot()
   series = {}
-  for row in writers.read_metrics(os.path.join(workdir, 'metrics.jsonl')):
+  for row in writers.read_metrics(paths.join(workdir, 'metrics.jsonl')):
     series.setdefault(row['split'], []).append((row['step'], row['loss']))
   fig, ax = plt.subplots(figsize=(6, 4))
   for split, points in sorted(series.items()):
@@ -189,8 +197,8 @@ def plot_loss_curve(workdir):
   ax.set_xlabel('step')
   ax.set_ylabel('loss (nats/token)')
   ax.set_yscale('log')
-  ax.set_title(os.path.basename(os.path.normpath(workdir)))
-  return _save(fig, ax, os.path.join(workdir, 'loss_curve.png'))
+  ax.set_title(paths.basename(workdir))
+  return _save(fig, ax, paths.join(workdir, 'loss_curve.png'))
 
 
 def write_eval_outputs(workdir, result, run, splits, plot_attention=0):
@@ -205,8 +213,7 @@ def write_eval_outputs(workdir, result, run, splits, plot_attention=0):
         workdir, run.per_position,
         f'{run.config.model.position}, rope_scaling={result["rope_scaling"]}',
         train_length=run.config.data.max_length)
-  with open(os.path.join(workdir, 'eval.json'), 'w') as f:
-    json.dump(result, f, indent=2)
+  paths.write_text(paths.join(workdir, 'eval.json'), json.dumps(result, indent=2))
   if plot_attention:
     examples = pipeline.load_examples(run.config.data, 'test' if 'test' in splits else splits[-1])
     result['attention_plots'] = plot_attention_maps(

@@ -40,6 +40,7 @@ import re
 import shlex
 import signal
 import sys
+import tempfile
 import time
 
 from absl import app
@@ -48,6 +49,7 @@ from absl import flags
 from training import writers
 from tools import processes
 from training import cli_checks
+from training import paths
 from training import validation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -210,7 +212,7 @@ def cell_config(module, arg, cell):
 
 def train_command(spec, sweep_dir, cell, python='python', train_py='train.py'):
   """The train.py argv of a cell."""
-  return ([python, train_py, f'--config={spec}', f'--workdir={os.path.join(sweep_dir, cell["name"])}']
+  return ([python, train_py, f'--config={spec}', f'--workdir={paths.join(sweep_dir, cell["name"])}']
           + [f'--config.{k}={format_value(v)}' for k, v in cell['overrides'].items()]
           + [f'--config.train.seed={cell["seed"]}'])
 
@@ -227,7 +229,7 @@ def _selected(selector, cell):
 
 def eval_commands(sweep, sweep_dir, cell, python='python', eval_py='eval.py'):
   """[(suffix, argv)] of a cell's eval.py runs: '' for eval_flags, then one per variant."""
-  workdir = os.path.join(sweep_dir, cell['name'])
+  workdir = paths.join(sweep_dir, cell['name'])
   base = list(sweep.get('eval_flags') or [])
   runs = [('', [python, eval_py, f'--workdir={workdir}'] + base)] if 'eval_flags' in sweep else []
   for selector, variants in (sweep.get('eval_variants') or {}).items():
@@ -241,18 +243,17 @@ def eval_commands(sweep, sweep_dir, cell, python='python', eval_py='eval.py'):
 def cell_status(workdir, steps):
   """'done' (final-step checkpoint present), 'diverged' (stopped on a non-finite loss), 'partial'
   (some checkpoint: train.py resumes it) or 'new'; with the newest checkpoint step (or None)."""
-  ckpt = os.path.join(workdir, 'checkpoints')
-  saved = sorted(int(d) for d in (os.listdir(ckpt) if os.path.isdir(ckpt) else []) if d.isdigit())
+  saved = sorted(int(d) for d in paths.listdir(paths.join(workdir, 'checkpoints')) if d.isdigit())
   latest = saved[-1] if saved else None
   if latest is not None and latest >= steps:
     return 'done', latest
-  if _last_train_loss_nonfinite(os.path.join(workdir, 'metrics.jsonl')):
+  if _last_train_loss_nonfinite(paths.join(workdir, 'metrics.jsonl')):
     return 'diverged', latest
   return ('partial' if latest is not None else 'new'), latest
 
 
 def _last_train_loss_nonfinite(path):
-  if not os.path.exists(path):
+  if not paths.exists(path):
     return False
   train = [r for r in writers.read_metrics(path, warn=False) if r.get('split') == 'train']
   last = train[-1].get('loss') if train else None
@@ -271,15 +272,30 @@ def _single_thread_env():
 
 
 def _final_loss(workdir):
-  path = os.path.join(workdir, 'metrics.jsonl')
+  path = paths.join(workdir, 'metrics.jsonl')
   valid = train = None
-  if os.path.exists(path):
+  if paths.exists(path):
     for row in writers.read_metrics(path, warn=False):
       if row.get('split') == 'valid':
         valid = row['loss']
       elif row.get('split') == 'train':
         train = row['loss']
   return train, valid
+
+
+def _launch_logged(launch, argv, log_path, env):
+  """`launch(argv, log_path, env)`; a gs:// log (object storage cannot append) is written to a
+  local file, then added to the end of the log object."""
+  if not paths.is_remote(log_path):
+    return launch(argv, log_path, env)
+  with tempfile.TemporaryDirectory() as tmp:
+    local = os.path.join(tmp, paths.basename(log_path))
+    rc = launch(argv, local, env)
+    with open(local, 'rb') as f:
+      text = f.read()
+  old = paths.read_bytes(log_path) if paths.exists(log_path) else b''
+  paths.write_bytes(log_path, old + text)
+  return rc
 
 
 def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eval=False,
@@ -327,26 +343,26 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
         print(shlex.join(argv), file=out)
     return {c['name']: 'dry_run' for c in cells}
 
-  os.makedirs(sweep_dir, exist_ok=True)
+  paths.makedirs(sweep_dir)
   # Cells run from the repository root: give them absolute paths.
-  sweep_dir = os.path.abspath(sweep_dir)
+  sweep_dir = paths.absolute(sweep_dir)
   spec = os.path.abspath(path) + (f':{arg}' if arg else '')
   env = _single_thread_env() if parallel > 1 else dict(os.environ)
   train_py, eval_py = os.path.join(ROOT, 'train.py'), os.path.join(ROOT, 'eval.py')
   results = {}
 
   def run_cell(i, c):
-    workdir = os.path.join(sweep_dir, c['name'])
+    workdir = paths.join(sweep_dir, c['name'])
     status, latest = cell_status(workdir, configs[c['name']].train.steps)
     if status in ('done', 'diverged'):
       return i, c, ('skipped' if status == 'done' else 'diverged'), f'{status} already', 0.0
     if children.signum:  # no new cell once the sweep is stopping
       return i, c, 'not started', f'stopped by {signal.Signals(children.signum).name}', 0.0
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)
     how = f'resuming from step {latest}' if status == 'partial' else 'new'
     start = time.perf_counter()
-    rc = launch(train_command(spec, sweep_dir, c, sys.executable, train_py),
-                os.path.join(workdir, 'train.log'), env)
+    rc = _launch_logged(launch, train_command(spec, sweep_dir, c, sys.executable, train_py),
+                        paths.join(workdir, 'train.log'), env)
     if rc is None:
       return i, c, 'not started', f'stopped by {signal.Signals(children.signum).name}', 0.0
     status, _ = cell_status(workdir, configs[c['name']].train.steps)
@@ -355,10 +371,9 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
         if children.signum:
           how += '; eval not started (stopped)'
           break
-        erc = launch(argv, os.path.join(workdir, 'eval.log'), env)
+        erc = _launch_logged(launch, argv, paths.join(workdir, 'eval.log'), env)
         if erc == 0 and suffix:  # eval.py writes eval.json: keep each variant's copy
-          os.replace(os.path.join(workdir, 'eval.json'),
-                     os.path.join(workdir, f'eval_{suffix}.json'))
+          paths.replace(paths.join(workdir, 'eval.json'), paths.join(workdir, f'eval_{suffix}.json'))
         elif erc:
           how += f'; eval failed (rc {erc}, see eval.log)'
     if status == 'diverged':
@@ -373,7 +388,7 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
 
   def report(i, c, result, how, seconds):
     results[c['name']] = result
-    train_loss, valid_loss = _final_loss(os.path.join(sweep_dir, c['name']))
+    train_loss, valid_loss = _final_loss(paths.join(sweep_dir, c['name']))
     losses = ''
     if result in ('done', 'skipped', 'diverged') and train_loss is not None:
       losses = f'  train {train_loss:.4f}' + (f'  valid {valid_loss:.4f}' if valid_loss else '')
@@ -400,7 +415,7 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
           'command to resume', file=out, flush=True)
     raise Stopped(children.signum, results)
   print(f'sweep: {done}/{n} cells finished in {sweep_dir}; compare with: python -m tools.compare '
-        f'{shlex.quote(sweep_dir)} --out={shlex.quote(os.path.join(sweep_dir, "compare.png"))}',
+        f'{shlex.quote(sweep_dir)} --out={shlex.quote(paths.join(sweep_dir, "compare.png"))}',
         file=out)
   return results
 

@@ -14,6 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from configs import default as default_config
+from training import paths
 
 
 class IncompatibleResume(ValueError):
@@ -54,13 +55,11 @@ def check_resume_config(workdir, config):
   Returns the list of safe fields that changed (to note); raises IncompatibleResume naming the
   fields that cannot change under a checkpoint (model shape, data stream, seed, batch size).
   """
-  path = os.path.join(workdir, 'config.json')
-  ckpt = os.path.join(workdir, 'checkpoints')
-  if not os.path.exists(path) or not os.path.isdir(ckpt) or not any(
-      name.isdigit() for name in os.listdir(ckpt)):
+  path = paths.join(workdir, 'config.json')
+  if not paths.exists(path) or not any(
+      name.isdigit() for name in paths.listdir(paths.join(workdir, 'checkpoints'))):
     return []
-  with open(path) as f:
-    old = flatten(json.load(f))
+  old = flatten(paths.read_json(path))
   new = flatten(json.loads(config.to_json_best_effort()))
   # A field added to attnlab after the run started is unchanged if it holds its default.
   defaults = flatten(json.loads(default_config.get_config().to_json_best_effort()))
@@ -79,8 +78,9 @@ def check_resume_config(workdir, config):
 
 
 def checkpoint_manager(workdir, config):
+  """The Orbax manager of WORKDIR/checkpoints (local or gs://: Orbax writes it through tensorstore)."""
   return ocp.CheckpointManager(
-      os.path.abspath(os.path.join(workdir, 'checkpoints')),
+      paths.absolute(paths.join(workdir, 'checkpoints')),
       options=ocp.CheckpointManagerOptions(max_to_keep=config.train.keep_checkpoints, create=True))
 
 
@@ -108,7 +108,7 @@ def restore_state(mngr, state, step=None):
 def restore_window(mngr, step):
   """The log window's sums saved with `step` ({'loss_sum', ..., 'steps'}), or None for a checkpoint
   written without them (before they were saved): the resumed run's first row is then partial."""
-  if not os.path.isdir(os.path.join(mngr.directory, str(step), 'window')):
+  if not paths.isdir(paths.join(mngr.directory, str(step), 'window')):
     return None
   return mngr.restore(step, args=ocp.args.Composite(window=ocp.args.JsonRestore()))['window']
 
@@ -133,7 +133,7 @@ def _plain_path(path):
 
 def saved_shapes(mngr, step):
   """{'params/decoder/...': shape} of the arrays the checkpoint `step` holds (its metadata only)."""
-  metadata = ocp.StandardCheckpointer().metadata(os.path.join(mngr.directory, str(step), 'state'))
+  metadata = ocp.StandardCheckpointer().metadata(paths.join(mngr.directory, str(step), 'state'))
   tree = getattr(metadata, 'item_metadata', metadata)
   return {_plain_path(p): tuple(leaf.shape)
           for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(leaf, 'shape')}
@@ -246,7 +246,7 @@ def restore_newest_good(mngr, state, workdir, move_aside=True):
       else:
         # Only now, with a good one to go back to, are the newer unreadable ones moved aside.
         for bad, _ in unreadable if move_aside else ():
-          os.rename(os.path.join(mngr.directory, str(bad)), os.path.join(
+          paths.rename(paths.join(mngr.directory, str(bad)), paths.join(
               mngr.directory, f'corrupt-{bad}-{int(time.time())}'))
         if unreadable and move_aside:
           mngr.reload()
@@ -257,7 +257,7 @@ def restore_newest_good(mngr, state, workdir, move_aside=True):
            'the previous one' if bad != steps[-1] else ''), file=sys.stderr)
   if unreadable:
     raise UnreadableCheckpoints(
-        f'every checkpoint in {os.path.join(workdir, "checkpoints")} is unreadable (steps '
+        f'every checkpoint in {paths.join(workdir, "checkpoints")} is unreadable (steps '
         f'{", ".join(str(s) for s, _ in unreadable)}); nothing to resume from: remove them to '
         'start over, or use a new --workdir')
   return None
@@ -276,8 +276,10 @@ def confirm_saved(mngr, workdir):
 
 def save_failed(mngr, workdir, error):
   """The SaveFailed of `error`, naming the free space and the newest complete checkpoint."""
-  directory = os.path.join(workdir, 'checkpoints')
+  directory = paths.join(workdir, 'checkpoints')
   try:
+    if paths.is_remote(directory):
+      raise OSError('object storage has no free-space figure')
     usage = shutil.disk_usage(directory)
     free = f'{usage.free / 2 ** 30:.2f} GiB free'
   except OSError:

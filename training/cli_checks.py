@@ -11,7 +11,6 @@ a run (`check_train_run`) and of eval.py's flags (`check_eval_flags`, `check_eva
 import difflib
 import glob
 import importlib.util
-import json
 import math
 import os
 import re
@@ -25,6 +24,7 @@ from configs import default
 from data import pipeline
 from layers import rope
 from training import distributed
+from training import paths
 from training import validation
 
 ConfigError = validation.ConfigError
@@ -305,11 +305,10 @@ def check_eval_flags(*, split, max_examples, lengths, modes, stride, num_beams, 
 
 
 def _run_config(workdir):
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
+  path = paths.join(workdir, 'config.json')  # local or gs://
+  if not paths.exists(path):
     return None  # evaluation says so itself (no config.json: not a train.py workdir)
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  return ml_collections.ConfigDict(paths.read_json(path))
 
 
 def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_scaling):

@@ -2,9 +2,7 @@
 run's evaluation (loss and perplexity per split, translation, length extrapolation)."""
 
 import functools
-import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +15,7 @@ import models
 from training import checkpointing
 from training import distributed
 from training import extrapolation
+from training import paths
 from training import state as state_lib
 from training import steps
 from training import translation
@@ -47,18 +46,17 @@ def evaluate_sums(eval_fn, variables, config, split, num_batches, length=None, s
 def load_run(workdir):
   """Returns (config, graphdef, variables, step) of the newest checkpoint in `workdir`, where
   `nnx.merge(graphdef, variables)` is the model (parameters and buffers in one `nnx.State`)."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
+  path = paths.join(workdir, 'config.json')
+  if not paths.exists(path):
     raise FileNotFoundError(f'eval: {workdir} has no config.json; is it a train.py workdir?')
-  with open(path) as f:
-    config = ml_collections.ConfigDict(json.load(f))
+  config = ml_collections.ConfigDict(paths.read_json(path))
   if config.model.get('attention_impl') == 'ring':
     # Ring attention needs the training mesh; eval runs on one device, and `xla` is the same
     # exact attention.
     config.model.attention_impl = 'xla'
   mngr = checkpointing.checkpoint_manager(workdir, config)
   if mngr.latest_step() is None:
-    raise FileNotFoundError(f'eval: no checkpoint in {os.path.join(workdir, "checkpoints")}')
+    raise FileNotFoundError(f'eval: no checkpoint in {paths.join(workdir, "checkpoints")}')
   tokenizer = pipeline.get_tokenizer(config.data)
   graphdef, _, state = state_lib.create_state(
       config, tokenizer.vocab_size, special_ids=models.SpecialIds.from_tokenizer(tokenizer))
@@ -74,7 +72,7 @@ def load_run(workdir):
         raise
   mngr.close()
   if restored is None:
-    raise FileNotFoundError(f'eval: no checkpoint in {os.path.join(workdir, "checkpoints")}')
+    raise FileNotFoundError(f'eval: no checkpoint in {paths.join(workdir, "checkpoints")}')
   state = restored[0]
   graphdef, variables = nnx.split(nnx.merge(graphdef, *state_lib.model_variables(state)))
   return config, graphdef, variables, int(state['step'])

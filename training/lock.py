@@ -6,6 +6,12 @@ when its holder dies, however it dies, so a lock is never stale in the sense of 
 keeps the last holder's PID and host, which a second run names when it is refused, and which a
 run that takes the lock over from a dead holder notes. On storage without working locks (some
 network file systems) the lock may not exclude a run on another host: see README, Reliability.
+
+A gs:// workdir has no file locks: its lock is the object WORKDIR/lock (`ObjectLock`), created only
+if absent (a generation precondition, so two runs starting together cannot both create it),
+holding 'PID HOST TIME'. The holder rewrites it every HEARTBEAT_SECS and deletes it at exit. A lock
+object whose time is older than STALE_SECS belongs to a run that died without deleting it (killed,
+its VM preempted) and is taken over with a note, as is one of a dead PID on this host.
 """
 
 import errno
@@ -13,8 +19,14 @@ import fcntl
 import os
 import socket
 import sys
+import threading
+import time
 
 from training import checkpointing
+from training import paths
+
+HEARTBEAT_SECS = 60
+STALE_SECS = 300
 
 
 class WorkdirBusy(checkpointing.IncompatibleResume):
@@ -31,8 +43,18 @@ def _alive(pid):
   return True
 
 
-class WorkdirLock:
+def WorkdirLock(workdir):  # pylint: disable=invalid-name  # the class it was, for its callers
   """`with WorkdirLock(workdir):` holds the lock, or raises WorkdirBusy naming the holder."""
+  return ObjectLock(workdir) if paths.is_remote(workdir) else FileLock(workdir)
+
+
+def _busy(workdir, lock_path, who):
+  return WorkdirBusy(f'{workdir} is in use by {who} (lock {lock_path}); wait for that run to end '
+                     'or use another --workdir')
+
+
+class FileLock:
+  """The lock of a local workdir: `fcntl.flock` on WORKDIR/lock."""
 
   def __init__(self, workdir):
     self.path = os.path.join(workdir, 'lock')
@@ -48,8 +70,7 @@ class WorkdirLock:
       if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
         raise
       who = f'PID {holder[0]} on {holder[1]}' if len(holder) >= 2 else 'another run'
-      raise WorkdirBusy(f'{os.path.dirname(self.path)} is in use by {who} (lock {self.path}); '
-                        'wait for that run to end or use another --workdir') from None
+      raise _busy(os.path.dirname(self.path), self.path, who) from None
     previous = os.pread(fd, 200, 0).decode(errors='replace').split()
     host = socket.gethostname()
     if len(previous) >= 2 and previous[0].isdigit():
@@ -69,3 +90,84 @@ class WorkdirLock:
       fcntl.flock(self.fd, fcntl.LOCK_UN)
       os.close(self.fd)
       self.fd = None
+
+
+class ObjectLock:
+  """The lock of a gs:// workdir: the object WORKDIR/lock (see the module docstring).
+
+  Uses google-cloud-storage (a dependency of gcsfs) for the generation preconditions that epath
+  does not expose; STORAGE_EMULATOR_HOST points it at an emulator.
+  """
+
+  def __init__(self, workdir):
+    self.workdir = workdir
+    self.path = paths.join(workdir, 'lock')
+    bucket, _, self.name = self.path.split('://', 1)[1].partition('/')
+    from google.cloud import storage  # pylint: disable=g-import-not-at-top
+    self.bucket = storage.Client().bucket(bucket)
+    self.generation, self.stop = None, threading.Event()
+    self.thread = None
+
+  def _text(self):
+    return f'{os.getpid()} {socket.gethostname()} {time.time():.0f}\n'
+
+  def __enter__(self):
+    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    blob = self.bucket.get_blob(self.name)
+    if blob is not None:
+      holder = blob.download_as_text().split()
+      if not self._stale(holder):
+        raise _busy(self.workdir, self.path, f'PID {holder[0]} on {holder[1]}, renewed '
+                    f'{time.time() - float(holder[2]):.0f} s ago' if len(holder) >= 3 else
+                    'another run')
+    try:
+      new = self.bucket.blob(self.name)
+      # Only if the object is still the one read (or still absent): a run that took it meanwhile
+      # wins, and this one is refused.
+      new.upload_from_string(self._text(), if_generation_match=blob.generation if blob else 0)
+    except exceptions.PreconditionFailed:
+      raise _busy(self.workdir, self.path, 'another run (it took the lock just now)') from None
+    self.generation = new.generation
+    self.thread = threading.Thread(target=self._heartbeat, daemon=True, name='workdir-lock')
+    self.thread.start()
+    return self
+
+  def _stale(self, holder):
+    """Whether the lock object's holder ('PID HOST TIME') is dead: a dead PID on this host, or
+    not renewed for STALE_SECS. The note names it."""
+    if len(holder) < 3 or not holder[0].isdigit():
+      return True  # not a lock this code wrote whole
+    pid, host, age = int(holder[0]), holder[1], time.time() - float(holder[2])
+    if host == socket.gethostname() and pid != os.getpid() and not _alive(pid):
+      reason = 'no longer running'
+    elif age > STALE_SECS:
+      reason = f'not renewed for {age:.0f} s'
+    else:
+      return False
+    print(f'train: took over the stale lock of PID {pid} on {host} ({reason}) in {self.path}',
+          file=sys.stderr)
+    return True
+
+  def _heartbeat(self):
+    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    while not self.stop.wait(HEARTBEAT_SECS):
+      blob = self.bucket.blob(self.name)
+      try:
+        blob.upload_from_string(self._text(), if_generation_match=self.generation)
+        self.generation = blob.generation
+      except exceptions.PreconditionFailed:
+        print(f'train: warning: the lock {self.path} was taken over by another run',
+              file=sys.stderr)
+        return
+      except Exception:  # pylint: disable=broad-except  # a network error: the next beat retries
+        pass
+
+  def __exit__(self, *exc):
+    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    self.stop.set()
+    if self.thread is not None:
+      self.thread.join()
+    try:
+      self.bucket.delete_blob(self.name, if_generation_match=self.generation)
+    except (exceptions.NotFound, exceptions.PreconditionFailed):
+      pass  # taken over (the heartbeat said so), or already gone

@@ -3,7 +3,6 @@
 import collections
 import contextlib
 import functools
-import json
 import math
 import os
 import signal
@@ -27,6 +26,7 @@ from training import distributed
 from training import diagnostics
 from training import evaluation
 from training import lock
+from training import paths
 from training import state as state_lib
 from training import steps
 from training import writers
@@ -121,7 +121,7 @@ class Profiler:
 
   def __init__(self, spec, workdir):
     self.steps = tuple(int(s) for s in spec.split(',')) if spec else None
-    self.dir, self.active = os.path.join(workdir, 'profile'), False
+    self.dir, self.active = paths.join(workdir, 'profile'), False
 
   def before(self, step):
     if self.steps and step == self.steps[0]:
@@ -154,7 +154,7 @@ def train_and_evaluate(config, workdir, hooks=()):
       and before the step's checkpoint and stop decision; e.g. a test that sends SIGTERM or raises
       at a chosen step. `state` is the training state pytree (reading it waits for the device).
   """
-  os.makedirs(workdir, exist_ok=True)
+  paths.makedirs(workdir)  # local or gs:// (training.paths)
   lead = jax.process_index() == 0  # multi-process: only process 0 writes logs and reports
   with lock.WorkdirLock(workdir) if lead else contextlib.nullcontext():
     with checkpointing.quiet_background_errors():
@@ -166,11 +166,8 @@ def _train(config, workdir, hooks, lead):
   for change in checkpointing.check_resume_config(workdir, config):
     if lead:
       print(f'train: resuming with changed {change}', file=sys.stderr)
-  if lead:
-    path = os.path.join(workdir, 'config.json')
-    with open(path + '.tmp', 'w') as f:  # other processes may be reading it (resume check)
-      f.write(config.to_json_best_effort(indent=2))
-    os.replace(path + '.tmp', path)
+  if lead:  # atomically: other processes may be reading it (resume check)
+    paths.write_text(paths.join(workdir, 'config.json'), config.to_json_best_effort(indent=2))
   t = config.train
   tokenizer = pipeline.get_tokenizer(config.data)
   mesh = distributed.make_mesh(config)
@@ -195,11 +192,8 @@ def _train(config, workdir, hooks, lead):
 
   # The parameter count per group goes to run_info.json (metrics.jsonl rows all carry a loss).
   groups, leaf_groups, group_sizes = diagnostics.param_groups(state['params'])
-  info_path = os.path.join(workdir, 'run_info.json')
-  info = {}
-  if os.path.exists(info_path):
-    with open(info_path) as f:
-      info = json.load(f)
+  info_path = paths.join(workdir, 'run_info.json')
+  info = paths.read_json(info_path) if paths.exists(info_path) else {}
   info.update(num_params=sum(group_sizes.values()), params_by_group=group_sizes)
   if lead:
     writers.write_json(info_path, info)
@@ -259,6 +253,7 @@ def _train(config, workdir, hooks, lead):
     checkpointing.confirm_saved(mngr, workdir)  # the previous save's outcome, before the next
     # Process 0 writes the data position: every shard's, gathered from the processes reading them.
     data_state = pipeline.ShardedIterator.merge_states(distributed.allgather_json(data_position))
+    writer.flush()  # object storage: the rows up to this checkpoint are durable before it
     try:
       mngr.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
@@ -284,7 +279,7 @@ def _train(config, workdir, hooks, lead):
       if step == 1 and diag is not None and lead:
         # Step 1's gradient is taken at the initial parameters (Xiong et al. 2020, Figure 3).
         grad = np.sqrt(np.asarray(jax.device_get(diag['grad_sq']), np.float64))
-        writers.write_json(os.path.join(workdir, 'init_grad_norms.json'), {
+        writers.write_json(paths.join(workdir, 'init_grad_norms.json'), {
             'grad_norm': float(np.sqrt(np.sum(np.square(grad)))),
             'groups': dict(zip(groups, map(float, grad))),
             'blocks': [float(v) for n, v in zip(groups, grad) if '/blocks/' in f'/{n}'],

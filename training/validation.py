@@ -302,6 +302,8 @@ def _validate_attention(config):
 def check_writable(name, path):
   """Raises ConfigError unless `path` is (or can be created as) a writable directory."""
   import os  # pylint: disable=g-import-not-at-top
+  if '://' in str(path):
+    return  # object storage (gs://): no local check applies; the run's first write is the test
   if os.path.exists(path) and not os.path.isdir(path):
     raise ConfigError(f'{name}={path!r} is a file; it must be a directory (or not exist yet)')
   parent = os.path.abspath(path)

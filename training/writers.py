@@ -2,22 +2,26 @@
 
 metrics.jsonl is strict JSON, one object a line: a non-finite value is written as null and named,
 with its value as text, under "nonfinite" (`{"loss": null, "nonfinite": {"loss": "nan"}}`);
-`read_metrics` turns it back into a float. It is only ever appended to, or rewritten whole into a
-temporary file that is renamed in, so a kill at any moment leaves either the old file or the new
-one, and at worst a torn last line, which `read_metrics` skips with a warning.
+`read_metrics` turns it back into a float. Locally it is only ever appended to, or rewritten whole
+into a temporary file that is renamed in, so a kill at any moment leaves either the old file or the
+new one, and at worst a torn last line, which `read_metrics` skips with a warning. On object storage
+(a gs:// workdir), which cannot append, the object is rewritten whole (`MetricsWriter.flush`).
 """
 
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
+import time
+
+from training import paths
 
 
 def write_json(path, obj):
-  """Writes `obj` to `path` atomically (a temporary file renamed in)."""
-  with open(path + '.tmp', 'w') as f:
-    json.dump(obj, f, indent=2)
-  os.replace(path + '.tmp', path)
+  """Writes `obj` to `path` (local or gs://) atomically."""
+  paths.write_json(path, obj)
 
 
 def encode_row(row):
@@ -41,8 +45,7 @@ def read_metrics(path, warn=True):
   A torn last line (a run killed while writing it) is skipped, with one warning; any other line
   that is not a JSON object with a 'step' is a ValueError naming its line number.
   """
-  with open(path) as f:
-    lines = f.read().split('\n')
+  lines = paths.read_text(path).split('\n')
   complete = lines[-1] == ''  # a file of whole lines ends with a newline
   lines = lines[:-1] if complete else lines
   rows = []
@@ -70,34 +73,66 @@ class NullWriter:
   def write(self, step, split, metrics):
     pass
 
+  def flush(self):
+    pass
+
   def close(self):
     pass
 
 
 class MetricsWriter:
-  """Appends metrics to metrics.jsonl and TensorBoard; on resume, drops rows after the restart step."""
+  """Writes metrics to metrics.jsonl and TensorBoard; on resume, drops rows after the restart step.
 
-  def __init__(self, workdir, resume_step):
+  Locally each row is appended and flushed at once. On object storage the rows are kept in memory
+  and the whole object is rewritten by `flush`: the loop calls it before every checkpoint, so that,
+  as locally, a killed run loses no row before its last checkpoint; rows are also written at most
+  `flush_secs` after they are logged, and at close. TensorBoard's event files are written to a
+  local folder and copied whole at the same moments (tensorboardX's own gs:// writer re-uploads
+  from its finalizer, which blocks interpreter exit for minutes when the store is unreachable).
+  """
+
+  def __init__(self, workdir, resume_step, flush_secs=30.0):
     from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-    self.path = os.path.join(workdir, 'metrics.jsonl')
-    if os.path.exists(self.path):
+    self.workdir, self.path = workdir, paths.join(workdir, 'metrics.jsonl')
+    self.remote, self.flush_secs = paths.is_remote(self.path), flush_secs
+    rows = []
+    if paths.exists(self.path):
       rows = [r for r in read_metrics(self.path) if r['step'] <= resume_step]
-      with open(self.path + '.tmp', 'w') as f:  # a kill here leaves the old file whole
-        f.writelines(encode_row(r) for r in rows)
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(self.path + '.tmp', self.path)
-    self.file = open(self.path, 'a')
-    self.tb = SummaryWriter(workdir, purge_step=resume_step + 1 if resume_step else None)
+      paths.write_text(self.path, ''.join(map(encode_row, rows)))  # a kill leaves the old whole
+    self.lines = [encode_row(r) for r in rows]  # object storage: the whole object's contents
+    self.dirty, self.flushed = False, time.monotonic()
+    self.file = None if self.remote else open(self.path, 'a')
+    self.events = tempfile.mkdtemp(prefix='attnlab_events_') if self.remote else None
+    self.tb = SummaryWriter(self.events or workdir,
+                            purge_step=resume_step + 1 if resume_step else None)
 
   def write(self, step, split, metrics):
-    self.file.write(encode_row({'step': step, 'split': split, **metrics}))
-    self.file.flush()
+    line = encode_row({'step': step, 'split': split, **metrics})
+    if self.remote:
+      self.lines.append(line)
+      self.dirty = True
+    else:
+      self.file.write(line)
+      self.file.flush()
     for key, value in metrics.items():
       self.tb.add_scalar(f'{split}/{key}', value, step)
+    if self.remote and time.monotonic() - self.flushed >= self.flush_secs:
+      self.flush()
+
+  def flush(self):
+    """Makes every row written so far durable (object storage: rewrites the objects)."""
+    if self.remote and self.dirty:
+      paths.write_text(self.path, ''.join(self.lines))
+      self.tb.flush()
+      for name in os.listdir(self.events):
+        with open(os.path.join(self.events, name), 'rb') as f:
+          paths.write_bytes(paths.join(self.workdir, name), f.read())
+      self.dirty, self.flushed = False, time.monotonic()
 
   def close(self):
-    self.file.close()
+    if self.file is not None:
+      self.file.close()
     self.tb.close()
-
-
+    self.flush()
+    if self.events:
+      shutil.rmtree(self.events, ignore_errors=True)

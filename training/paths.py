@@ -1,0 +1,132 @@
+"""Paths that are local or on object storage (`gs://bucket/...`), through `etils.epath`.
+
+Every path a run writes or reads (the workdir, its files, a sweep directory, `train.init_from`)
+goes through these helpers: epath is what Orbax itself uses, and it reaches gs:// through gcsfs.
+Strings in, strings out, so that messages show the path as given.
+
+Object storage has no rename and no append: an object is written whole and appears only when its
+upload completes, so `write_text` is atomic there by itself (locally it is a temporary file renamed
+in). gcsfs caches directory listings per process; Orbax's tensorstore writes behind its back, so
+the listing helpers drop that cache first.
+"""
+
+import json
+import os
+
+from etils import epath
+
+
+def is_remote(path):
+  """True for an object-store URL (gs://, s3://, ...), False for a local path."""
+  return '://' in os.fspath(path)
+
+
+def absolute(path):
+  """A local path made absolute (with ~ expanded); a URL as given, without a trailing slash."""
+  path = os.fspath(path)
+  if is_remote(path):
+    return path.rstrip('/')
+  return os.path.abspath(os.path.expanduser(path))
+
+
+def join(base, *names):
+  """`base/name/...` as a string (a URL stays a URL)."""
+  return os.fspath(epath.Path(base).joinpath(*names))
+
+
+def basename(path):
+  return epath.Path(os.fspath(path).rstrip('/')).name
+
+
+def dirname(path):
+  """The directory that holds `path` (a URL stays a URL)."""
+  return os.fspath(epath.Path(os.fspath(path).rstrip('/')).parent)
+
+
+def _fresh(path):
+  """`path` as an epath.Path whose gcsfs listing cache is dropped (other writers: tensorstore,
+  other processes)."""
+  p = epath.Path(path)
+  if is_remote(path):
+    from etils.epath import backend  # pylint: disable=g-import-not-at-top
+    backend.fsspec_backend.fs(os.fspath(p)).invalidate_cache()
+  return p
+
+
+def exists(path):
+  return _fresh(path).exists()
+
+
+def isdir(path):
+  return _fresh(path).is_dir()
+
+
+def listdir(path):
+  """The sorted names in directory `path` ([] when it does not exist)."""
+  p = _fresh(path)
+  if not p.is_dir():
+    return []
+  return sorted(child.name for child in p.iterdir())
+
+
+def makedirs(path):
+  epath.Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def read_text(path):
+  return epath.Path(path).read_text()
+
+
+def read_bytes(path):
+  return epath.Path(path).read_bytes()
+
+
+def read_json(path):
+  return json.loads(read_text(path))
+
+
+def write_text(path, text):
+  """Writes `text` to `path` atomically: a reader sees the old contents or the new, never part."""
+  write_bytes(path, text.encode())
+
+
+def write_json(path, obj):
+  write_text(path, json.dumps(obj, indent=2))
+
+
+def rename(src, dst):
+  """Renames a file or directory (on object storage: copies every object, then deletes)."""
+  if is_remote(src):
+    _fresh(src).rename(dst)
+  else:
+    os.rename(src, dst)
+
+
+def replace(src, dst):
+  """Moves file `src` to `dst`, replacing a `dst` that exists."""
+  if is_remote(src):
+    write_bytes(dst, read_bytes(src))
+    epath.Path(src).unlink()
+  else:
+    os.replace(src, dst)
+
+
+def remove(path):
+  """Removes a file, or a directory and everything in it."""
+  p = _fresh(path)
+  if p.is_dir():
+    p.rmtree()
+  elif p.exists():
+    p.unlink()
+
+
+def write_bytes(path, data):
+  """Writes `data` to `path` atomically (see `write_text`)."""
+  if is_remote(path):
+    epath.Path(path).write_bytes(data)  # an object appears only when its upload completes
+    return
+  with open(path + '.tmp', 'wb') as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(path + '.tmp', path)
