@@ -12,6 +12,9 @@ A sweep file defines `get_config(arg=None)`, the base config of every cell, and 
      'eval_flags': ['--lengths=1,2,4'],
      'eval_variants': {'model.position=rope': ['--rope_scaling=ntk:4']}}
 
+`'train.init_from': {'cell': {overrides}}` starts a cell from an earlier cell's parameters (same
+seed; its workdir is passed), once that cell is done, also with --parallel (context_extension.py).
+
 Every key is optional. `grid` is a full Cartesian product; `cells` an explicit list of override
 dicts (for grids that are not full); with both, every cell is crossed with the grid. Overrides are
 dotted config fields -> values. `seeds` set `train.seed` (default [0]). `eval_flags` are eval.py
@@ -40,6 +43,7 @@ import re
 import shlex
 import signal
 import sys
+import threading
 import tempfile
 import time
 
@@ -174,12 +178,26 @@ def expand(sweep, seeds=None):
       if 'train.seed' in overrides:
         raise SweepError("set seeds with the sweep's 'seeds' (or --seeds), not 'train.seed'")
       for seed in seeds:
-        name = cell_name(overrides, seed)
+        seeded, after = _resolve_sources(overrides, seed, seen)
+        name = cell_name(seeded, seed)
         if name in seen:
           raise SweepError(f'two cells are both named {name}')
         seen[name] = True
-        cells.append({'name': name, 'overrides': overrides, 'seed': seed})
+        cells.append({'name': name, 'overrides': seeded, 'seed': seed, 'after': after})
   return cells
+
+
+def _resolve_sources(overrides, seed, seen):
+  """(overrides with train.init_from={'cell': {...}} replaced by that earlier cell's name, the name)."""
+  out, after = dict(overrides), None
+  for field, value in overrides.items():
+    if isinstance(value, dict):
+      after = cell_name(value.get('cell', {}), seed) if field == 'train.init_from' else None
+      if after not in seen or set(value) != {'cell'}:
+        raise SweepError(f"{field}={value!r}: valid dict values: train.init_from={{'cell': "
+                         "{overrides of a cell listed before this one}}")
+      out[field] = after
+  return out, after
 
 
 def cell_config(module, arg, cell):
@@ -213,7 +231,9 @@ def cell_config(module, arg, cell):
 def train_command(spec, sweep_dir, cell, python='python', train_py='train.py'):
   """The train.py argv of a cell."""
   return ([python, train_py, f'--config={spec}', f'--workdir={paths.join(sweep_dir, cell["name"])}']
-          + [f'--config.{k}={format_value(v)}' for k, v in cell['overrides'].items()]
+          + [f'--config.{k}={os.path.join(sweep_dir, cell["after"])}' if k == 'train.init_from'
+             and cell.get('after') else f'--config.{k}={format_value(v)}'
+             for k, v in cell['overrides'].items()]
           + [f'--config.train.seed={cell["seed"]}'])
 
 
@@ -386,6 +406,19 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
       result = f'failed (rc {rc})'
     return i, c, result, how, time.perf_counter() - start
 
+  finished = {c['name']: threading.Event() for c in cells}
+  outcome = {}
+
+  def run_after_source(i, c):  # run_cell once the init_from source (started earlier) has finished
+    try:
+      if c.get('after') and (finished[c['after']].wait() and
+                             outcome.get(c['after']) not in ('done', 'skipped')):
+        return i, c, 'not started', f'init_from cell {c["after"]}: {outcome.get(c["after"])}', 0.0
+      outcome[c['name']] = (result := run_cell(i, c))[2]
+      return result
+    finally:
+      finished[c['name']].set()
+
   def report(i, c, result, how, seconds):
     results[c['name']] = result
     train_loss, valid_loss = _final_loss(paths.join(sweep_dir, c['name']))
@@ -400,10 +433,10 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
   with children.handling():
     if parallel <= 1:
       for i, c in enumerate(cells):
-        report(*run_cell(i, c))
+        report(*run_after_source(i, c))
     else:
       with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
-        futures = [pool.submit(run_cell, i, c) for i, c in enumerate(cells)]
+        futures = [pool.submit(run_after_source, i, c) for i, c in enumerate(cells)]
         for future in concurrent.futures.as_completed(futures):
           report(*future.result())
   done = sum(r in ('done', 'skipped') for r in results.values())

@@ -1,0 +1,65 @@
+"""Context extension by fine-tuning: RoPE trained at L=64, continued at 4L = 256 tokens.
+
+The base cell trains configs/extrapolation.py (RoPE, L=64, 1,000 steps, three seeds). Each
+fine-tune cell starts from its seed's base parameters (train.init_from; a fresh optimiser at step
+0), sets data.max_length=256 and one RoPE scaling with factor s = 256 / 64 = 4 (none, PI, NTK,
+YaRN), and trains 50 or 200 steps. The 0-step column is the base itself, evaluated with each
+scaling applied at evaluation (eval_variants). Every cell is evaluated by the extrapolation
+harness as usual; multiples are of the cell's own training length, so a fine-tune's 0.25, 0.5 are
+the base's 1, 2 (64 and 128 tokens) and its 1, 2 are the base's 4, 8.
+
+Run:     python -m tools.sweep --sweep=configs/ablations/context_extension.py --sweep_dir=DIR \
+             --sweep_eval --parallel=2
+A smoke run of the same cells, 25x shorter: --sweep=configs/ablations/context_extension.py:quick
+"""
+
+from configs import extrapolation
+
+SCALINGS = ('none', 'pi', 'ntk', 'yarn')
+FINE_TUNE_STEPS = (50, 200)
+EXTENDED_LENGTH = 256
+
+
+def get_config(arg=None):
+  """The base of every cell: configs/extrapolation.py with RoPE."""
+  config = extrapolation.get_config(arg)
+  config.model.position = 'rope'
+  return config
+
+
+def get_sweep(arg=None):
+  """The base cell, then per fine-tune length and scaling one cell started from it; 3 seeds."""
+  quick = 'quick' in (arg or '')
+  base = {'data.max_length': 64}
+  cells = [base]
+  factor = EXTENDED_LENGTH / base['data.max_length']
+  for steps in FINE_TUNE_STEPS:
+    if quick:
+      steps //= 25
+    for scaling in SCALINGS:
+      cells.append({
+          'train.init_from': {'cell': base},  # this seed's base cell, trained first
+          'data.max_length': EXTENDED_LENGTH,
+          'model.rope_scaling': scaling,
+          'model.rope_scaling_factor': 1.0 if scaling == 'none' else factor,
+          'train.steps': steps,
+          # A fresh AdamW whose short schedule warms up over a tenth of the steps, at a quarter
+          # of the base's peak rate: the parameters are trained, only the length is new.
+          'train.warmup_steps': max(1, steps // 10),
+          'train.learning_rate': 5e-4,
+          'train.eval_every': steps,
+          'train.checkpoint_every': steps,
+          'train.log_every': max(1, steps // 10),
+      })
+  scaled = [f'--rope_scaling={s}:{factor:g}' for s in SCALINGS if s != 'none']
+  return {
+      'cells': cells,
+      'seeds': [0, 1, 2],
+      'eval_flags': ['--lengths=1,2,4,8', '--modes=non_overlapping,sliding'],
+      'eval_variants': {
+          # Fine-tuning for 0 steps: the base with each scaling applied at evaluation only.
+          f'data.max_length={base["data.max_length"]}': scaled,
+          # The fine-tunes also at the base's own lengths (64 and 128 tokens).
+          f'data.max_length={EXTENDED_LENGTH}': ['--lengths=0.25,0.5'],
+      },
+  }
