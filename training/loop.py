@@ -188,6 +188,12 @@ def _train(config, workdir, hooks, lead):
     it.set_state(data_state)
     carried = checkpointing.restore_window(mngr, start)
     print(f'train: resumed from step {start} in {workdir}', file=sys.stderr)
+  elif t.get('init_from'):
+    # A fine-tune's step 0: another run's parameters, a fresh optimiser and schedule (a run with
+    # checkpoints of its own resumed from them above instead).
+    state, source_step = state_lib.init_from(state, t.init_from)
+    print(f'train: parameters from {t.init_from} (its step {source_step}); starting at step 0',
+          file=sys.stderr)
   writer = writers.MetricsWriter(workdir, start) if lead else writers.NullWriter()
 
   # The parameter count per group goes to run_info.json (metrics.jsonl rows all carry a loss).

@@ -1,13 +1,16 @@
 """The training state: model, optimiser and schedule, built (and sharded) from a config."""
 
+from etils import epath
 import jax
 import jax.numpy as jnp
 from flax import nnx
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 
 from layers import sharding
 import models
+from training import checkpointing
 
 # Floating dtypes the forward/backward passes may run in (float16 is left out: its gradients
 # underflow without loss scaling, which the step does not do).
@@ -113,3 +116,59 @@ def cast_params(params, dtype):
                       params)
 
 
+
+
+class InitFromError(checkpointing.RunFailed):
+  """`train.init_from` names no usable run; the message is one line (train.py prints it, exits 1)."""
+
+
+def init_from(state, source):
+  """`state` with the parameters (and buffers) of the newest checkpoint of another run's workdir.
+
+  For fine-tuning (e.g. a longer context): the step stays 0 and the optimiser state stays fresh
+  (Adam's moments are zeros whatever the parameters), so the schedule starts over. Only the
+  parameters and buffers are read (the source may have had another optimiser or step count).
+
+  Args:
+    state: a fresh training state (`create_state`) of the config being started.
+    source: the source run's workdir (local or gs://), holding `checkpoints/<step>/`.
+
+  Returns:
+    (the state with the source's parameters, the source's checkpoint step).
+
+  Raises:
+    InitFromError: the directory does not exist, holds no checkpoint, or a parameter's shape
+      differs from this config's (the first such parameter is named).
+  """
+  root = epath.Path(source)
+  if not root.is_dir():
+    raise InitFromError(f'train.init_from={source!r} is not a directory (the workdir of the run '
+                        'to start from)')
+  ckpt = root / 'checkpoints'
+  saved_steps = sorted(int(p.name) for p in (ckpt.iterdir() if ckpt.is_dir() else ())
+                       if p.name.isdigit())
+  if not saved_steps:
+    raise InitFromError(f'train.init_from={source!r} holds no checkpoint ({ckpt}/<step> '
+                        'missing): train that run first')
+  step = saved_steps[-1]
+  mngr = ocp.CheckpointManager(ckpt, options=ocp.CheckpointManagerOptions(read_only=True))
+  saved = checkpointing.saved_shapes(mngr, step)
+  want = {checkpointing._plain_path(p): tuple(np.shape(leaf))  # pylint: disable=protected-access
+          for p, leaf in jax.tree_util.tree_flatten_with_path(
+              {'params': state['params']})[0]}
+  for name in sorted(want):
+    if saved.get(name) != want[name]:
+      got = 'absent' if name not in saved else f'shape {saved[name]}'
+      raise InitFromError(
+          f'train.init_from={source!r}: parameter {name} is {got} in its checkpoint step {step} '
+          f'but {want[name]} in this config; the model must match the source run')
+  target = {'params': state['params']}
+  if jax.tree.leaves(state['buffers']) and any(k.startswith('buffers/') for k in saved):
+    target['buffers'] = state['buffers']
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+  restored = mngr.restore(step, args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(
+          abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+          partial_restore=True)))['state']
+  mngr.close()
+  return {**state, **restored}, step

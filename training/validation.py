@@ -79,6 +79,7 @@ def validate(config):
                       f'{m.num_heads}; valid values: {", ".join(map(str, divisors))}')
   _check_registry('position', positions.POSITIONS, m, d)
   _validate_random_positions(config)
+  _validate_init_from(config)
   _check_registry('norm', norms.NORMS, m, d)
   _check_registry('ffn', feed_forward.FFNS, m, d)
   if not isinstance(m.share_embeddings, bool):
@@ -261,6 +262,14 @@ def _validate_random_positions(config):
   if n < config.data.max_length:
     raise ConfigError(f'model.random_positions_max={n} must be >= data.max_length='
                       f'{config.data.max_length} (T distinct positions are drawn from [0, N))')
+
+
+def _validate_init_from(config):
+  """`train.init_from`: a workdir path or ''; whether it holds a fitting checkpoint is checked when
+  the run starts (training.state.init_from), since a sweep's source cell may not have run yet."""
+  source = config.train.get('init_from', '')
+  if not isinstance(source, str):
+    raise ConfigError(f'train.init_from={source!r} must be a workdir path (or empty: no source)')
 
 
 def _validate_attention(config):
