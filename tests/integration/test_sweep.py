@@ -56,11 +56,11 @@ def test_dry_run_prints_one_train_command_per_cell_and_the_eval_commands(tmp_pat
     os.chdir(cwd)
   lines = out.getvalue().splitlines()
   train_lines = [l for l in lines if l.startswith('python train.py')]
-  assert len(train_lines) == len(results) == 6
-  assert train_lines[2] == ('python train.py --config=configs/ablations/rope_vs_alibi.py '
+  assert len(train_lines) == len(results) == 27  # 9 position methods x 3 seeds
+  assert train_lines[3] == ('python train.py --config=configs/ablations/rope_vs_alibi.py '
                             '--workdir=SW/model.position=rope,seed=0 '
                             '--config.model.position=rope --config.train.seed=0')
-  evals = [l for l in lines if l.startswith('python eval.py --workdir=SW/model.position=rope,')]
+  evals = [l for l in lines if l.startswith('python eval.py --workdir=SW/model.position=rope,seed=0 ')]
   assert len(evals) == 4  # eval_flags, then the three scalings of eval_variants
   assert evals[3].endswith('--lengths=1,2,4,8 --modes=non_overlapping,sliding '
                            '--rope_scaling=yarn:4')
