@@ -1,11 +1,11 @@
 """Every attention variant (the keys of layers.attention_variants.VARIANTS) on the toy translation task.
 
-The quality half of the efficient-attention trade-off (benchmarks/attention_tradeoff.py draws it
+The quality half of the efficient-attention trade-off (tools/attention_tradeoff.py draws it
 against each kernel's cost):
 
     python -m tools.sweep --sweep=configs/ablations/attention_variants.py --sweep_dir=DIR \
         --parallel=2 --sweep_eval
-    python benchmarks/attention_tradeoff.py --sweep_dir=DIR --costs=benchmarks/attention_variants.json
+    python -m tools.attention_tradeoff --sweep_dir=DIR --costs=benchmarks/attention_variants.json
 
 Encoder-decoder (configs/encoder_decoder.py: 2 + 2 layers, d_model 128, 1,500 steps): each variant
 runs in its bidirectional form in the encoder and its causal form in the decoder. Linformer has no

@@ -1,5 +1,5 @@
 """The efficient-attention study: a decoder variant of its own (Linformer encoders) and the trade-off
-table and picture (benchmarks/attention_tradeoff.py)."""
+table and picture (tools/attention_tradeoff.py)."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from benchmarks import attention_tradeoff
+from tools import attention_tradeoff
 from configs import default
 from training import validation
 from tests.unit import test_decoding

@@ -1,6 +1,6 @@
 """Efficient attention: what each variant costs against what it loses, one table and one picture.
 
-    .venv/bin/python benchmarks/attention_tradeoff.py --sweep_dir=DIR \
+    .venv/bin/python -m tools.attention_tradeoff --sweep_dir=DIR \
         --costs=benchmarks/attention_variants.json [--length=16384] \
         [--out=benchmarks/attention_tradeoff.png]
 
@@ -22,15 +22,12 @@ import json
 import math
 import os
 import re
-import sys
+
+import numpy as np
+
+from tools import plot_style
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)
-
-import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-from tools import plot_style  # pylint: disable=wrong-import-position
 
 # The kernels of the dense variant in the cost benchmark, and the labels they are shown under.
 DENSE_KERNELS = (('dense', 'dense (xla)'), ('dense_flash', 'dense (blockwise)'))
