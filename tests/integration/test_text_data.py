@@ -8,10 +8,13 @@ import os
 import subprocess
 import sys
 
+from etils import epath
 import pytest
 
+from data import text_corpus
 from tests.helpers import ROOT, metric_rows
-from tests.unit.test_text_data import write_corpus
+from tests.integration.test_gcs import gcs  # noqa: F401  (the GCS emulator fixture)
+from tests.unit.test_text_data import data_config, write_corpus
 
 TRAIN = os.path.join(ROOT, 'train.py')
 EVAL = os.path.join(ROOT, 'eval.py')
@@ -135,3 +138,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, split, content, flags, needl
   if split:
     assert f'data.files.{split}={corpus[split]}' in lines[0]
   assert not data_dir.exists()  # nothing half-written
+
+
+def test_input_files_on_gs(gcs, tmp_path):
+  """data.files on object storage (the GCS emulator of test_gcs.py), read through etils.epath: the
+  same corpus, hence the same folder, as from local copies; a bad line names the gs:// file."""
+  del gcs  # the environment points gcsfs at the emulator
+  local = write_corpus(str(tmp_path / 'corpus'), num_train=300, num_eval=20)
+  remote = {}
+  for split, path in local.items():
+    remote[split] = f'gs://bucket/corpus/{split}.tsv'
+    epath.Path(remote[split]).write_bytes(open(path, 'rb').read())
+  folders = [text_corpus.prepare(text_corpus.spec_from_config(
+      data_config(files, tmp_path / 'data'))) for files in (remote, local)]
+  assert folders[0] == folders[1] and text_corpus.read_split(folders[0], 'test')[0] == tuple(
+      open(local['test'], encoding='utf-8').readline().rstrip('\n').split('\t'))
+  epath.Path(remote['validation']).write_bytes(b'A\tB\nno tab here\n')
+  with pytest.raises(text_corpus.DataError,
+                     match='data.files.validation=gs://bucket/corpus/validation.tsv line 2: no tab'):
+    text_corpus.prepare(text_corpus.spec_from_config(data_config(remote, tmp_path / 'data2')))
+  assert not (tmp_path / 'data2').exists()
