@@ -25,6 +25,7 @@ TASKS = ('text_pairs', 'text_lm')
 SPLITS = ('train', 'validation', 'test')
 CORPUS_FILE = 'corpus.json'  # what the folder was prepared from (files, sizes, hashes, vocab)
 FORMAT_VERSION = 1  # bump when the preparation changes: old folders are then left unused
+CACHE = os.path.join(tempfile.gettempdir(), 'attnlab_data')  # local copies of gs:// data_dirs
 
 
 class DataError(ValueError):
@@ -69,7 +70,9 @@ def spec_from_config(data_config) -> CorpusSpec:
     if not path.strip():
       raise DataError(f'data.files.{split} is not set; data.task={data_config.task!r} needs '
                       f'data.files.{{{",".join(SPLITS)}}} (local paths or gs://)')
-  data_dir = os.path.abspath(os.path.expanduser(data_config.get('data_dir', './tfds_data')))
+  data_dir = str(data_config.get('data_dir', './tfds_data'))
+  if '://' not in data_dir:
+    data_dir = os.path.abspath(os.path.expanduser(data_dir))
   return CorpusSpec(task=data_config.task, data_dir=data_dir, files=paths,
                     vocab_size=data_config.get('vocab_size', 1000),
                     shared_vocab=bool(data_config.get('shared_vocab', True)))
@@ -244,17 +247,24 @@ def prepare(spec: CorpusSpec) -> str:
   """Reads and checks the files, then prepares the corpus unless its folder exists.
 
   Concurrent first calls (local processes, test workers) are serialised by a file lock; the folder
-  appears by one rename when complete, so its existence means a complete dataset.
+  appears by one rename when complete, so its existence means a complete dataset. A gs:// data_dir
+  is used through a local copy (see `_prepare_remote`).
 
   Returns:
-    The prepared folder: the array_record files, dataset_info.json, the SentencePiece model(s)
-    and corpus.json.
+    The (local) prepared folder: the array_record files, dataset_info.json, the SentencePiece
+    model(s) and corpus.json.
 
   Raises:
     DataError: a bad file or a vocab_size the corpus cannot fill, in one line; data_dir is then
       as it was (a data_dir this call created is removed again).
   """
   splits, digest = read_corpus(spec)
+  if '://' in spec.data_dir:
+    return _prepare_remote(spec, splits, digest)
+  return _prepare_local(spec, splits, digest)
+
+
+def _prepare_local(spec, splits, digest):
   task_dir = os.path.join(spec.data_dir, spec.task)
   final_dir = os.path.join(task_dir, folder_name(spec, digest))
   if os.path.isdir(final_dir):
@@ -280,6 +290,35 @@ def prepare(spec: CorpusSpec) -> str:
     finally:
       shutil.rmtree(tmp, ignore_errors=True)
   return final_dir
+
+
+def _prepare_remote(spec, splits, digest):
+  """A gs:// data_dir: TFDS reads array_record with local file I/O, so the folder is used from a
+  local cache (ATTNLAB_DATA_CACHE, as `data.remote_dir`): downloaded when the bucket holds it whole
+  (corpus.json, uploaded last, marks that), else prepared locally and uploaded for the other hosts
+  and later runs."""
+  cache = os.path.join(os.environ.get('ATTNLAB_DATA_CACHE', CACHE),
+                       spec.data_dir.rstrip('/').replace('://', '/'))
+  name = f'{spec.task}/{folder_name(spec, digest)}'
+  remote, local = epath.Path(spec.data_dir) / name, os.path.join(cache, name)
+  if not os.path.isdir(local) and (remote / CORPUS_FILE).exists():
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(local)}.download', dir=os.path.dirname(local))
+    try:
+      for child in remote.iterdir():  # flat: array_record files, JSON, SentencePiece models
+        with open(os.path.join(tmp, child.name), 'wb') as f:
+          f.write(child.read_bytes())
+      if not os.path.isdir(local):  # another local process may have been quicker
+        os.rename(tmp, local)
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
+  local = _prepare_local(dataclasses.replace(spec, data_dir=cache), splits, digest)
+  have = {child.name for child in remote.iterdir()} if remote.is_dir() else set()
+  for file in sorted(os.listdir(local), key=lambda n: n == CORPUS_FILE):  # corpus.json last
+    if file not in have:
+      with open(os.path.join(local, file), 'rb') as f:
+        (remote / file).write_bytes(f.read())
+  return local
 
 
 def load_tokenizer(dataset_dir: str) -> spt.SentencePieceTokenizer:

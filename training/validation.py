@@ -172,10 +172,6 @@ def _validate_text_data(config):
       lines = 'source<TAB>target lines' if d.task == 'text_pairs' else 'one document per line'
       raise ConfigError(f'data.files.{split}={path!r} must name a file of {lines} for '
                         f'data.task={d.task!r} (a local path or gs://)')
-  if '://' in str(d.data_dir):
-    raise ConfigError(f'data.data_dir={d.data_dir!r}: data.task={d.task!r} prepares its dataset '
-                      'in a local folder (an atomic rename); valid: a local path (the input files '
-                      'may be gs://)')
   vocab = d.get('vocab_size', None)
   if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 6:
     raise ConfigError(f'data.vocab_size={vocab!r} must be an integer > 6 (the SentencePiece pieces, '

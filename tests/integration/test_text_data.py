@@ -158,3 +158,27 @@ def test_input_files_on_gs(gcs, tmp_path):
                      match='data.files.validation=gs://bucket/corpus/validation.tsv line 2: no tab'):
     text_corpus.prepare(text_corpus.spec_from_config(data_config(remote, tmp_path / 'data2')))
   assert not (tmp_path / 'data2').exists()
+
+
+def test_prepared_folder_on_gs_is_uploaded_once_and_downloaded(gcs, tmp_path, monkeypatch):
+  """A gs:// data_dir: the first host prepares and uploads (corpus.json last), a host with an empty
+  cache downloads the same folder instead of preparing it."""
+  del gcs
+  files = write_corpus(str(tmp_path / 'corpus'), num_train=300, num_eval=20)
+  config = data_config(files, 'gs://bucket/text_data')
+  monkeypatch.setenv('ATTNLAB_DATA_CACHE', str(tmp_path / 'cache1'))
+  first = text_corpus.prepare(text_corpus.spec_from_config(config))
+  assert first.startswith(str(tmp_path / 'cache1'))
+  remote = epath.Path('gs://bucket/text_data/text_pairs') / os.path.basename(first)
+  assert sorted(c.name for c in remote.iterdir()) == sorted(os.listdir(first))
+
+  def no_build(*args):
+    raise AssertionError('prepared again instead of downloaded')
+  monkeypatch.setattr(text_corpus, '_build', no_build)
+  monkeypatch.setenv('ATTNLAB_DATA_CACHE', str(tmp_path / 'cache2'))
+  second = text_corpus.prepare(text_corpus.spec_from_config(config))
+  assert second.startswith(str(tmp_path / 'cache2'))
+  for name in os.listdir(first):
+    with open(os.path.join(first, name), 'rb') as a, open(os.path.join(second, name), 'rb') as b:
+      assert a.read() == b.read(), name
+  assert text_corpus.read_split(second, 'test') == text_corpus.read_split(first, 'test')

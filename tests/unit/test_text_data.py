@@ -340,7 +340,6 @@ def _full_config(task='text_pairs', arch='encoder_decoder', **data):
     (dict(vocab_size=6), 'data.vocab_size=6 must be an integer > 6'),
     (dict(vocab_size=True), 'data.vocab_size=True'),
     (dict(shared_vocab='yes'), "data.shared_vocab='yes' must be True or False"),
-    (dict(data_dir='gs://bucket/data'), 'valid: a local path'),
     (dict(task='text_lm'), "model.arch='encoder_decoder'; valid archs: decoder_only"),
     (dict(task='text_lmm'), "data.task='text_lmm' is not valid"),
 ])
