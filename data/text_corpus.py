@@ -2,7 +2,7 @@
 once as a TFDS dataset (array_record, no TensorFlow) with a SentencePiece tokenizer beside it.
 
 The prepared folder is `data_dir/<task>/vocab<V>-<shared|separate>-<hash>`, the hash covering the
-files' bytes and the vocabulary settings: the same inputs reuse it, changed files or another
+examples as read (stripped pairs or documents) and the vocabulary settings: the same inputs reuse it, changed files or another
 vocab_size get a folder of their own. It is written in a hidden sibling folder and renamed when
 complete, so a bad input or a crash leaves nothing half-written in data_dir.
 """
@@ -23,7 +23,7 @@ from data import sentencepiece_tokenizer as spt
 
 TASKS = ('text_pairs', 'text_lm')
 SPLITS = ('train', 'validation', 'test')
-CORPUS_FILE = 'corpus.json'  # what the folder was prepared from (files, sizes, hashes, vocab)
+CORPUS_FILE = 'corpus.json'  # what the folder was prepared from (files, counts, vocab, hash)
 FORMAT_VERSION = 1  # bump when the preparation changes: old folders are then left unused
 CACHE = os.path.join(tempfile.gettempdir(), 'attnlab_data')  # local copies of gs:// data_dirs
 
@@ -38,7 +38,7 @@ class CorpusSpec:
 
   Attributes:
     task: 'text_pairs' or 'text_lm'.
-    data_dir: absolute root where prepared corpora live.
+    data_dir: root where prepared corpora live: an absolute local path, or gs://.
     files: (train, validation, test) paths, local or gs://.
     vocab_size: pieces of each SentencePiece model, specials included.
     shared_vocab: text_pairs: one model for both sides (else one per side).
@@ -234,7 +234,8 @@ def _build(spec: CorpusSpec, splits: dict[str, list], digest: str, tmp: str) -> 
   builder.download_and_prepare(file_format='array_record')
   dataset_dir = os.fspath(builder.data_dir)
   tokenizer.save(dataset_dir)
-  record = {'format_version': FORMAT_VERSION, 'task': spec.task, 'vocab_size': spec.vocab_size,
+  record = {'format_version': FORMAT_VERSION, 'hash': digest, 'task': spec.task,
+            'vocab_size': spec.vocab_size,
             'shared_vocab': spec.shared, 'tokenizer_vocab_size': tokenizer.vocab_size,
             'files': dict(zip(SPLITS, spec.files)),
             'examples': {split: len(examples) for split, examples in splits.items()}}
