@@ -32,7 +32,15 @@ def get_config(arg=None):
   model.position = 'sinusoidal'  # sinusoidal | learned | rope | alibi | t5_bias | nope | fire |
   #                                kerple (log variant) | xpos
   model.norm = 'layernorm'  # layernorm | rmsnorm
-  model.norm_position = 'pre'  # pre (Pre-LN, final norm added) | post (Post-LN, the original)
+  # Where the norms sit (layers/block.py), and whether the stack ends with a final norm:
+  #   pre       Pre-LN, x + f(norm(x)); final norm
+  #   post      Post-LN (the original), norm(x + f(x)); no final norm
+  #   deepnorm  DeepNet (Wang et al. 2022): norm(alpha·x + f(x)), value/output/FFN init scaled by
+  #             beta; alpha, beta from the arch and num_layers; no final norm
+  #   sandwich  Sandwich-LN (CogView): x + norm(f(norm(x))); final norm
+  #   rezero    ReZero (Bachlechner et al. 2020): x + g·f(x), scalar gate g = 0 at init per
+  #             sublayer, no norm anywhere (model.norm unused); the gates are in the diagnostics
+  model.norm_position = 'pre'
   model.ffn = 'relu'  # relu | gelu | swiglu | geglu
   num_layers, d_model, num_heads, d_ff = SIZES[args.get('size', 'small')]
   model.num_layers = num_layers  # Transformer blocks (per stack)
@@ -45,7 +53,29 @@ def get_config(arg=None):
   #                            compile time flat in depth (not bigbird/performer)
   model.remat = 'none'  # scan_layers: what a block keeps for backprop: none (all) | full (only its
   #                       input; recompute the rest) | dots (the weight matmul outputs)
-  model.use_bias = False  # biases in the attention and feed-forward projections
+  model.use_bias = False  # biases in the attention and feed-forward projections (shorthand for
+  #                         attention_bias=True and ffn_bias=True; either True turns its biases on)
+  model.attention_bias = False  # biases in the q/k/v/o projections (also on with use_bias)
+  model.ffn_bias = False  # biases in the feed-forward projections (also on with use_bias)
+  model.head_dim = 0  # H, each head's width; 0 means d_model / num_heads. q/k/v project
+  #                     D -> N·H and the output N·H -> D (the Flax examples' qkv_dim = N·H)
+  model.kernel_init = 'lecun_normal'  # projection kernels: lecun_normal | xavier_uniform (the
+  #                                      Flax lm1b/wmt examples'); embeddings are unaffected
+  model.embed_scale = 'sqrt_d'  # token embedding on the way in: sqrt_d (x sqrt(D), init std
+  #                               1/sqrt(D)) | none (x 1, init std 1, and tied logits / sqrt(D),
+  #                               as the Flax examples)
+  model.tie_output = True  # logits from the token embedding; False: an untied Linear(D, V) with
+  #                          a bias (the Flax examples' logits_via_embedding=False)
+  model.attention_dropout = 0.0  # dropout on the attention probabilities (xla, blockwise only)
+  model.ffn_dropout = 0.0  # dropout on the feed-forward activations (after the nonlinearity)
+  # Position conventions, for converting checkpoints. rope rotates pairs (x_i, x_{i+H/2})
+  # ("rotate half", as GPT-NeoX and HF transformers' Llama); a checkpoint trained with interleaved
+  # pairs (x_2i, x_2i+1: RoFormer, Meta's Llama) needs the output columns of its q and k
+  # projections permuted per head, [0, 2, 4, ..., 1, 3, 5, ...] (HF's Llama conversion script).
+  # sinusoidal is Vaswani et al.'s interleaved table, PE(p, 2i) = sin(p·w_i),
+  # PE(p, 2i+1) = cos(p·w_i), w_i = 10000^(-2i/D); the Flax examples (and tensor2tensor) use
+  # [sin | cos] halves instead, so their checkpoints need the model dimension D permuted in every
+  # weight that reads or writes the residual stream (ours 2i = theirs i, 2i+1 = theirs D/2 + i).
   model.rope_base = 10000.0  # RoPE base: theta_i = base^(-2i/d) (position=rope)
   model.rope_fraction = 1.0  # share of each head's dims RoPE rotates (1.0 = all; rest unrotated)
   model.rope_scaling = 'none'  # RoPE context scaling: none | pi | ntk | yarn (eval.py can override)

@@ -10,6 +10,7 @@ from layers import attention_blockwise
 from layers import attention_pallas
 from layers import attention_ring
 from layers import attention_xla
+from layers import initializers
 from layers import masks
 from layers import options
 from layers import paged_attention
@@ -40,11 +41,17 @@ IMPLEMENTATIONS = {
     'cudnn': _cudnn,
     'ring': attention_ring.ring_attention,  # needs a mesh with sequence > 1
 }
+# The kernels that take `dropout_rate`/`dropout_seed` (model.attention_dropout > 0).
+DROPOUT_IMPLEMENTATIONS = ('xla', 'blockwise')
+# The projection options only `Attention.from_config` passes on (head_dim, attention_bias,
+# attention_dropout, kernel_init); a variant with its own `from_config` does not read them yet.
+PROJECTION_OPTIONS = ('head_dim', 'attention_bias', 'attention_dropout', 'kernel_init')
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                           local_window_size=None, alibi_slopes=None, segment_ids=None,
-                          implementation=None, position_bias=None):
+                          implementation=None, position_bias=None, dropout_rate=0.0,
+                          dropout_rng=None):
   """Scaled dot-product attention, mirroring `jax.nn.dot_product_attention`.
 
   Args:
@@ -61,6 +68,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     implementation: None (= 'xla') or a key of `IMPLEMENTATIONS`.
     position_bias: optional `layers.relative_bias.PositionBias` (FIRE, KERPLE), a learned bias of
       the positions; only the xla and blockwise kernels evaluate it.
+    dropout_rate: attention dropout on the probabilities (xla and blockwise only; 0 = none).
+    dropout_rng: a jax key, needed when `dropout_rate` > 0; xla and blockwise drop the same
+      probabilities for the same key (attention_xla.dropout_keep).
 
   Returns:
     `[B, T, N, H]`; a query row with no visible key is zeros.
@@ -83,6 +93,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       raise ValueError(f'implementation={impl!r} cannot take a learned position bias (FIRE, '
                        f'KERPLE); valid: {", ".join(positions_lib.POSITION_BIAS_IMPLS)}')
     extra['position_bias'] = position_bias
+  if dropout_rate > 0:
+    if impl not in DROPOUT_IMPLEMENTATIONS:
+      raise ValueError(f'attention dropout is implemented by {", ".join(DROPOUT_IMPLEMENTATIONS)}'
+                       f', not {impl!r}')
+    extra.update(dropout_rate=float(dropout_rate),
+                 dropout_seed=attention_xla.dropout_seed(dropout_rng))
   q_seg = kv_seg = None
   if segment_ids is not None:
     if isinstance(segment_ids, (tuple, list)):
@@ -132,16 +148,32 @@ class Attention(nnx.Module, options.Configurable):
   has_dense_decode = True
   has_paged_cache = True
   options = ('use_bias', 'attention_impl', 'unscaled')
+  dropout_rate = 0.0  # attention dropout (set by __init__); a variant built otherwise has none
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, head_dim=None, use_bias=False,
-               implementation='xla', local_window_size=None, scale=None, rngs):
+               implementation='xla', local_window_size=None, scale=None, kernel_init=None,
+               dropout_rate=0.0, rngs):
+    """Args:
+      d_model: D, the input and output width.
+      num_heads, num_kv_heads: N query heads, K key/value heads (None: K = N).
+      head_dim: H (None: D / N); q/k/v project D -> N·H (K·H) and the output N·H -> D, so
+        N·H need not equal D (the Flax examples' `qkv_dim`).
+      use_bias: biases in the four projections.
+      implementation: the kernel, a key of `IMPLEMENTATIONS`.
+      local_window_size: see `dot_product_attention`.
+      scale: the score scale (None: 1/sqrt(H)).
+      kernel_init: the projections' initialiser (None: lecun_normal).
+      dropout_rate: attention dropout on the probabilities while training (`__call__`'s rngs).
+      rngs: parameter initialisation.
+    """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     head_dim = d_model // num_heads if head_dim is None else head_dim
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.implementation = implementation
     self.local_window_size = local_window_size
     self.scale = scale
-    init = nnx.initializers.lecun_normal()
+    self.dropout_rate = dropout_rate
+    init = nnx.initializers.lecun_normal() if kernel_init is None else kernel_init
     zeros = nnx.initializers.zeros
 
     def proj(d_in, d_out, names, **kwargs):  # kernel and bias carry logical axis names
@@ -157,10 +189,28 @@ class Attention(nnx.Module, options.Configurable):
 
   @classmethod
   def from_config(cls, cfg, *, rngs):
-    """From `config.model`: sizes, use_bias, attention_impl, unscaled (scale 1 instead of 1/sqrt(H))."""
-    return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, use_bias=cfg.use_bias,
-               implementation=cfg.attention_impl,
-               scale=1.0 if cfg.get('unscaled', False) else None, rngs=rngs)
+    """From `config.model`: sizes, head_dim, attention_bias (or use_bias), attention_impl, unscaled
+    (scale 1 instead of 1/sqrt(H)), kernel_init, attention_dropout."""
+    return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, head_dim=initializers.head_dim(cfg),
+               use_bias=initializers.attention_bias(cfg), implementation=cfg.attention_impl,
+               scale=1.0 if cfg.get('unscaled', False) else None,
+               kernel_init=initializers.kernel_init(cfg),
+               dropout_rate=cfg.get('attention_dropout', 0.0), rngs=rngs)
+
+  @classmethod
+  def check_options(cls, model_cfg):
+    """`model.head_dim` (0 or a positive integer), `model.attention_bias` (a bool),
+    `model.attention_dropout` (a rate in [0, 1))."""
+    m = model_cfg
+    head_dim = m.get('head_dim', 0)
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 0:
+      raise options.ConfigError(f'model.head_dim={head_dim!r} must be an integer >= 0 (0 = '
+                                'model.d_model / model.num_heads)')
+    options.boolean('model.attention_bias', m.get('attention_bias', False))
+    rate = m.get('attention_dropout', 0.0)
+    options.positive('model.attention_dropout', rate, zero_ok=True)
+    if rate >= 1:
+      raise options.ConfigError(f'model.attention_dropout={rate!r} must be in [0, 1)')
 
   @classmethod
   def check_config(cls, model_cfg, data_cfg):
@@ -171,6 +221,22 @@ class Attention(nnx.Module, options.Configurable):
     del data_cfg
     m = model_cfg
     options.boolean('model.unscaled', m.unscaled)
+    rate = m.get('attention_dropout', 0.0)
+    if rate > 0 and m.attention_impl not in DROPOUT_IMPLEMENTATIONS:
+      raise options.ConfigError(
+          f'model.attention_dropout={rate!r} is not implemented by model.attention_impl='
+          f'{m.attention_impl!r}; valid values with attention dropout: '
+          f'{", ".join(DROPOUT_IMPLEMENTATIONS)} (or attention_dropout=0)')
+    if cls.from_config.__func__ is not Attention.from_config.__func__:
+      # A variant building itself through its own from_config (sparse, linear) does not pass the
+      # projection options on: refuse them rather than ignore them.
+      defaults = {'head_dim': 0, 'attention_bias': False, 'attention_dropout': 0.0,
+                  'kernel_init': 'lecun_normal'}
+      for name in PROJECTION_OPTIONS:
+        if m.get(name, defaults[name]) != defaults[name]:
+          raise options.ConfigError(
+              f'model.{name}={m[name]!r} is read by model.attention=\'dense\' only, not '
+              f'{m.attention!r}; valid value here: {defaults[name]!r}')
     if not cls.takes_score_terms and positions_lib.POSITIONS[m.position].score_terms:
       valid = [k for k, p in positions_lib.POSITIONS.items() if not p.score_terms]
       raise options.ConfigError(
@@ -232,7 +298,7 @@ class Attention(nnx.Module, options.Configurable):
     return attention_xla.score_statistics(logits, vis, real)
 
   def __call__(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
-               is_causal=False, positions=None, context_positions=None, position=None):
+               is_causal=False, positions=None, context_positions=None, position=None, rngs=None):
     """Args:
       x: `[B, T, D]` queries' input.
       context: None (self-attention) or `[B, S, D]` (cross-attention).
@@ -241,6 +307,8 @@ class Attention(nnx.Module, options.Configurable):
       is_causal: decoder self-attention.
       positions, context_positions: `[B, T]` / `[B, S]` token positions, for `position`.
       position: None or a `layers.positions` object acting inside attention.
+      rngs: `nnx.Rngs` with a `dropout` stream for attention dropout while training (None:
+        deterministic, no dropout).
 
     Returns:
       `[B, T, D]`.
@@ -255,6 +323,8 @@ class Attention(nnx.Module, options.Configurable):
     kwargs = {}
     if position is not None:
       q, k, kwargs = position.in_attention(q, k, positions, context_positions, is_causal=is_causal)
+    if rngs is not None and self.dropout_rate > 0:
+      kwargs.update(dropout_rate=self.dropout_rate, dropout_rng=rngs.dropout())
     out = dot_product_attention(q, k, v, segment_ids=seg, is_causal=is_causal, scale=self.scale,
                                 local_window_size=self.local_window_size,
                                 implementation=self.implementation, **kwargs)  # [B, T, N, H]

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from layers import attention_xla
 from layers import masks
 
 # Measured on a 2-core CPU (benchmarks/attention.py): 512x512 blocks keep the per-block matmuls large
@@ -31,6 +32,7 @@ class Config(NamedTuple):
   kv_len: int  # S before padding
   block_q: int
   block_k: int
+  dropout_rate: float = 0.0  # attention dropout on the probabilities (0 = none)
   bias_fn: object = None  # PositionBias.fn (FIRE, KERPLE) evaluated per tile, or None
 
 
@@ -119,6 +121,23 @@ def block_logits(q, k, i, j, cfg, *, bias=None, mask=None, slopes=None, q_seg=No
   return jnp.where(vis, s, -jnp.inf)
 
 
+def _tile_keep(drop_keys, i, j, cfg):
+  """The attention-dropout mask of tile (i, j), `[B, K, G, bq, bk]`: the same slice of the whole
+  `[B, N, T, S]` mask that attention_xla draws (attention_xla.dropout_keep is counter-based), so
+  the result does not depend on the tile sizes and needs no stored mask for the backward pass."""
+  keys = tuple(w[..., None, None] for w in drop_keys)  # [B, K, G, 1, 1]
+  q_pos = i * cfg.block_q + jnp.arange(cfg.block_q)[:, None]  # [bq, 1]
+  k_pos = j * cfg.block_k + jnp.arange(cfg.block_k)[None, :]  # [1, bk]
+  return attention_xla.dropout_keep(keys, cfg.dropout_rate, q_pos, k_pos)
+
+
+def _dropped(x, drop_keys, i, j, cfg):
+  """`x` `[B, K, G, bq, bk]` with tile (i, j)'s dropped entries zeroed, the kept ones scaled."""
+  if drop_keys is None:
+    return x
+  return jnp.where(_tile_keep(drop_keys, i, j, cfg), x / (1.0 - cfg.dropout_rate), 0.0)
+
+
 def _tile_position_bias(cfg, params, q_pos, k_pos):
   """`cfg.bias_fn` on one tile's positions: `[B|1, N, bq, bk]` (no `[T, S]` bias is formed)."""
   return cfg.bias_fn(params, q_pos[:, :, None], k_pos[:, None, :])
@@ -145,13 +164,14 @@ def _slice_bt(x, i, j, cfg):
   return x
 
 
-def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, pb):
+def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb):
   """Online-softmax forward over blocked inputs.
 
   Args:
     q: `[nq, B, K, G, bq, H]`; k, v: `[nk, B, K, bk, H]`; bias/mask: see `_slice_bt`;
     q_seg: `[nq, B, bq]`; kv_seg: `[nk, B, bk]`; pb: None or (params, q_pos `[nq, B|1, bq]`,
-    k_pos `[nk, B|1, bk]`) of `cfg.bias_fn`.
+    k_pos `[nk, B|1, bk]`) of `cfg.bias_fn`; drop_keys: None or the two uint32 words
+    `[B, K, G]` of attention_xla.head_keys (attention dropout at `cfg.dropout_rate`).
 
   Returns:
     out `[nq, B, K, G, bq, H]` float32 and logsumexp `[nq, B, K, G, bq]` (+inf on empty rows).
@@ -173,8 +193,9 @@ def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, pb):
       p = jnp.exp(s - shift[..., None])  # [B, K, G, bq, bk]
       # The max grew: earlier blocks' sums were taken against a smaller shift, rescale them.
       alpha = jnp.exp(m - shift)
+      # The denominator sums the undropped probabilities: dropout acts after the softmax.
       l = alpha * l + p.sum(-1)
-      pv = jnp.einsum('BKGTS,BKSH->BKGTH', p.astype(v.dtype), v[j],
+      pv = jnp.einsum('BKGTS,BKSH->BKGTH', _dropped(p, drop_keys, i, j, cfg).astype(v.dtype), v[j],
                       preferred_element_type=jnp.float32)
       return m_new, l, alpha[..., None] * acc + pv
 
@@ -195,10 +216,12 @@ def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, pb):
 
 def _backward(cfg, res, d_out):
   """FlashAttention-2 backward: per key block, sweep its query band, recomputing probabilities."""
-  q, k, v, bias, mask, slopes, q_seg, kv_seg, pb, out, lse = res
+  q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb, out, lse = res
   nq, nk = q.shape[0], k.shape[0]
   do = d_out.astype(jnp.float32)
-  delta = jnp.sum(do * out, axis=-1)  # [nq, B, K, G, bq]: rowsum(dO * O) = sum_j P_ij dP_ij
+  # [nq, B, K, G, bq]: rowsum(dO * O) = sum_j P_ij dP_ij, also with dropout, where O is the
+  # dropped output and dP the gradient reaching the undropped P (FlashAttention's dropout).
+  delta = jnp.sum(do * out, axis=-1)
   do = d_out.astype(q.dtype)
 
   def one_key_block(carry, xs):
@@ -211,9 +234,10 @@ def _backward(cfg, res, d_out):
                        slopes=slopes, q_seg=None if q_seg is None else q_seg[i], kv_seg=ks,
                        pos_bias=_tile_pb(pb, None if pb is None else pb[1][i], j))
       p = jnp.exp(s - lse[i][..., None])  # [B, K, G, bq, bk]
-      dv = dv + jnp.einsum('BKGTS,BKGTH->BKSH', p.astype(do.dtype), do[i],
-                           preferred_element_type=jnp.float32)
-      dp = jnp.einsum('BKGTH,BKSH->BKGTS', do[i], vb, preferred_element_type=jnp.float32)
+      dv = dv + jnp.einsum('BKGTS,BKGTH->BKSH', _dropped(p, drop_keys, i, j, cfg).astype(do.dtype),
+                           do[i], preferred_element_type=jnp.float32)
+      dp = _dropped(jnp.einsum('BKGTH,BKSH->BKGTS', do[i], vb, preferred_element_type=jnp.float32),
+                    drop_keys, i, j, cfg)
       ds = p * (dp - delta[i][..., None])  # d loss / d scaled-and-biased score
       dk = dk + cfg.scale * jnp.einsum('BKGTS,BKGTH->BKSH', ds.astype(q.dtype), q[i],
                                        preferred_element_type=jnp.float32)
@@ -249,19 +273,19 @@ def _backward(cfg, res, d_out):
       one_key_block, (jnp.zeros(q.shape, jnp.float32), dbias0, dpb0),
       (jnp.arange(nk), k, v, kv_seg))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          None if bias is None else dbias.astype(bias.dtype), None, None, None, None,
+          None if bias is None else dbias.astype(bias.dtype), None, None, None, None, None,
           None if pb is None else (dpb, None, None))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, pb):
-  return _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, pb)[0]
+def _flash(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb):
+  return _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb)[0]
 
 
-def _flash_fwd(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, pb):
-  out, lse = _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, pb)
-  # Only O(T) residuals: inputs, output and one logsumexp per row.
-  return out, (q, k, v, bias, mask, slopes, q_seg, kv_seg, pb, out, lse)
+def _flash_fwd(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb):
+  out, lse = _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb)
+  # Only O(T) residuals: inputs, output and one logsumexp per row (the dropout mask is redrawn).
+  return out, (q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb, out, lse)
 
 
 _flash.defvjp(_flash_fwd, _backward)
@@ -290,8 +314,8 @@ def _blocked_bt(x, n, k, t_pad, s_pad):
 
 
 def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
-              alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None,
-              block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
+              alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None, dropout_rate=0.0,
+              dropout_seed=None, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
               position_bias=None):
   """Exact attention in `[block_q, block_k]` tiles; the arguments are those of `attention_xla`.
 
@@ -301,6 +325,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
     bias: None or broadcastable to `[B, N, T, S]` (receives a gradient).
     mask: None or boolean broadcastable to `[B, N, T, S]`, True where visible.
     scale, is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids: see `attention_xla`.
+    dropout_rate, dropout_seed: attention dropout, see `attention_xla.attention` (the same seed
+      drops the same probabilities there and here, whatever the tile sizes).
     position_bias: None or a `layers.relative_bias.PositionBias` (FIRE, KERPLE): its function is
       evaluated per tile from the tile's positions, and its parameters receive a gradient.
     block_q, block_k: tile sizes (clipped to T and S); T and S need not be multiples of them.
@@ -314,7 +340,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
   bq, bk = min(block_q, t), min(block_k, s)
   nq, nk = -(-t // bq), -(-s // bk)
   tp, sp = nq * bq, nk * bk
-  cfg = Config(float(scale), bool(is_causal), None if window is None else tuple(window), t, s, bq, bk)
+  cfg = Config(float(scale), bool(is_causal), None if window is None else tuple(window), t, s, bq, bk,
+               float(dropout_rate))
 
   # Block-major layouts, so that a block is one contiguous leading-axis slice.
   q = _pad_axis(query, 1, tp).reshape(b, nq, bq, kh, g, h).transpose(1, 0, 3, 4, 2, 5)
@@ -328,6 +355,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
   mask5 = _blocked_bt(None if mask is None else mask.astype(jnp.bool_), n, kh, tp, sp)
   slopes = None if alibi_slopes is None else lax.stop_gradient(alibi_slopes)
 
+  drop_keys = None
+  if dropout_rate > 0:
+    drop_keys = tuple(w.reshape(b, kh, g) for w in attention_xla.head_keys(dropout_seed, b, n))
   pb = None
   if position_bias is not None:
     qp, kp = position_bias.q_pos, position_bias.k_pos  # [B|1, T], [B|1, S]
@@ -336,7 +366,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
     pb = (position_bias.params, qp, kp)
     cfg = cfg._replace(bias_fn=position_bias.fn)
 
-  out = _flash(cfg, q, k, v, bias5, mask5, slopes, q_seg, kv_seg,
+  out = _flash(cfg, q, k, v, bias5, mask5, slopes, q_seg, kv_seg, drop_keys,
                pb)  # [nq, B, K, G, bq, H]
   out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, n, -1)[:, :t]  # [B, T, N, H]
   return out.astype(query.dtype)

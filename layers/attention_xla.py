@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+from jax.extend import random as jax_random
 
 from layers import masks
 
@@ -67,8 +68,51 @@ def probabilities(logits, vis):
   return probs
 
 
+def dropout_seed(rng):
+  """The two uint32 words of a jax key (typed or raw `uint32[2]`), the seed of `dropout_keep`."""
+  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    rng = jax.random.key_data(rng)
+  return jnp.asarray(rng, jnp.uint32).reshape(-1)[:2]  # [2]
+
+
+def head_keys(seed, batch, heads):
+  """Per (row, head) counter keys of the attention-dropout mask: two uint32 words `[B, N]` each."""
+  b = jnp.arange(batch, dtype=jnp.uint32)[:, None]  # [B, 1]
+  n = jnp.arange(heads, dtype=jnp.uint32)[None, :]  # [1, N]
+  shape = (batch, heads)
+  k0, k1 = (jnp.broadcast_to(w, shape) for w in (seed[0], seed[1]))
+  return tuple(jax_random.threefry2x32_p.bind(k0, k1, jnp.broadcast_to(b, shape),
+                                               jnp.broadcast_to(n, shape)))
+
+
+def dropout_keep(keys, rate, q_pos, k_pos):
+  """Which attention probabilities survive dropout at `rate`, as a function of the positions only.
+
+  A counter-based draw (threefry of the (row, head) key and the absolute (query, key) position)
+  rather than `jax.random.bernoulli` over an array shape: any tile of the `[B, N, T, S]` mask can
+  be computed on its own and equals the same slice of the whole mask, so the blockwise kernel
+  (which never forms the whole mask) drops exactly what the dense kernel drops.
+
+  Args:
+    keys: the two words of `head_keys`, each broadcastable to the output with trailing `[1, 1]`.
+    rate: the dropout probability in (0, 1).
+    q_pos: int `[T, 1]` query positions; k_pos: int `[1, S]` key positions.
+
+  Returns:
+    boolean, the broadcast of keys and positions (`[..., T, S]`), True where a probability is kept.
+  """
+  shape = jnp.broadcast_shapes(keys[0].shape, q_pos.shape, k_pos.shape)
+  bits = jax_random.threefry2x32_p.bind(
+      *(jnp.broadcast_to(w, shape) for w in keys),
+      jnp.broadcast_to(q_pos.astype(jnp.uint32), shape),
+      jnp.broadcast_to(k_pos.astype(jnp.uint32), shape))[0]
+  # uint32 bits are uniform on [0, 2^32): P(bits >= rate·2^32) = 1 - rate.
+  return bits >= jnp.uint32(min(int(round(rate * 2.0 ** 32)), 2 ** 32 - 1))
+
+
 def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
-              alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None, position_bias=None):
+              alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None, dropout_rate=0.0,
+              dropout_seed=None, position_bias=None):
   """Materialises the `[B, N, T, S]` scores; the arguments are those of `dot_product_attention`.
 
   Args:
@@ -76,6 +120,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
     key, value: `[B, S, K, H]`, N a multiple of K (query head n reads key/value head n // G).
     bias, mask, scale, is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids,
       position_bias: see `scores`.
+    dropout_rate: drop each attention probability with this rate and scale the kept ones by
+      1 / (1 - rate) (the Transformer's attention dropout); 0 = none.
+    dropout_seed: `uint32[2]` (`dropout_seed(key)`), needed when `dropout_rate` > 0.
 
   Returns:
     `[B, T, N, H]` in the query's dtype; rows with no visible key are zeros.
@@ -86,7 +133,12 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
                        alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
                        kv_segment_ids=kv_segment_ids,
                        position_bias=position_bias)  # [B, N, T, S]
-  probs = probabilities(logits, vis).reshape(b, k, n // k, t, s)  # [B, K, G, T, S]
+  probs = probabilities(logits, vis)  # [B, N, T, S]
+  if dropout_rate > 0:
+    keys = tuple(w[:, :, None, None] for w in head_keys(dropout_seed, b, n))  # [B, N, 1, 1]
+    keep = dropout_keep(keys, dropout_rate, jnp.arange(t)[:, None], jnp.arange(s)[None])
+    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)  # [B, N, T, S]
+  probs = probs.reshape(b, k, n // k, t, s)  # [B, K, G, T, S]
   out = jnp.einsum('BKGTS,BSKH->BTKGH', probs, value.astype(jnp.float32))  # [B, T, K, G, H]
   return out.reshape(b, t, n, value.shape[-1]).astype(query.dtype)
 

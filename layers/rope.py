@@ -146,7 +146,8 @@ class RoPE(nnx.Module, options.Configurable):
   def from_config(cls, cfg, max_length, *, rngs):
     """From `config.model` (d_model, num_heads, rope_*); `max_length` is YaRN's original context."""
     del rngs
-    return cls(cfg.d_model // cfg.num_heads, fraction=cfg.rope_fraction, base=cfg.rope_base,
+    head_dim = cfg.get('head_dim', 0) or cfg.d_model // cfg.num_heads  # model.head_dim, 0 = D / N
+    return cls(head_dim, fraction=cfg.rope_fraction, base=cfg.rope_base,
                scaling=cfg.rope_scaling, factor=cfg.rope_scaling_factor,
                original_max_length=max_length)
 
@@ -170,7 +171,7 @@ class RoPE(nnx.Module, options.Configurable):
     """At least one pair of each head's dimensions is rotated."""
     del data_cfg
     m = model_cfg
-    head_dim = m.d_model // m.num_heads
+    head_dim = m.get('head_dim', 0) or m.d_model // m.num_heads  # model.head_dim, 0 = D / N
     if rotary_dims(head_dim, m.rope_fraction) < 2:
       raise options.ConfigError(f'model.rope_fraction={m.rope_fraction!r} rotates no pair of the '
                                 f'{head_dim} head dimensions; raise it')

@@ -16,6 +16,8 @@ import jax
 from flax import nnx
 
 import models
+from layers import block
+from layers import initializers
 from layers import sharding
 
 COMPONENTS = ('embedding', 'positions', 'attention', 'cross_attention', 'ffn', 'norms', 'output')
@@ -25,14 +27,14 @@ GATED_FFNS = ('swiglu', 'geglu')
 
 # --- Closed forms ---------------------------------------------------------------------------------
 
-def attention_params(d_model, num_heads, num_kv_heads=None, *, use_bias=False):
+def attention_params(d_model, num_heads, num_kv_heads=None, *, use_bias=False, head_dim=None):
   """q, k, v, o projections: D·N·H + 2·D·K·H + N·H·D (+ N·H + 2·K·H + D biases).
 
   With N·H = D that is 4·D² for MHA (K = N) and 2·D² + 2·D·K·H for GQA/MQA: how the D columns are
-  split into heads does not change the count, only K does.
+  split into heads does not change the count, only K does. `head_dim` None is H = D / N.
   """
   k = num_heads if num_kv_heads is None else num_kv_heads
-  h = d_model // num_heads
+  h = d_model // num_heads if head_dim is None else head_dim
   weights = 2 * d_model * num_heads * h + 2 * d_model * k * h
   return weights + (num_heads * h + 2 * k * h + d_model if use_bias else 0)
 
@@ -62,7 +64,8 @@ def stack_layout(arch):
 
 def self_attention_params(cfg):
   """One layer's self-attention, including the variant's own parameters (Linformer's E and F)."""
-  n = attention_params(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, use_bias=cfg.use_bias)
+  n = attention_params(cfg.d_model, cfg.num_heads, cfg.num_kv_heads,
+                       use_bias=initializers.attention_bias(cfg), head_dim=initializers.head_dim(cfg))
   if cfg.attention == 'linformer':
     n += 2 * cfg.linformer_k * cfg.linformer_length  # E, F [k, max_length], shared by the heads
   return n
@@ -77,24 +80,31 @@ def formula_params(cfg, vocab_size, max_length):
     max_length: the length `models.build` is given (learned position tables).
 
   Returns:
-    {component: count} over `COMPONENTS`; the output projection is tied to the (decoder's) token
-    embedding in every Transformer arch here, so 'output' is 0.
+    {component: count} over `COMPONENTS`; 'output' is 0 when the output projection is tied to
+    the (decoder's) token embedding (model.tie_output), else D·V + V. 'norms' holds every
+    parameter on the residual path: one norm per sublayer (two under sandwich, none under
+    rezero, whose scalar gates it counts instead) and the final norms (layers.block.FINAL_NORM).
   """
   stacks, cross = stack_layout(cfg.arch)
   d, layers = cfg.d_model, cfg.num_layers * stacks
   per_stack_position = {'learned': max_length * d, 't5_bias': cfg.t5_num_buckets * cfg.num_heads}
-  norms_per_layer = 2 * layers + (cfg.num_layers if cross else 0)  # self, ffn (+ cross) norms
-  final_norms = stacks if cfg.norm_position == 'pre' else 0
+  sublayers = 2 * layers + (cfg.num_layers if cross else 0)  # self, ffn (+ cross)
+  per_sublayer = {'sandwich': 2, 'rezero': 0}.get(cfg.norm_position, 1)  # norms per sublayer
+  final_norms = stacks if block.FINAL_NORM[cfg.norm_position] else 0
+  gates = sublayers if cfg.norm_position == 'rezero' else 0
   shared = cfg.get('share_embeddings', True) or stacks == 1
+  attention_bias, ffn_bias = initializers.attention_bias(cfg), initializers.ffn_bias(cfg)
   return {
       'embedding': vocab_size * d * (1 if shared else 2),
       'positions': per_stack_position.get(cfg.position, 0) * stacks,
       'attention': self_attention_params(cfg) * layers,
       'cross_attention': (attention_params(d, cfg.num_heads, cfg.num_kv_heads,
-                                           use_bias=cfg.use_bias) * cfg.num_layers if cross else 0),
-      'ffn': ffn_params(d, cfg.d_ff, cfg.ffn, use_bias=cfg.use_bias) * layers,
-      'norms': norm_params(d, cfg.norm) * (norms_per_layer + final_norms),
-      'output': 0,
+                                           use_bias=attention_bias,
+                                           head_dim=initializers.head_dim(cfg)) * cfg.num_layers
+                          if cross else 0),
+      'ffn': ffn_params(d, cfg.d_ff, cfg.ffn, use_bias=ffn_bias) * layers,
+      'norms': norm_params(d, cfg.norm) * (sublayers * per_sublayer + final_norms) + gates,
+      'output': 0 if cfg.get('tie_output', True) else d * vocab_size + vocab_size,
   }
 
 
@@ -125,8 +135,8 @@ def forward_flops(cfg, vocab_size, length):
   """
   stacks, cross = stack_layout(cfg.arch)
   t, d, n = length, cfg.d_model, cfg.num_heads
-  h, k = d // n, cfg.num_kv_heads
-  layer_weights = (attention_params(d, n, k) + ffn_params(d, cfg.d_ff, cfg.ffn))  # no biases
+  h, k = initializers.head_dim(cfg), cfg.num_kv_heads
+  layer_weights = (attention_params(d, n, k, head_dim=h) + ffn_params(d, cfg.d_ff, cfg.ffn))
   matmul = 2 * t * layer_weights * cfg.num_layers * stacks + 2 * t * d * vocab_size
   full, triangle = t * t, t * (t + 1) // 2  # (query, key) pairs: all, and the causal ones
   pairs = full * cfg.num_layers * stacks  # self-attention, every stack
@@ -134,7 +144,7 @@ def forward_flops(cfg, vocab_size, length):
   causal_pairs = pairs - (0 if cfg.arch == 'encoder_only' else (full - triangle) * cfg.num_layers)
   if cross:
     # q and o over target tokens, k and v over source tokens (both `length`): the same weights.
-    matmul += 2 * t * attention_params(d, n, k) * cfg.num_layers
+    matmul += 2 * t * attention_params(d, n, k, head_dim=h) * cfg.num_layers
     pairs += full * cfg.num_layers
     causal_pairs += full * cfg.num_layers  # cross-attention sees the whole source
   return {'matmul': matmul, 'scores': 4 * pairs * n * h, 'scores_causal': 4 * causal_pairs * n * h}
@@ -154,8 +164,10 @@ def component_of(path):
                          ('ffn', 'ffn')):
     if key in names:
       return component
-  if any(p.endswith('norm') for p in names):
-    return 'norms'
+  if any(p.endswith('norm') or p.endswith('_gate') for p in names):
+    return 'norms'  # ReZero's gates take the norms' place on the residual path
+  if 'output' in names:
+    return 'output'
   if 'position' in names:
     return 'positions'
   if 'embed' in names:

@@ -9,10 +9,10 @@ from models import stack
 
 
 class DecoderOnly(nnx.Module):
-  """Causal LM; the output projection is tied to the token embedding."""
+  """Causal LM; the output projection is tied to the token embedding (or untied: tie_output)."""
 
   def __init__(self, cfg, vocab_size, max_length, *, rngs):
-    self.decoder = stack.Stack(cfg, vocab_size, max_length, rngs=rngs)
+    self.decoder = stack.Stack(cfg, vocab_size, max_length, output=True, rngs=rngs)
 
   def __call__(self, batch, *, rngs=None):
     """Args:
@@ -22,7 +22,7 @@ class DecoderOnly(nnx.Module):
     Returns:
       `[B, T, V]` float32 logits of the next token.
     """
-    return self.decoder.embed.attend(self.features(batch, rngs=rngs)).astype('float32')  # [B, T, V]
+    return self.decoder.logits(self.features(batch, rngs=rngs))  # [B, T, V]
 
   def features(self, batch, *, rngs=None):
     """`[B, T, D]` the final hidden states, whose product with `output_embedding()` is the logits."""
@@ -30,8 +30,8 @@ class DecoderOnly(nnx.Module):
                         positions=batch.get('positions'), is_causal=True, rngs=rngs)
 
   def output_embedding(self):
-    """`[V, D]` the output projection (tied with the input embedding)."""
-    return self.decoder.embed.embedding[...]
+    """`[V, D]` the tied output projection (models.stack.Stack.output_table)."""
+    return self.decoder.output_table()
 
   def loss_features(self, batch, *, rngs=None):
     """`loss_terms` with the hidden states `[B, T, D]` in place of the logits (a tiled loss)."""
@@ -74,4 +74,4 @@ class DecoderOnly(nnx.Module):
     """Feeds `tokens` `[B]` at positions `index`; returns (`[B, V]` next-token logits, cache)."""
     h, self_cache = self.decoder.decode(tokens, index, cache['self'],
                                         block_table=cache.get('block_table'))  # [B, D]
-    return self.decoder.embed.attend(h).astype(jnp.float32), {**cache, 'self': self_cache}
+    return self.decoder.logits(h), {**cache, 'self': self_cache}

@@ -7,7 +7,8 @@ from models import stack
 
 
 class EncoderDecoder(nnx.Module):
-  """Two `models.stack.Stack`s; the output projection is tied to the decoder's token embedding.
+  """Two `models.stack.Stack`s; the output projection is tied to the decoder's token embedding
+  (or an untied layer of its own: model.tie_output=False).
 
   The source padding reaches cross-attention through segment ids (`src_segment_ids` becomes the
   decoder's `context_segment_ids`): a target token sees only source tokens of its own segment.
@@ -18,7 +19,7 @@ class EncoderDecoder(nnx.Module):
     # Shared embeddings (one table for source, target and output) suit a joint vocabulary.
     embed = self.encoder.embed if cfg.get('share_embeddings', True) else None
     self.decoder = stack.Stack(decoder_config(cfg), vocab_size, max_length, cross_attention=True,
-                               embed=embed, stream=1, rngs=rngs)
+                               embed=embed, stream=1, output=True, rngs=rngs)
 
   def encode(self, batch, *, rngs=None):
     """`[B, S, D]` encoder output of `src_inputs` (non-causal)."""
@@ -34,7 +35,7 @@ class EncoderDecoder(nnx.Module):
     Returns:
       `[B, T, V]` float32 logits of the next target token.
     """
-    return self.decoder.embed.attend(self.features(batch, rngs=rngs)).astype(jnp.float32)
+    return self.decoder.logits(self.features(batch, rngs=rngs))
 
   def features(self, batch, *, rngs=None):
     """`[B, T, D]` the decoder's final hidden states (the logits before `output_embedding()`)."""
@@ -44,8 +45,8 @@ class EncoderDecoder(nnx.Module):
                         context_segment_ids=batch.get('src_segment_ids'), rngs=rngs)
 
   def output_embedding(self):
-    """`[V, D]` the output projection (tied with the target embedding)."""
-    return self.decoder.embed.embedding[...]
+    """`[V, D]` the tied output projection (models.stack.Stack.output_table)."""
+    return self.decoder.output_table()
 
   def loss_features(self, batch, *, rngs=None):
     """`loss_terms` with the hidden states `[B, T, D]` in place of the logits (a tiled loss)."""
@@ -88,7 +89,7 @@ class EncoderDecoder(nnx.Module):
     h, self_cache = self.decoder.decode(tokens, index, cache['self'],
                                         context_cache=cache['context'],
                                         context_mask=cache['context_mask'])  # [B, D]
-    return self.decoder.embed.attend(h).astype(jnp.float32), {**cache, 'self': self_cache}
+    return self.decoder.logits(h), {**cache, 'self': self_cache}
 
 
 def decoder_config(cfg):

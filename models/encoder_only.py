@@ -82,13 +82,14 @@ def mlm_mask(rng, inputs, weights, vocab_size, *, special_ids, rate=0.15, mask_p
 
 
 class EncoderOnly(nnx.Module):
-  """Bidirectional stack; the output projection is tied to the token embedding.
+  """Bidirectional stack; the output projection is tied to the token embedding (or untied:
+  tie_output).
 
   The forward pass needs no token ids; masking (`mask`, `loss_terms`) needs `special_ids`.
   """
 
   def __init__(self, cfg, vocab_size, max_length, *, rngs, special_ids=None):
-    self.encoder = stack.Stack(cfg, vocab_size, max_length, rngs=rngs)
+    self.encoder = stack.Stack(cfg, vocab_size, max_length, output=True, rngs=rngs)
     self.vocab_size = vocab_size
     self.special_ids = special_ids
     self.rate = cfg.get('mlm_rate', 0.15)
@@ -104,7 +105,7 @@ class EncoderOnly(nnx.Module):
     Returns:
       `[B, T, V]` float32 logits of the original token at each position.
     """
-    return self.encoder.embed.attend(self.features(batch, rngs=rngs)).astype(jnp.float32)
+    return self.encoder.logits(self.features(batch, rngs=rngs))
 
   def features(self, batch, *, rngs=None):
     """`[B, T, D]` the final hidden states (the logits before `output_embedding()`)."""
@@ -112,8 +113,8 @@ class EncoderOnly(nnx.Module):
                         positions=batch.get('positions'), is_causal=False, rngs=rngs)
 
   def output_embedding(self):
-    """`[V, D]` the output projection (tied with the input embedding)."""
-    return self.encoder.embed.embedding[...]
+    """`[V, D]` the tied output projection (models.stack.Stack.output_table)."""
+    return self.encoder.output_table()
 
   def mask(self, batch, rng, *, target_rate=None):
     """Returns (corrupted inputs, chosen) of `batch` with this model's masking config."""
@@ -132,7 +133,7 @@ class EncoderOnly(nnx.Module):
     so the validation numbers (masked-token accuracy) are deterministic.
     """
     hidden, targets, weights = self.loss_features(batch, rngs=rngs)
-    return self.encoder.embed.attend(hidden).astype(jnp.float32), targets, weights
+    return self.encoder.logits(hidden), targets, weights
 
   def loss_features(self, batch, *, rngs=None):
     """`loss_terms` with the hidden states `[B, T, D]` in place of the logits (a tiled loss)."""

@@ -8,6 +8,7 @@ import numpy as np
 from flax import nnx
 
 from layers import block
+from layers import initializers
 from layers import norms
 from layers import paged_attention
 from layers import sharding
@@ -22,6 +23,16 @@ REMAT_POLICIES = {
     'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 LAYERS_AXIS = 'layers'  # logical name of a scanned stack's leading axis (no rule: replicated)
+# `config.model.embed_scale`: what the token embedding is multiplied by on the way in.
+EMBED_SCALES = ('sqrt_d', 'none')
+
+
+def deepnorm_role(cfg, cross_attention):
+  """Which DeepNorm constants a stack takes (layers.block.deepnorm_constants): the encoder or the
+  decoder of an encoder-decoder, or the single stack of the other archs."""
+  if cfg.get('arch') == 'encoder_decoder':
+    return 'decoder' if cross_attention else 'encoder'
+  return 'single'
 
 
 def layer_config(cfg, stream, layer):
@@ -36,10 +47,22 @@ def layer_config(cfg, stream, layer):
 
 
 class Stack(nnx.Module):
-  """Embeds tokens, adds positions, runs `num_layers` blocks and (Pre-LN) a final norm."""
+  """Embeds tokens, adds positions, runs `num_layers` blocks and (pre, sandwich) a final norm.
+
+  Whether a final norm closes the stack follows the norm position (layers.block.FINAL_NORM): Pre-LN
+  and Sandwich-LN leave the residual stream un-normalised and add one; Post-LN and DeepNorm end
+  every block on a norm and add none; ReZero has no norm anywhere.
+
+  The token embedding enters scaled by sqrt(D) (`embed_scale='sqrt_d'`, initialised with std
+  1/sqrt(D)) or unscaled (`'none'`, initialised with std 1, as the Flax lm1b/wmt examples): either
+  way its rows start at unit variance. A stack built with `output=True` also owns the logits
+  (`logits`): tied to the embedding (`tie_output`, the default; divided by sqrt(D) under
+  `embed_scale='none'`, as the Flax examples' shared-embedding logits) or an untied
+  `nnx.Linear(D, V)` with a bias (the Flax examples' `logits_via_embedding=False`).
+  """
 
   def __init__(self, cfg, vocab_size, max_length, *, cross_attention=False, embed=None, stream=0,
-               rngs):
+               output=False, rngs):
     """Args:
       cfg: `config.model`.
       vocab_size: V.
@@ -48,14 +71,20 @@ class Stack(nnx.Module):
       embed: an `nnx.Embed` to share (tied encoder/decoder embeddings), or None for a new one.
       stream: which stack of the model this is (0, 1, ...): with the layer index it gives every
         layer its own `attention_seed` (BigBird's random blocks, the Performer's features).
+      output: this stack computes the logits (`logits`); an untied output layer is built here.
       rngs: parameter initialisation.
     """
     self.d_model = cfg.d_model
-    # Unit-variance rows after the sqrt(D) scale below, so token and position signals are comparable.
+    scaled = cfg.get('embed_scale', 'sqrt_d') == 'sqrt_d'
+    self.embed_scale = math.sqrt(cfg.d_model) if scaled else 1.0
+    # Unit-variance rows after the scale, so token and position signals are comparable.
     self.embed = embed if embed is not None else nnx.Embed(
         vocab_size, cfg.d_model, rngs=rngs,
         embedding_init=sharding.partitioned(
-            nnx.initializers.normal(stddev=1.0 / math.sqrt(cfg.d_model)), 'vocab', 'embed'))
+            nnx.initializers.normal(stddev=1.0 / self.embed_scale), 'vocab', 'embed'))
+    # Tied logits h·E^T; with unit-variance rows (embed_scale 'none') divided by sqrt(D), so that
+    # they start at the scale of the sqrt_d model's (whose rows have variance 1/D).
+    self.logit_scale = 1.0 if scaled else 1.0 / math.sqrt(cfg.d_model)
     self.position = positions_lib.make(cfg, max_length, rngs=rngs)
     self.random_positions_max = cfg.get('random_positions_max', 0)  # Ruoss et al.; 0 = off
     self.num_layers = cfg.num_layers
@@ -63,19 +92,29 @@ class Stack(nnx.Module):
     self.remat = cfg.get('remat', 'none')
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f'remat {self.remat!r} unknown; valid: {sorted(REMAT_POLICIES)}')
+    # An encoder-decoder's encoder and decoder have num_layers layers each (N = M).
+    deepnorm = (block.deepnorm_constants(deepnorm_role(cfg, cross_attention), cfg.num_layers)
+                if cfg.norm_position == 'deepnorm' else None)
     if self.scan_layers:
       # One Block whose variables are the layers' stacked on a leading [L] axis. All layers share
       # one config, so the per-layer `attention_seed` cannot apply (training.validation refuses the
       # variants that read it).
       self.blocks = stacked_blocks(cfg, cfg.num_layers, cross_attention=cross_attention,
-                                   rngs=rngs)
+                                   deepnorm=deepnorm, rngs=rngs)
     else:
       self.blocks = nnx.List([
-          block.Block(layer_config(cfg, stream, i), cross_attention=cross_attention, rngs=rngs)
+          block.Block(layer_config(cfg, stream, i), cross_attention=cross_attention,
+                      deepnorm=deepnorm, rngs=rngs)
           for i in range(cfg.num_layers)])
     self.final_norm = (norms.NORMS[cfg.norm](cfg.d_model, rngs=rngs)
-                       if cfg.norm_position == 'pre' else None)
+                       if block.FINAL_NORM[cfg.norm_position] else None)
     self.dropout = nnx.Dropout(cfg.dropout)
+    # Built last, so the other parameters draw the same values as the tied model's.
+    self.output = nnx.Linear(
+        cfg.d_model, vocab_size, use_bias=True, rngs=rngs,
+        kernel_init=sharding.partitioned(initializers.kernel_init(cfg), 'embed', 'vocab'),
+        bias_init=sharding.partitioned(nnx.initializers.zeros, 'vocab'),
+    ) if output and not cfg.get('tie_output', True) else None
 
   def __call__(self, tokens, *, segment_ids=None, positions=None, is_causal=False, context=None,
                context_segment_ids=None, rngs=None):
@@ -93,7 +132,7 @@ class Stack(nnx.Module):
     if self.random_positions_max and rngs is not None:  # training only: evaluation sees 0..T-1
       positions = positions_lib.random_positions(rngs.dropout(), positions,
                                                  self.random_positions_max)
-    x = self.embed(tokens) * math.sqrt(self.d_model)  # [B, T, D]
+    x = self.embed(tokens) * self.embed_scale  # [B, T, D]
     x = self.position.embed(x, positions)
     x = self.dropout(x, deterministic=rngs is None, rngs=rngs)
     names = ('batch', 'length', 'act_embed')  # the residual stream (layers.sharding)
@@ -108,6 +147,23 @@ class Stack(nnx.Module):
     if self.final_norm is not None:
       x = self.final_norm(x)
     return x
+
+  def logits(self, h):
+    """`[..., V]` float32 logits of hidden states `h` `[..., D]` (a stack built with output=True)."""
+    if self.output is not None:
+      return self.output(h).astype(jnp.float32)
+    return (self.embed.attend(h) * self.logit_scale).astype(jnp.float32)
+
+  def output_table(self):
+    """`[V, D]` the tied output projection, scale included: `logits(h) = h @ output_table().T`.
+
+    Raises:
+      ValueError: the output is untied (it has a bias, which a bare table cannot carry).
+    """
+    if self.output is not None:
+      raise ValueError('model.tie_output=False: the output layer has a bias; use logits(h)')
+    table = self.embed.embedding[...]
+    return table if self.logit_scale == 1.0 else table * self.logit_scale
 
   def _scan(self, x, names, rngs, kwargs):
     """Runs the stacked blocks with one `jax.lax.scan`: the block is traced and compiled once
@@ -182,7 +238,7 @@ class Stack(nnx.Module):
     """
     b = tokens.shape[0]
     index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))  # [B]
-    x = self.embed(tokens[:, None]) * math.sqrt(self.d_model)  # [B, 1, D]
+    x = self.embed(tokens[:, None]) * self.embed_scale  # [B, 1, D]
     x = self.position.embed(x, index[:, None])
     new_cache = []
     # A scanned stack decodes layer by layer on slices of its variables: the cache stays a list.
@@ -203,7 +259,7 @@ class Stack(nnx.Module):
     """Each layer's attention probabilities: a list of {'self': `[B, N, T, T]`, 'cross': ...}."""
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)  # [B, T]
-    x = self.embed(tokens) * math.sqrt(self.d_model)  # [B, T, D]
+    x = self.embed(tokens) * self.embed_scale  # [B, T, D]
     x = self.position.embed(x, positions)
     maps = []
     for layer in self.block_list():
@@ -234,7 +290,7 @@ def _unstack(v, i):
   return v.replace(v.get_value()[i], **kwargs)
 
 
-def stacked_blocks(cfg, num_layers, *, cross_attention, rngs):
+def stacked_blocks(cfg, num_layers, *, cross_attention, deepnorm=None, rngs):
   """`num_layers` blocks as one `Block` whose variables have a leading `[L]` axis (named
   `layers`), built by vmapping the constructor over L split parameter keys (flax's "scan over
   layers"). Layer i of it is a `Block` with `jax.tree.map(lambda a: a[i], ...)` of its state."""
@@ -242,7 +298,7 @@ def stacked_blocks(cfg, num_layers, *, cross_attention, rngs):
   @nnx.split_rngs(splits=num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0)
   def make(rngs):
-    return block.Block(cfg, cross_attention=cross_attention, rngs=rngs)
+    return block.Block(cfg, cross_attention=cross_attention, deepnorm=deepnorm, rngs=rngs)
 
   blocks = make(rngs)
   graphdef, state = nnx.split(blocks)

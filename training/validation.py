@@ -11,6 +11,7 @@ from layers import attention
 from layers import attention_variants
 from layers import block
 from layers import feed_forward
+from layers import initializers
 from layers import norms
 from layers import options
 from layers import positions
@@ -103,6 +104,7 @@ def validate(config):
                       'values: none, segments')
   _validate_attention(config)
   _validate_scan(config)
+  _validate_model_options(config)
   if not 0.0 <= m.dropout < 1.0:
     raise ConfigError(f'model.dropout={m.dropout!r} must be in [0, 1)')
   if m.attention_impl == 'cudnn':
@@ -266,6 +268,17 @@ def _validate_init_from(config):
   source = config.train.get('init_from', '')
   if not isinstance(source, str):
     raise ConfigError(f'train.init_from={source!r} must be a workdir path (or empty: no source)')
+
+
+def _validate_model_options(config):
+  """The embedding and output options (models/stack.py) and the projection initialiser."""
+  m = config.model
+  _choice('model.kernel_init', m.get('kernel_init', 'lecun_normal'), initializers.KERNEL_INITS)
+  _choice('model.embed_scale', m.get('embed_scale', 'sqrt_d'), stack.EMBED_SCALES)
+  options.boolean('model.tie_output', m.get('tie_output', True))
+  if not m.get('tie_output', True) and config.train.get('loss_chunk', 0):
+    raise ConfigError('train.loss_chunk > 0 needs model.tie_output=True (the tiled loss reads '
+                      'the output as a table without a bias); valid with tie_output=False: 0')
 
 
 def _validate_attention(config):
