@@ -87,7 +87,9 @@ def group_sq_norms(tree, leaf_groups, num_groups):
 
 
 def diagnostic_pass(graphdef, variables, batch):
-  """Per-block activation RMS and attention max logit/entropy on `batch` (no dropout; jit it).
+  """Per-block activation RMS and attention max logit/entropy on `batch` (no dropout; jit it), and
+  under model.norm_position='rezero' each block's residual gates (`gate_self`, `gate_cross`,
+  `gate_ffn`): the value each sublayer's output is multiplied by, 0 at initialisation.
 
   The statistics come from the model's own forward pass: every `Block` is switched to
   `collect_stats`, sows them (its self-attention's `score_stats` where it `has_scores`), and they
@@ -96,7 +98,8 @@ def diagnostic_pass(graphdef, variables, batch):
   `variables`: `model_variables(state)` (or the params alone for a model without buffers).
 
   Returns:
-    {'act_rms/decoder/blocks/0': scalar, 'attn_max_logit/...', 'attn_entropy/...', ...}.
+    {'act_rms/decoder/blocks/0': scalar, 'attn_max_logit/...', 'attn_entropy/...',
+     'gate_self/...' (rezero), ...}.
   """
   model = state_lib.merge(graphdef, variables)
   # Scanned stacks (model.scan_layers) run here layer by layer, each block its own module named
