@@ -32,6 +32,7 @@ import numpy as np
 
 from training import paths as paths_lib  # local or gs:// (the arguments are `paths` here)
 from training import writers
+from tools import extrapolation_compare
 from tools import plot_style
 from tools import plots
 from tools.plot_style import band, smooth  # pylint: disable=g-importing-member  (compare.band)
@@ -414,7 +415,8 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
     band_kind: the spread across seeds: 'minmax', 'std' or 'none'.
 
   Returns:
-    The markdown table, the groups labelled with their full overrides.
+    The markdown table, the groups labelled with their full overrides (then, for runs with
+    eval.json extrapolation rows, `extrapolation_compare`'s table).
   """
   runs = [load_run(w) for w in find_runs(paths)]
   smooth(np.zeros(1), smoothing)  # reject a bad --smooth or --band before any work
@@ -426,7 +428,9 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   title += f'{len(runs)} runs in {len(groups)} cells' if len(groups) > 1 else f'{len(runs)} runs'
   plot(groups, summary, out, smoothing=smoothing, logy=logy, logx=logx, title=title,
        color_by=color_by, style_by=style_by, band_kind=band_kind)
-  return markdown_table(summary, target_loss)
+  # Runs evaluated with eval.py --lengths: their table, and loss per position (OUT_extrapolation.png).
+  extra = extrapolation_compare.report(groups, out, band_kind)
+  return markdown_table(summary, target_loss) + (f'\n\n{extra}' if extra else '')
 
 
 # --- The command line -----------------------------------------------------------------------------

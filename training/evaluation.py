@@ -146,6 +146,9 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     result['rope_scaling'] = rope_scaling or 'as trained'
     result['extrapolation'], per_position = extrapolation.extrapolate(
         config, model, lengths, modes, stride, stream_split)
+    # Kept for tools.compare's per-position picture with seed bands: {length: loss per position}.
+    result['extrapolation_per_position'] = {
+        str(n): [round(float(x), 5) for x in curve] for n, curve in per_position.items()}
   main_split = 'test' if 'test' in splits else splits[-1]
   if main_split in result['translation']:
     result['exact_match'] = result['translation'][main_split]['exact_match']

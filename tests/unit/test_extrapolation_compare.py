@@ -1,0 +1,72 @@
+"""tools.extrapolation_compare: the extrapolation table (mean [min, max] across seeds) and the loss
+per position with seed bands, from eval.json files, also through tools.compare."""
+
+import json
+import os
+
+import numpy as np
+
+from tools import compare
+from tools import extrapolation_compare
+
+L = 8
+
+
+def _workdir(root, position, seed, scale):
+  """A finished run with an eval.json at 1, 2, 4, 8 x L whose losses are `scale` x (1, 2, 3, 4)."""
+  path = os.path.join(root, f'model.position={position},seed={seed}')
+  os.makedirs(path)
+  with open(os.path.join(path, 'config.json'), 'w') as f:
+    json.dump({'model': {'position': position}, 'train': {'seed': seed},
+               'data': {'max_length': L}}, f)
+  with open(os.path.join(path, 'metrics.jsonl'), 'w') as f:
+    for step in (1, 2):
+      f.write(json.dumps({'step': step, 'split': 'train', 'loss': 3.0 - step}) + '\n')
+  rows, curves = [], {}
+  for i, k in enumerate((1, 2, 4, 8)):
+    for mode in ('non_overlapping', 'sliding'):
+      rows.append({'multiple': float(k), 'length': k * L, 'mode': mode,
+                   'loss': scale * (i + 1) + (0.5 if mode == 'sliding' else 0.0),
+                   'target_loss': 10 * scale * (i + 1)})
+    curves[str(k * L)] = list(scale * (1.0 + np.arange(k * L) / L))
+  with open(os.path.join(path, 'eval.json'), 'w') as f:
+    json.dump({'extrapolation': rows, 'extrapolation_per_position': curves}, f)
+  return path
+
+
+def test_table_is_mean_min_max_of_the_seeds_ratios_and_target_losses(tmp_path):
+  for seed, scale in enumerate((1.0, 2.0, 3.0)):
+    _workdir(tmp_path, 'rope', seed, scale)
+  _workdir(tmp_path, 'alibi', 0, 1.0)
+  groups = compare.group_runs([compare.load_run(w) for w in compare.find_runs([str(tmp_path)])])
+  table = extrapolation_compare.markdown_table(groups).splitlines()
+  assert table[0] == ('| cell | seeds | loss at L | r2 | r4 | r8 | target loss 4L | '
+                      'target loss 8L |')
+  rope = next(l for l in table if l.startswith('| position=rope'))
+  # loss at L: 1, 2, 3; r_k = (k-th loss) / loss at L is the same for every seed; target 4L = 30 s.
+  assert rope == ('| position=rope | 3 | 2.000 [1.000, 3.000] | 2.000 [2.000, 2.000] | '
+                  '3.000 [3.000, 3.000] | 4.000 [4.000, 4.000] | 60.000 [30.000, 90.000] | '
+                  '80.000 [40.000, 120.000] |')
+  assert '| position=alibi | 1 | 1.000 | 2.000 | 3.000 | 4.000 | 30.000 | 40.000 |' in table
+
+
+def test_per_position_picture_has_a_seed_band_per_cell_and_panel(tmp_path):
+  for seed, scale in enumerate((1.0, 2.0, 3.0)):
+    _workdir(tmp_path, 'rope', seed, scale)
+  _workdir(tmp_path, 'alibi', 0, 1.0)
+  groups = compare.group_runs([compare.load_run(w) for w in compare.find_runs([str(tmp_path)])])
+  fig, axes = extrapolation_compare.figure(groups)
+  assert len(axes[0]) == 4  # windows of L, 2L, 4L, 8L
+  for ax in axes[0]:
+    assert len(ax.collections) == 1  # one band: rope's three seeds (alibi has one run)
+    rope = next(line for line in ax.lines if line.get_label().startswith('position=rope'))
+    band = ax.collections[0].get_paths()[0].vertices[:, 1]
+    assert band.min() < rope.get_ydata().min() and band.max() > rope.get_ydata().max()
+  # The mean across seeds at position 0 of the L panel is the mean of 1, 2, 3.
+  first = next(line for line in axes[0][0].lines if line.get_label().startswith('position=rope'))
+  assert first.get_ydata()[0] == 2.0
+  # Through tools.compare: the picture next to OUT and the table after the curves' table.
+  out = str(tmp_path / 'cmp.png')
+  text = compare.compare([str(tmp_path)], out)
+  assert os.path.exists(str(tmp_path / 'cmp_extrapolation.png'))
+  assert '| cell | seeds | loss at L | r2 |' in text

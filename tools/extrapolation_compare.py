@@ -1,0 +1,132 @@
+"""Length extrapolation across runs (tools.compare): a table of mean [min, max] across seeds and the
+loss per window position with seed bands, from each workdir's eval.json (eval.py --lengths).
+
+Per run, from the non-overlapping windows: the loss at the training length L, the ratios
+r_k = loss(k L) / loss(L) for k = 2, 4, 8, and the loss on target tokens only at 4L and 8L.
+"""
+
+import math
+
+import numpy as np
+
+from training import paths as paths_lib
+from tools import plot_style
+from tools import plots
+
+RATIOS = (2, 4, 8)  # r_k = loss at k x L / loss at L
+TARGET_AT = (4, 8)  # target-token loss at these multiples
+MODE = 'non_overlapping'  # the windows whose per-position losses eval.py keeps
+
+
+def load_eval(workdir, name='eval.json'):
+  """The eval.json of a workdir (the evaluation as trained), or None."""
+  path = paths_lib.join(workdir, name)
+  return paths_lib.read_json(path) if paths_lib.exists(path) else None
+
+
+def _row(rows, multiple, key):
+  for r in rows:
+    if r.get('mode') == MODE and math.isclose(float(r['multiple']), multiple):
+      return r.get(key)
+  return None
+
+
+def run_metrics(result):
+  """{'loss_L', 'r2', 'r4', 'r8', 'target_4L', 'target_8L'} of one eval.json (None if missing)."""
+  rows = (result or {}).get('extrapolation') or []
+  base = _row(rows, 1, 'loss')
+  out = {'loss_L': base}
+  for k in RATIOS:
+    loss = _row(rows, k, 'loss')
+    out[f'r{k}'] = loss / base if loss is not None and base else None
+  for k in TARGET_AT:
+    out[f'target_{k}L'] = _row(rows, k, 'target_loss')
+  return out
+
+
+def _stat(values):
+  """'mean [min, max]' across seeds ('m' for one, '-' for none)."""
+  values = [v for v in values if v is not None and math.isfinite(v)]
+  if not values:
+    return '-'
+  if len(values) == 1:
+    return f'{values[0]:.3f}'
+  return f'{np.mean(values):.3f} [{min(values):.3f}, {max(values):.3f}]'
+
+
+def markdown_table(groups):
+  """The table over `tools.compare.group_runs` groups that have eval.json extrapolation rows
+  ('' when none has)."""
+  keys = ['loss_L'] + [f'r{k}' for k in RATIOS] + [f'target_{k}L' for k in TARGET_AT]
+  head = (['cell', 'seeds', 'loss at L'] + [f'r{k}' for k in RATIOS]
+          + [f'target loss {k}L' for k in TARGET_AT])
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for label, runs in groups:
+    metrics = [run_metrics(load_eval(r['workdir'])) for r in runs]
+    metrics = [m for m in metrics if m['loss_L'] is not None]
+    if metrics:
+      lines.append('| ' + ' | '.join([label, str(len(metrics))] + [
+          _stat([m[k] for m in metrics]) for k in keys]) + ' |')
+  if len(lines) == 2:
+    return ''
+  return '\n'.join(lines + ['', f'Mean [min, max] across seeds; {MODE} windows; r_k = loss at kL '
+                                '/ loss at L; target loss: on target tokens only.'])
+
+
+def per_position(groups):
+  """{label: {length: [curve per seed]}} from eval.json's `extrapolation_per_position`."""
+  out = {}
+  for label, runs in groups:
+    for r in runs:
+      curves = (load_eval(r['workdir']) or {}).get('extrapolation_per_position') or {}
+      for length, curve in curves.items():
+        out.setdefault(label, {}).setdefault(int(length), []).append(np.asarray(curve, np.float64))
+  return out
+
+
+def figure(groups, band_kind='minmax'):
+  """One panel per evaluation length: each group's loss per position, mean across seeds with a
+  `band_kind` band; long windows averaged over length // L positions as tools.plots does.
+
+  Returns:
+    (figure, axes), or None when no run has per-position losses.
+  """
+  curves = per_position(groups)
+  lengths = sorted({n for by_length in curves.values() for n in by_length})
+  if not lengths:
+    return None
+  plt = plot_style.pyplot()
+  fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.4), squeeze=False)
+  train_length = lengths[0]
+  for ax, length in zip(axes[0], lengths):
+    k = max(1, length // train_length)
+    for i, (label, by_length) in enumerate(curves.items()):
+      runs = [c[:len(c) // k * k].reshape(-1, k).mean(1) for c in by_length.get(length, [])]
+      if not runs:
+        continue
+      x = np.arange(len(runs[0])) * k + (k - 1) / 2
+      steps, mean, lo, hi = plot_style.band([(x, r) for r in runs], band_kind)
+      color = plt.cm.tab10(i % 10)
+      ax.plot(steps, mean, color=color, lw=1.2, label=f'{label} ({len(runs)})')
+      if len(runs) > 1 and band_kind != 'none':
+        ax.fill_between(steps, lo, hi, color=color, alpha=0.15, linewidth=0)
+    ax.axvline(train_length, color='0.5', ls=':', lw=1)
+    ax.set_title(f'windows of {length} tokens')
+    ax.set_xlabel('position in window (tokens)')
+  axes[0][0].set_ylabel('loss')
+  axes[0][-1].legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.02, 1.0), frameon=False,
+                     title='cell (seeds)')
+  fig.tight_layout()
+  return fig, axes
+
+
+def report(groups, out, band_kind='minmax'):
+  """Draws `figure` next to `out` (NAME_extrapolation.png) and returns the markdown table ('' and
+  no picture when no run was evaluated for extrapolation)."""
+  drawn = figure(groups, band_kind)
+  if drawn is not None:
+    plt = plot_style.pyplot()
+    stem = out[:-4] if out.endswith('.png') else out
+    plots.save_figure(drawn[0], f'{stem}_extrapolation.png')
+    plt.close(drawn[0])
+  return markdown_table(groups)
