@@ -6,8 +6,9 @@ Strings in, strings out, so that messages show the path as given.
 
 Object storage has no rename and no append: an object is written whole and appears only when its
 upload completes, so `write_text` is atomic there by itself (locally it is a temporary file renamed
-in). gcsfs caches directory listings per process; Orbax's tensorstore writes behind its back, so
-the listing helpers drop that cache first.
+in). gcsfs caches directory listings per process, and consults them before reading a file; Orbax's
+tensorstore and other processes (train.py under a sweep, eval.py) write behind its back, so every
+helper that looks drops the cached listings of the path and its parents first.
 """
 
 import json
@@ -44,12 +45,11 @@ def dirname(path):
 
 
 def _fresh(path):
-  """`path` as an epath.Path whose gcsfs listing cache is dropped (other writers: tensorstore,
-  other processes)."""
+  """`path` as an epath.Path, with gcsfs's cached listings of it and its parents dropped."""
   p = epath.Path(path)
   if is_remote(path):
     from etils.epath import backend  # pylint: disable=g-import-not-at-top
-    backend.fsspec_backend.fs(os.fspath(p)).invalidate_cache()
+    backend.fsspec_backend.fs(os.fspath(p)).invalidate_cache(os.fspath(p))
   return p
 
 
@@ -74,11 +74,11 @@ def makedirs(path):
 
 
 def read_text(path):
-  return epath.Path(path).read_text()
+  return _fresh(path).read_text()
 
 
 def read_bytes(path):
-  return epath.Path(path).read_bytes()
+  return _fresh(path).read_bytes()
 
 
 def read_json(path):
