@@ -22,7 +22,7 @@ from training import evaluation
 from training import host
 from training import paths
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'A train.py workdir.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'A train.py workdir (a local path or gs://).')
 _SPLIT = flags.DEFINE_list('split', ['validation', 'test'], 'Splits to evaluate.')
 _MAX_EXAMPLES = flags.DEFINE_integer('max_examples', 0,
                                      'Translate at most this many examples per split (0 = all).')

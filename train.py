@@ -24,7 +24,8 @@ from training import validation
 FLAGS = flags.FLAGS
 
 config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py).', lock_config=True)
-flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and logs.')
+flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and logs: a local '
+                    'path or a gs:// URL.')
 # Sweeps moved to their own tool; the old flags name the new command.
 flags.DEFINE_string('sweep', None, 'Moved: use `python -m tools.sweep --sweep=... --sweep_dir=...`.')
 flags.DEFINE_string('sweep_dir', None, 'Moved to `python -m tools.sweep`.')

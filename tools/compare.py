@@ -445,7 +445,8 @@ def define_flags():
   flags.DEFINE_bool('logx', False, 'Log-scale step axis.')
   flags.DEFINE_float('target_loss', None, 'Report the first step whose validation loss is at most '
                      'this.')
-  flags.DEFINE_string('out', None, 'The PNG to write (default: DIR/compare.png of the first DIR).')
+  flags.DEFINE_string('out', None, 'The PNG to write, local or gs:// (default: '
+                      'DIR/compare.png of the first DIR).')
   flags.DEFINE_string('color_by', None, 'The config field whose values pick the colour (e.g. '
                       'model.norm_position, or its last part); default: the field with the fewest '
                       'values that still separates the runs; none: one colour per group.')

@@ -463,7 +463,8 @@ def define_flags():
   """The CLI flags, defined only when run as a program (tests import this module)."""
   flags.DEFINE_string('sweep', None, 'The sweep file, configs/ablations/NAME.py[:ARG]; every cell '
                       'trains with train.py into --sweep_dir/<cell name>.')
-  flags.DEFINE_string('sweep_dir', None, 'Directory of the sweep: one workdir per cell.')
+  flags.DEFINE_string('sweep_dir', None, 'Directory of the sweep (local or gs://): one '
+                      'workdir per cell.')
   flags.DEFINE_bool('dry_run', False, 'Print the train.py (and eval.py) command of every cell and '
                     'run nothing (for launching cells on a cluster).')
   flags.DEFINE_list('seeds', None, 'Seeds to run (default: the sweep file\'s).')
