@@ -1,7 +1,8 @@
 """Paths that are local or on object storage (`gs://bucket/...`), through `etils.epath`.
 
-Every path a run writes or reads (the workdir, its files, a sweep directory, `train.init_from`)
-goes through these helpers: epath is what Orbax itself uses, and it reaches gs:// through gcsfs.
+Every path a run writes or reads (the workdir and its files, a sweep directory, compare's runs
+and picture) goes through these helpers: epath is what Orbax itself uses (and what
+`state.init_from` reads a source run with), and it reaches gs:// through gcsfs.
 Strings in, strings out, so that messages show the path as given.
 
 Object storage has no rename and no append: an object is written whole and appears only when its
