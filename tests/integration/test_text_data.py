@@ -21,8 +21,10 @@ from tests.unit.test_text_data import data_config, write_corpus
 TRAIN = os.path.join(ROOT, 'train.py')
 EVAL = os.path.join(ROOT, 'eval.py')
 # A tiny model (configs' `quick`) for a few CPU seconds of training.
+# A constant rate after warmup: the loss falls furthest in these few steps.
 SMALL = ['--config.train.batch_size=32', '--config.train.log_every=10',
-         '--config.train.warmup_steps=10', '--config.train.learning_rate=3e-3']
+         '--config.train.warmup_steps=10', '--config.train.learning_rate=3e-3',
+         '--config.train.schedule=constant']
 
 
 def cli(*args, timeout=120):
@@ -30,7 +32,7 @@ def cli(*args, timeout=120):
                         timeout=timeout)
 
 
-def pairs_args(corpus_dir, data_dir, workdir, steps=60):
+def pairs_args(corpus_dir, data_dir, workdir, steps=80):
   return [TRAIN, f'--config={ROOT}/configs/text_pairs.py:dir={corpus_dir},quick',
           f'--workdir={workdir}', f'--config.data.data_dir={data_dir}',
           '--config.data.vocab_size=160', '--config.data.max_length=40',
@@ -40,7 +42,7 @@ def pairs_args(corpus_dir, data_dir, workdir, steps=60):
 
 @pytest.fixture(scope='module')
 def pairs_run(tmp_path_factory):
-  """(workdir, data_dir) of an encoder-decoder trained 60 steps on the generated TSV corpus."""
+  """(workdir, data_dir) of an encoder-decoder trained 80 steps on the generated TSV corpus."""
   root = tmp_path_factory.mktemp('text_pairs')
   write_corpus(str(root / 'corpus'))
   out = cli(*pairs_args(root / 'corpus', root / 'data', root / 'run'))
@@ -51,7 +53,7 @@ def pairs_run(tmp_path_factory):
 def test_text_pairs_trains_until_the_loss_falls(pairs_run):
   workdir, data_dir = pairs_run
   losses = [row['loss'] for row in metric_rows(str(workdir))]
-  assert len(losses) == 6 and losses[-1] < 0.5 * losses[0], losses  # measured: 5.0 -> 1.1
+  assert len(losses) == 8 and losses[-1] < 0.4 * losses[0], losses  # measured: 5.0 -> 0.8
   assert metric_rows(str(workdir), 'valid')  # the validation file was evaluated
   folders = os.listdir(data_dir / 'text_pairs')
   assert len(folders) == 1 and folders[0].startswith('vocab160-shared-'), folders
@@ -63,15 +65,15 @@ def test_text_pairs_evaluates_with_bleu_on_detokenized_text(pairs_run):
   workdir, data_dir = pairs_run
   folder = os.listdir(data_dir / 'text_pairs')[0]
   mtime = os.stat(data_dir / 'text_pairs' / folder / 'corpus.json').st_mtime_ns
-  out = cli(EVAL, f'--workdir={workdir}', '--split=test', '--max_examples=16')
+  out = cli(EVAL, f'--workdir={workdir}', '--split=test', '--max_examples=32')
   assert out.returncode == 0, out.stderr[-3000:]
   with open(workdir / 'eval.json') as f:
     result = json.load(f)
   test = result['translation']['test']
-  assert test['n'] == 16 and 0 < test['bleu'] <= 100 and 0 <= result['exact_match'] <= 1
+  assert test['n'] == 32 and 0 < test['bleu'] <= 100 and 0 <= result['exact_match'] <= 1
   # Outputs are detokenized text (SentencePiece's '▁' gone), in the corpus's own language.
   assert all('▁' not in s['output'] and s['reference'].startswith('Die ') for s in test['samples'])
-  assert result['loss']['test'] < 2.0
+  assert result['loss']['test'] < 1.5  # measured: 0.73
   # eval.py reused the prepared folder: nothing re-prepared, nothing added.
   assert os.listdir(data_dir / 'text_pairs') == [folder]
   assert os.stat(data_dir / 'text_pairs' / folder / 'corpus.json').st_mtime_ns == mtime
@@ -94,7 +96,7 @@ def lm_run(tmp_path_factory):
 def test_text_lm_trains_until_the_loss_falls(lm_run):
   workdir, data_dir = lm_run
   losses = [row['loss'] for row in metric_rows(str(workdir))]
-  assert len(losses) == 5 and losses[-1] < 0.5 * losses[0], losses  # measured: 4.9 -> 1.6
+  assert len(losses) == 5 and losses[-1] < 0.5 * losses[0], losses  # measured: 4.9 -> 1.4
   assert os.listdir(data_dir / 'text_lm')[0].startswith('vocab96-shared-')
 
 
