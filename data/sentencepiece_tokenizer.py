@@ -80,7 +80,7 @@ class SentencePieceTokenizer:
       pieces = tuple(sp.id_to_piece(i) for i in range(NUM_SPECIAL))
       if pieces != tokenizer_lib.SPECIAL_TOKENS:
         raise ValueError(f'SentencePiece model specials {pieces} are not '
-                         f'{tokenizer_lib.SPECIAL_TOKENS}: not a model of data.sentencepiece_tokenizer')
+                         f'{tokenizer_lib.SPECIAL_TOKENS}: not a model trained by `train`')
     # Target-model word ids are shifted past the source model's pieces (0 when shared).
     self._offset = 0 if self.shared else self._source.get_piece_size() - NUM_SPECIAL
     self.tokens = [self._source.id_to_piece(i) for i in range(self._source.get_piece_size())]
@@ -146,7 +146,7 @@ class SentencePieceTokenizer:
     return ' '.join(p.strip() for p in parts if p.strip())
 
   def save(self, directory: str) -> None:
-    """Writes the model file(s) into directory (spm.model, or spm_source.model + spm_target.model)."""
+    """Writes the model file(s) into directory: spm.model, or spm_source/spm_target.model."""
     names = [SHARED_FILE] if self.shared else [SOURCE_FILE, TARGET_FILE]
     for name, sp in zip(names, (self._source, self._target)):
       with open(os.path.join(directory, name), 'wb') as f:

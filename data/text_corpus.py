@@ -2,8 +2,8 @@
 once as a TFDS dataset (array_record, no TensorFlow) with a SentencePiece tokenizer beside it.
 
 The prepared folder is `data_dir/<task>/vocab<V>-<shared|separate>-<hash>`, the hash covering the
-examples as read (stripped pairs or documents) and the vocabulary settings: the same inputs reuse it, changed files or another
-vocab_size get a folder of their own. It is written in a hidden sibling folder and renamed when
+examples as read (stripped pairs or documents) and the vocabulary settings: the same inputs reuse
+it, changed files or another vocab_size get a folder of their own. It is written in a hidden sibling folder and renamed when
 complete, so a bad input or a crash leaves nothing half-written in data_dir.
 """
 
@@ -304,7 +304,8 @@ def _prepare_remote(spec, splits, digest):
   remote, local = epath.Path(spec.data_dir) / name, os.path.join(cache, name)
   if not os.path.isdir(local) and (remote / CORPUS_FILE).exists():
     os.makedirs(os.path.dirname(local), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(local)}.download', dir=os.path.dirname(local))
+    tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(local)}.download',
+                           dir=os.path.dirname(local))
     try:
       for child in remote.iterdir():  # flat: array_record files, JSON, SentencePiece models
         with open(os.path.join(tmp, child.name), 'wb') as f:

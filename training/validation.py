@@ -176,8 +176,8 @@ def _validate_text_data(config):
                         f'data.task={d.task!r} (a local path or gs://)')
   vocab = d.get('vocab_size', None)
   if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 6:
-    raise ConfigError(f'data.vocab_size={vocab!r} must be an integer > 6 (the SentencePiece pieces, '
-                      'the 6 special tokens included), e.g. 1000')
+    raise ConfigError(f'data.vocab_size={vocab!r} must be an integer > 6 (the SentencePiece '
+                      'pieces, the 6 special tokens included), e.g. 1000')
   if not isinstance(d.get('shared_vocab', True), bool):
     raise ConfigError(f'data.shared_vocab={d.shared_vocab!r} must be True or False')
   if d.task == 'text_lm' and m.arch not in ('decoder_only', 'encoder_only'):

@@ -72,7 +72,8 @@ def test_text_pairs_evaluates_with_bleu_on_detokenized_text(pairs_run):
   test = result['translation']['test']
   assert test['n'] == 32 and 0 < test['bleu'] <= 100 and 0 <= result['exact_match'] <= 1
   # Outputs are detokenized text (SentencePiece's '▁' gone), in the corpus's own language.
-  assert all('▁' not in s['output'] and s['reference'].startswith('Die ') for s in test['samples'])
+  assert all('▁' not in s['output'] and s['reference'].startswith('Die ')
+             for s in test['samples'])
   assert result['loss']['test'] < 1.5  # measured: 0.73
   # eval.py reused the prepared folder: nothing re-prepared, nothing added.
   assert os.listdir(data_dir / 'text_pairs') == [folder]
@@ -194,8 +195,8 @@ def test_input_files_on_gs(gcs, tmp_path):
   assert folders[0] == folders[1] and text_corpus.read_split(folders[0], 'test')[0] == tuple(
       open(local['test'], encoding='utf-8').readline().rstrip('\n').split('\t'))
   epath.Path(remote['validation']).write_bytes(b'A\tB\nno tab here\n')
-  with pytest.raises(text_corpus.DataError,
-                     match='data.files.validation=gs://bucket/corpus/validation.tsv line 2: no tab'):
+  with pytest.raises(text_corpus.DataError, match=(
+      'data.files.validation=gs://bucket/corpus/validation.tsv line 2: no tab')):
     text_corpus.prepare(text_corpus.spec_from_config(data_config(remote, tmp_path / 'data2')))
   assert not (tmp_path / 'data2').exists()
 
