@@ -85,6 +85,8 @@ def get_config(arg=None):
   model.fire_mlp_width = 32  # FIRE: hidden width of the MLP on the interpolated log distance
   model.fire_threshold = 512.0  # FIRE: L_init of the learned threshold L (Li et al.'s listing: 512)
   model.xpos_scale_base = 512.0  # xPos: gamma in q * zeta^(n/gamma), k * zeta^(-m/gamma)
+  model.xpos_block = 0  # xPos: w > 0 = blockwise causal attention (a query sees its block of w
+  #                       and the previous one; w = data.max_length: plain causal in training)
   model.random_positions_max = 0  # N > 0: training draws sorted position ids from [0, N)
   #                                 (Ruoss et al. 2023; rope | learned | sinusoidal); evaluation
   #                                 uses 0..T-1; 0 = off

@@ -400,10 +400,12 @@ class Attention(nnx.Module, options.Configurable):
       # The new key is rotated (RoPE) at its own absolute position before it is stored.
       q_in = q
       q, k, kwargs = position.in_attention(q, k, q_pos, q_pos, is_causal=True)
-      if 'bias' in kwargs or 'position_bias' in kwargs:
+      if 'bias' in kwargs or 'position_bias' in kwargs or 'mask' in kwargs:
         # A score term over key positions (T5): recompute it against every cached slot; only the
         # kwargs of this call are used, so a method that also rotates q/k is not applied twice.
-        _, _, kwargs = position.in_attention(q_in, k, q_pos, k_pos, is_causal=True)
+        # (keys of the cache's length, zeros: a method that also rotates k (xPos) needs the shape)
+        _, _, kwargs = position.in_attention(
+            q_in, jnp.zeros((b, s_max) + k.shape[2:], k.dtype), q_pos, k_pos, is_causal=True)
     if paged:
       cache = paged_attention.write(cache, index, k[:, 0], v[:, 0])
       keys, values = paged_attention.gather(cache)  # [B, S_max, K, H] each, in logical order
@@ -417,6 +419,7 @@ class Attention(nnx.Module, options.Configurable):
     position_bias = kwargs.pop('position_bias', None)
     if position_bias is not None:  # FIRE, KERPLE at the absolute positions: [B, N, 1, S_max]
       bias = position_bias.dense() if bias is None else bias + position_bias.dense()
+    position_mask = kwargs.pop('mask', None)  # xPos's blockwise causal mask, [B, 1, 1, S_max]
     if kwargs:
       raise ValueError(f'decode: unsupported in_attention kwargs {sorted(kwargs)}')
     if slopes is not None:
@@ -427,6 +430,8 @@ class Attention(nnx.Module, options.Configurable):
       bias = alibi if bias is None else bias + alibi
     # Slots after the row's position are empty (or stale): the causal mask on absolute positions.
     vis = visible(q_pos[:, :, None], k_pos[:, None, :])  # [B, 1, S_max]
+    if position_mask is not None:
+      vis = vis & position_mask[:, 0]
     # One query row gains nothing from a flash kernel: the dense reference serves every config.
     out = dot_product_attention(q, keys, values, bias=bias, mask=vis[:, None],
                                 scale=self.scale, implementation='xla')  # [B, 1, N, H]

@@ -243,20 +243,25 @@ class XPos(RoPE):
   are centred on `centre` (half the training length), fixed per model, so a cached key keeps the
   factor the full forward gives it. The RoPE scalings (eval.py's --rope_scaling) change only the
   rotation frequencies.
+
+  With `block` = w > 0, causal attention is the paper's blockwise causal attention (its sec. 3.3,
+  used at inference): a query at n sees the keys of its own block of w positions and of the block
+  before, m >= (n // w - 1) w. With w the training length, training is plain causal attention.
   """
 
-  options = RoPE.options + ('xpos_scale_base',)
+  options = RoPE.options + ('xpos_scale_base', 'xpos_block')
 
-  def __init__(self, head_dim, *, scale_base=512.0, centre=0, **kwargs):
+  def __init__(self, head_dim, *, scale_base=512.0, centre=0, block=0, **kwargs):
     super().__init__(head_dim, **kwargs)
     self.scale_base = float(scale_base)
     self.centre = int(centre)
+    self.block = int(block)
 
   @classmethod
   def from_config(cls, cfg, max_length, *, rngs):
     del rngs
     head_dim = cfg.get('head_dim', 0) or cfg.d_model // cfg.num_heads  # model.head_dim, 0 = D / N
-    return cls(head_dim, scale_base=cfg.xpos_scale_base,
+    return cls(head_dim, scale_base=cfg.xpos_scale_base, block=cfg.get('xpos_block', 0),
                centre=max_length // 2, fraction=cfg.rope_fraction, base=cfg.rope_base,
                scaling=cfg.rope_scaling, factor=cfg.rope_scaling_factor,
                original_max_length=max_length)
@@ -264,6 +269,10 @@ class XPos(RoPE):
   @classmethod
   def check_options(cls, model_cfg):
     options.positive('model.xpos_scale_base', model_cfg.xpos_scale_base)
+    block = model_cfg.get('xpos_block', 0)
+    if not isinstance(block, int) or isinstance(block, bool) or block < 0:
+      raise options.ConfigError(f'model.xpos_block={block!r} must be an integer >= 0 (0 = plain '
+                                'causal attention; w = blockwise causal with blocks of w)')
 
   def in_attention(self, q, k, q_pos, k_pos, *, is_causal):
     if q_pos is None:
@@ -272,5 +281,21 @@ class XPos(RoPE):
       k_pos = jnp.arange(k.shape[1])[None]  # [1, S]
     q, k, extra = super().in_attention(q, k, q_pos, k_pos, is_causal=is_causal)
     zeta = jnp.asarray(xpos_zeta(self.rotary_dims), jnp.float32)  # [d/2]
+    if self.block and is_causal:
+      extra = {**extra, 'mask': blockwise_causal_mask(q_pos, k_pos, self.block)}
     return (apply_xpos_scale(q, q_pos, zeta, self.scale_base, self.centre, 1.0),
             apply_xpos_scale(k, k_pos, zeta, self.scale_base, self.centre, -1.0), extra)
+
+
+def blockwise_causal_mask(q_pos, k_pos, block):
+  """xPos's blockwise causal attention: True where key position m >= (n // w - 1) w for query n
+  (its own block and the previous one; causality itself is the kernels' `is_causal`).
+
+  Args:
+    q_pos: `[B|1, T]` int; k_pos: `[B|1, S]` int; block: w.
+
+  Returns:
+    boolean `[B|1, 1, T, S]`.
+  """
+  first = (q_pos // block - 1) * block  # [B, T]: the first key position a query sees
+  return (k_pos[:, None, :] >= first[:, :, None])[:, None]  # [B, 1, T, S]

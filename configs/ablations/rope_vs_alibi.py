@@ -25,6 +25,9 @@ def get_config(arg=None):
   # progressive interpolation keeps the MLP's input in [0, 1] (the listing's 512 is for longer
   # training contexts; L is learned either way).
   config.model.fire_threshold = 64.0
+  # xPos with the paper's blockwise causal attention at inference, blocks of the training length
+  # (plain causal attention while training at L).
+  config.model.xpos_block = 64
   return config
 
 

@@ -311,3 +311,27 @@ def test_random_positions_only_in_training(position):
   drawn = positions.random_positions(nnx.Rngs(dropout=0).dropout(),
                                      jnp.broadcast_to(jnp.arange(10), (2, 10)), 128)
   np.testing.assert_allclose(train, model(dict(batch, positions=drawn)), atol=1e-5)
+
+
+def test_xpos_blockwise_causal_mask_golden():
+  # w = 4: queries 0-3 see every earlier key, 4-7 keys from 0, 8-11 keys from 4 (own block + previous).
+  pos = jnp.arange(12)[None]
+  mask = np.asarray(rope.blockwise_causal_mask(pos, pos, 4))[0, 0]  # [T, S]
+  first = [int(np.argmax(row)) for row in mask]
+  assert first == [0] * 8 + [4] * 4
+  assert mask[11, 4] and not mask[11, 3] and mask[7, 0]
+
+
+@pytest.mark.parametrize('impl', ['xla', 'blockwise'])
+def test_xpos_blockwise_causal_attention_in_models(impl):
+  base = dict(arch='decoder_only', position='xpos', num_layers=2, d_model=32, num_heads=4,
+              num_kv_heads=2, d_ff=64, attention_impl=impl)
+  plain = models.build(model_config(**base), V, 16, rngs=nnx.Rngs(0))
+  bca = models.build(model_config(**base, xpos_block=4), V, 16, rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, 11), 1, V)
+  # Within one block pair (T <= 2w, as in training with w = L) it is plain causal attention.
+  np.testing.assert_allclose(bca({'inputs': tokens[:, :8]}), plain({'inputs': tokens[:, :8]}),
+                             atol=1e-6)
+  full_bca, step_bca = full_and_cached_logits(bca, tokens)
+  assert float(jnp.max(jnp.abs(full_bca - plain({'inputs': tokens})))) > 1e-4  # beyond: it differs
+  np.testing.assert_allclose(step_bca, full_bca, atol=2e-5, rtol=2e-5)  # and decodes the same
