@@ -161,6 +161,70 @@ def folder_name(spec: CorpusSpec, digest: str) -> str:
   return f'vocab{spec.vocab_size}-{"shared" if spec.shared else "separate"}-{digest}'
 
 
+def tokenizer_vocab_size(spec: CorpusSpec) -> int:
+  """V of the tokenizer `prepare` makes for spec, known without preparing anything.
+
+  SentencePiece's trainer gives each model exactly spec.vocab_size pieces (or fails), and two
+  models share only the special ids (`spt.SentencePieceTokenizer`: V_source + V_target - 6).
+  """
+  return spec.vocab_size if spec.shared else 2 * spec.vocab_size - spt.NUM_SPECIAL
+
+
+# --- What a run trained on --------------------------------------------------------------------
+
+_FINGERPRINTS = {}  # CorpusSpec -> its fingerprint as this process's `prepare` last read the files
+
+
+def _fingerprint(spec, splits, digest):
+  # A hash per file besides the folder's, so that a mismatch can name the file that changed.
+  hashes = {split: hashlib.sha256(json.dumps(examples, ensure_ascii=False).encode())
+            .hexdigest()[:16] for split, examples in splits.items()}
+  return {'hash': digest, 'folder': f'{spec.task}/{folder_name(spec, digest)}',
+          'files': dict(zip(SPLITS, spec.files)), 'file_hashes': hashes}
+
+
+def fingerprint(spec: CorpusSpec) -> dict:
+  """What a run records of its corpus (run_info.json 'corpus'): the prepared folder's hash and
+  name, and each file's path and the hash of its examples as read.
+
+  The files as this process's `prepare` read them (no second read), else read now.
+  """
+  if spec not in _FINGERPRINTS:
+    _FINGERPRINTS[spec] = _fingerprint(spec, *read_corpus(spec))
+  return _FINGERPRINTS[spec]
+
+
+def check_fingerprint(recorded: dict, spec: CorpusSpec) -> None:
+  """Reads spec's files now; raises DataError unless they give the folder `recorded` was made from.
+
+  Changed files would get a prepared folder and a tokenizer of their own, silently paired with a
+  model trained on the old ones.
+
+  Args:
+    recorded: a `fingerprint` of the run's corpus when it started training.
+    spec: the corpus as the run's config names it.
+
+  Raises:
+    DataError: one line naming the first file whose examples changed (or the hash, where only
+      the vocabulary settings or the preparation format differ), or a file that cannot be read.
+  """
+  splits, digest = read_corpus(spec)
+  if digest == recorded.get('hash'):
+    return
+  now = _fingerprint(spec, splits, digest)['file_hashes']
+  was = recorded.get('file_hashes', {})
+  folder = recorded.get('folder', '?')
+  for split, path in zip(SPLITS, spec.files):
+    if was.get(split) != now[split]:
+      raise DataError(f'data.files.{split}={path} changed since the run started training (its '
+                      f'examples hash {was.get(split)}, now {now[split]}; the model and tokenizer '
+                      f'belong to {folder}); valid: the file as it was, or a new workdir')
+  raise DataError(f'the corpus hash changed since the run started training ({recorded.get("hash")}'
+                  f', now {digest}) with the same files: data.vocab_size, data.shared_vocab or the '
+                  f'preparation format (text_corpus.FORMAT_VERSION) differ; the model belongs to '
+                  f'{folder}; valid: the settings it was trained with')
+
+
 # --- The TFDS builder -------------------------------------------------------------------------
 
 class TextCorpusConfig(tfds.core.BuilderConfig):
@@ -260,6 +324,7 @@ def prepare(spec: CorpusSpec) -> str:
       as it was (a data_dir this call created is removed again).
   """
   splits, digest = read_corpus(spec)
+  _FINGERPRINTS[spec] = _fingerprint(spec, splits, digest)  # what a run records (`fingerprint`)
   if '://' in spec.data_dir:
     return _prepare_remote(spec, splits, digest)
   return _prepare_local(spec, splits, digest)

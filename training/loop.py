@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 import tqdm
 
 from data import pipeline
+from data import text_corpus
 from layers import sharding
 import models
 from training import checkpointing
@@ -201,6 +202,8 @@ def _train(config, workdir, hooks, lead):
   info_path = paths.join(workdir, 'run_info.json')
   info = paths.read_json(info_path) if paths.exists(info_path) else {}
   info.update(num_params=sum(group_sizes.values()), params_by_group=group_sizes)
+  if config.data.get('task') in text_corpus.TASKS:  # eval.py and a resume compare the files with it
+    info.setdefault('corpus', text_corpus.fingerprint(text_corpus.spec_from_config(config.data)))
   if lead:
     writers.write_json(info_path, info)
 
