@@ -15,6 +15,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from data import text_corpus
 from data import tokenizer as tokenizer_lib
 from data import toy_translation
 from layers import sharding
@@ -25,6 +26,14 @@ from training import validation
 def toy_vocab_size():
   """V of the toy translation task (its tokenizer's vocabulary), without generating the data."""
   return tokenizer_lib.Tokenizer.from_words(toy_translation.vocabulary()).vocab_size
+
+
+def task_vocab_size(data_config):
+  """V of the configured task's tokenizer, without preparing data: the toy vocabulary, or for
+  text_pairs / text_lm the SentencePiece vocabulary data.vocab_size and data.shared_vocab give."""
+  if data_config.get('task', 'base') in text_corpus.TASKS:
+    return text_corpus.tokenizer_vocab_size(text_corpus.spec_from_config(data_config))
+  return toy_vocab_size()
 
 
 def _n(x):
@@ -49,7 +58,7 @@ def report(config, vocab_size):
 
   Args:
     config: the whole config (`model`, `data.max_length`, `train.batch_size`, `mesh`), resolved.
-    vocab_size: V (`toy_vocab_size()` for the toy task).
+    vocab_size: V (`task_vocab_size(config.data)` for the configured task).
 
   Returns:
     The tables, one string.
@@ -186,7 +195,8 @@ FLAGS = flags.FLAGS
 def define_flags():
   """The CLI flags, defined only when run as a program (tests import this module)."""
   config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py).', lock_config=True)
-  flags.DEFINE_integer('vocab_size', 0, 'V; 0 = the toy translation task\'s vocabulary.')
+  flags.DEFINE_integer('vocab_size', 0, 'V; 0 = the configured task\'s tokenizer vocabulary '
+                       '(data.vocab_size, doubled less 6 specials for text_pairs with two models).')
   flags.mark_flag_as_required('config')
 
 
@@ -196,7 +206,7 @@ def main(argv):
   config = validation.resolve(FLAGS.config.unlock())
   try:
     validation.validate(config)
-    text = report(config, FLAGS.vocab_size or toy_vocab_size())
+    text = report(config, FLAGS.vocab_size or task_vocab_size(config.data))
   except ValueError as e:  # validation.ConfigError, or an arch the closed forms do not cover
     print(f'config error: {e}', file=sys.stderr)
     sys.exit(2)
