@@ -93,7 +93,8 @@ def check_flags():
       top_p=_TOP_P.value, plot_attention=_PLOT_ATTENTION.value, rope_scaling=_ROPE_SCALING.value)
   cli_checks.check_eval_run(_WORKDIR.value, split=_SPLIT.value, translate=_TRANSLATE.value,
                             lengths=lengths, stream_split=_STREAM_SPLIT.value,
-                            rope_scaling=_ROPE_SCALING.value)
+                            rope_scaling=_ROPE_SCALING.value, plot_attention=_PLOT_ATTENTION.value,
+                            decode=_DECODE.value, max_examples=_MAX_EXAMPLES.value)
   if jax.process_index() == 0 and not paths.is_remote(_WORKDIR.value) and os.path.isdir(
       _WORKDIR.value):  # a local probe file; a gs:// workdir is written by the run's own writes
     cli_checks.check_can_write(_WORKDIR.value, 'eval.json')  # before hours of evaluation

@@ -22,6 +22,7 @@ import ml_collections
 
 from configs import default
 from data import pipeline
+from data import text_corpus
 from layers import rope
 from training import distributed
 from training import paths
@@ -236,7 +237,23 @@ def check_train_run(config, workdir):
   validation.check_writable('workdir', workdir)
   validation.check_writable('data.data_dir', config.data.data_dir)
   distributed.make_mesh(config)  # the sizes' product against the device count
+  check_corpus(config, workdir)  # a resumed run: before new files get a tokenizer of their own
   return config
+
+
+def check_corpus(config, workdir):
+  """For data.task text_pairs / text_lm: the input files against those the run in `workdir`
+  started training on (run_info.json 'corpus', written by the loop; a new run has none).
+
+  Changed files would be prepared into a new folder with a new tokenizer, silently paired with the
+  run's model. Raises text_corpus.DataError naming the file that changed.
+  """
+  if config.data.get('task') not in text_corpus.TASKS:
+    return
+  path = paths.join(workdir, 'run_info.json')
+  recorded = paths.read_json(path).get('corpus') if paths.exists(path) else None
+  if recorded:  # runs from before the record: nothing to compare with
+    text_corpus.check_fingerprint(recorded, text_corpus.spec_from_config(config.data))
 
 
 # --- eval.py ---------------------------------------------------------------------------------
@@ -311,12 +328,38 @@ def _run_config(workdir):
   return ml_collections.ConfigDict(paths.read_json(path))
 
 
-def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_scaling):
-  """eval.py's flags against the run's config.json: split names, and --lengths within what the
-  model can embed (a learned table has data.max_length rows) and the stream can fill."""
+def _check_documents_flags(task, *, translate, plot_attention, decode, max_examples):
+  """Flags that work on sentence pairs, refused for a run on documents (data.task=text_lm)."""
+  why = f"data.task={task!r} holds documents, not sentence pairs"
+  if translate:
+    raise ConfigError(f'--translate={",".join(translate)} decodes target sentences; {why}; valid: '
+                      'leave it out (loss and perplexity per --split, and --lengths)')
+  if plot_attention:
+    raise ConfigError(f'--plot_attention={plot_attention} draws a pair\'s target-to-source '
+                      f'attention; {why}; valid: 0')
+  if decode != 'greedy':
+    raise ConfigError(f'--decode={decode} chooses how translations are decoded; {why}, so nothing '
+                      'is decoded; valid: greedy (the default)')
+  if max_examples:
+    raise ConfigError(f'--max_examples={max_examples} limits the examples translated; {why}, so '
+                      'nothing is translated; valid: 0')
+
+
+def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_scaling,
+                   plot_attention=0, decode='greedy', max_examples=0):
+  """eval.py's flags against the run's config.json: the input files unchanged since training (text
+  tasks), split names, the flags a text_lm run cannot use, and --lengths within what the model can
+  embed (a learned table has data.max_length rows) and the stream can fill."""
   config = _run_config(workdir)
   if config is None:
     return
+  try:
+    check_corpus(config, workdir)  # first: the checks below may prepare (the --lengths stream)
+  except text_corpus.DataError as e:
+    raise ConfigError(str(e)) from None
+  if not pipeline.has_pairs(config.data):
+    _check_documents_flags(config.data.task, translate=translate, plot_attention=plot_attention,
+                           decode=decode, max_examples=max_examples)
   names = pipeline.split_names(config.data)
   for flag, values in (('--split', split), ('--translate', translate),
                        ('--stream_split', [stream_split] if lengths else [])):

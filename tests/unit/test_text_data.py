@@ -2,6 +2,7 @@
 real words, its SentencePiece round trip, the prepared folder's reuse, the pipeline over it, and
 every bad input as one DataError line naming the file and line, with data_dir left as it was."""
 
+import json
 import os
 import random
 
@@ -373,3 +374,109 @@ def test_tokenizer_does_not_depend_on_the_host(monkeypatch):
     monkeypatch.setattr(os, 'cpu_count', lambda cores=cores: cores)
     models.append(spt.train(sentences, VOCAB))
   assert models[0] == models[1]
+
+
+def test_accounting_counts_the_tokenizer_vocabulary(prepared, corpus, lm_corpus, tmp_path):
+  """tools.accounting's V is the configured task's tokenizer's, found without preparing data."""
+  from tools import accounting  # pylint: disable=g-import-not-at-top
+  config, _ = prepared
+  assert accounting.task_vocab_size(config) == pipeline.get_tokenizer(config).vocab_size == VOCAB
+  separate = data_config(corpus, tmp_path / 'data', shared_vocab=False)
+  assert accounting.task_vocab_size(separate) == 2 * VOCAB - 6
+  assert not (tmp_path / 'data').exists()  # nothing was prepared for the count
+  # (test_separate_vocabularies_share_no_id prepares this config: its tokenizer has 2 * VOCAB - 6)
+  # A document has one side: one model even where shared_vocab is False.
+  lm = data_config(lm_corpus, tmp_path / 'lm', task='text_lm', shared_vocab=False)
+  assert accounting.task_vocab_size(lm) == VOCAB
+  toy = ml_collections.ConfigDict({'task': 'base', 'data_dir': str(tmp_path / 'toy')})
+  assert accounting.task_vocab_size(toy) == accounting.toy_vocab_size() != VOCAB
+
+
+def _copy_corpus(corpus, directory):
+  os.makedirs(directory)
+  copies = {}
+  for split, path in corpus.items():
+    copies[split] = os.path.join(directory, os.path.basename(path))
+    with open(path, 'rb') as src, open(copies[split], 'wb') as dst:
+      dst.write(src.read())
+  return copies
+
+
+def test_a_file_changed_since_training_is_named(corpus, tmp_path):
+  files = _copy_corpus(corpus, str(tmp_path / 'corpus'))
+  spec = text_corpus.spec_from_config(data_config(files, tmp_path / 'data'))
+  recorded = text_corpus.fingerprint(spec)
+  assert recorded['folder'] == f'text_pairs/{text_corpus.folder_name(spec, recorded["hash"])}'
+  assert not (tmp_path / 'data').exists()  # read, not prepared
+  text_corpus.check_fingerprint(recorded, spec)
+  with open(files['validation'], 'a') as f:
+    f.write('\n\n')  # blank lines: the examples as read, and so the prepared folder, stay the same
+  text_corpus.check_fingerprint(recorded, spec)
+  with open(files['validation'], 'a') as f:
+    f.write('A cat.\tEine katze.\n')
+  with pytest.raises(text_corpus.DataError) as e:
+    text_corpus.check_fingerprint(recorded, spec)
+  line = str(e.value)
+  assert line.startswith(f'data.files.validation={files["validation"]} changed since the run '
+                         'started training') and recorded['folder'] in line, line
+  assert '\n' not in line
+  other_vocab = text_corpus.spec_from_config(data_config(corpus, tmp_path / 'data', vocab_size=64))
+  with pytest.raises(text_corpus.DataError, match=f'corpus hash changed .*{recorded["hash"]}, now '
+                     '[0-9a-f]{16}.* with the same files: data.vocab_size'):
+    text_corpus.check_fingerprint(recorded, other_vocab)
+  os.remove(files['test'])
+  with pytest.raises(text_corpus.DataError, match=f'data.files.test={files["test"]}: no such file'):
+    text_corpus.check_fingerprint(recorded, spec)
+
+
+def _text_lm_run(workdir, files, data_dir):
+  """A text_lm workdir as eval.py finds it (config.json, run_info.json), without a checkpoint."""
+  from configs import text_lm  # pylint: disable=g-import-not-at-top
+  config = validation.resolve(text_lm.get_config('quick'))
+  config.data.update(data_dir=str(data_dir), vocab_size=VOCAB)
+  config.data.files.update(files)
+  os.makedirs(workdir)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(config.to_json_best_effort())
+  with open(os.path.join(workdir, 'run_info.json'), 'w') as f:
+    json.dump({'corpus': text_corpus.fingerprint(text_corpus.spec_from_config(config.data))}, f)
+  return config
+
+
+@pytest.mark.parametrize('flag,needle', [
+    (dict(translate=['test']), "--translate=test decodes target sentences; data.task='text_lm'"),
+    (dict(plot_attention=2), "--plot_attention=2 draws a pair's target-to-source attention"),
+    (dict(decode='beam'), '--decode=beam chooses how translations are decoded'),
+    (dict(max_examples=8), '--max_examples=8 limits the examples translated'),
+])
+def test_eval_flags_of_sentence_pairs_are_refused_for_text_lm(lm_corpus, tmp_path, flag, needle):
+  from training import cli_checks  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path / 'run')
+  _text_lm_run(workdir, lm_corpus, tmp_path / 'data')
+  run = dict(split=['test'], translate=[], lengths=[], stream_split='test', rope_scaling=None)
+  cli_checks.check_eval_run(workdir, **run)  # loss and perplexity of a text_lm run: fine
+  with pytest.raises(cli_checks.ConfigError) as e:
+    cli_checks.check_eval_run(workdir, **{**run, **flag})
+  assert str(e.value).startswith(needle) and str(e.value).endswith('valid: ' + {
+      'translate': 'leave it out (loss and perplexity per --split, and --lengths)',
+      'decode': 'greedy (the default)'}.get(next(iter(flag)), '0')), str(e.value)
+  assert not (tmp_path / 'data').exists()  # refused before anything was prepared
+
+
+def test_eval_and_resume_refuse_a_changed_file(lm_corpus, tmp_path):
+  from training import cli_checks  # pylint: disable=g-import-not-at-top
+  files = _copy_corpus(lm_corpus, str(tmp_path / 'corpus'))
+  workdir = str(tmp_path / 'run')
+  config = _text_lm_run(workdir, files, tmp_path / 'data')
+  run = dict(split=['test'], translate=[], lengths=[], stream_split='test', rope_scaling=None)
+  cli_checks.check_eval_run(workdir, **run)
+  cli_checks.check_corpus(config, workdir)
+  with open(files['train'], 'a') as f:
+    f.write('The dog reads a new line.\n')
+  needle = f'data.files.train={files["train"]} changed since the run started training'
+  with pytest.raises(cli_checks.ConfigError, match=needle):  # eval.py: one line, exit 2
+    cli_checks.check_eval_run(workdir, **run)
+  with pytest.raises(text_corpus.DataError, match=needle):  # train.py: 'data error', exit 2
+    cli_checks.check_corpus(config, workdir)
+  cli_checks.check_corpus(config, str(tmp_path / 'new_run'))  # a new workdir: nothing to compare
+  assert not (tmp_path / 'data').exists()
