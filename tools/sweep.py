@@ -196,7 +196,7 @@ def _resolve_sources(overrides, seed, seen):
       if after not in seen or set(value) != {'cell'}:
         raise SweepError(f"{field}={value!r}: valid dict values: train.init_from={{'cell': "
                          "{overrides of a cell listed before this one}}")
-      out[field] = after
+      out[field] = after.rsplit(',seed=', 1)[0]  # the same seed by construction: name it once
   return out, after
 
 

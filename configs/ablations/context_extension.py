@@ -37,20 +37,16 @@ def get_sweep(arg=None):
     if quick:
       steps //= 25
     for scaling in SCALINGS:
-      cells.append({
-          'train.init_from': {'cell': base},  # this seed's base cell, trained first
-          'data.max_length': EXTENDED_LENGTH,
-          'model.rope_scaling': scaling,
-          'model.rope_scaling_factor': 1.0 if scaling == 'none' else factor,
-          'train.steps': steps,
-          # A fresh AdamW whose short schedule warms up over a tenth of the steps, at a quarter
-          # of the base's peak rate: the parameters are trained, only the length is new.
-          'train.warmup_steps': max(1, steps // 10),
-          'train.learning_rate': 5e-4,
-          'train.eval_every': steps,
-          'train.checkpoint_every': steps,
-          'train.log_every': max(1, steps // 10),
-      })
+      cell = {'train.init_from': {'cell': base},  # this seed's base cell, trained first
+              'data.max_length': EXTENDED_LENGTH, 'model.rope_scaling': scaling,
+              'train.steps': steps,
+              # A fresh AdamW at a quarter of the base's peak rate, with a short warmup: the
+              # parameters are trained, only the length is new. Evaluation and the checkpoint
+              # come at the last step (eval_every, checkpoint_every > steps).
+              'train.learning_rate': 5e-4, 'train.warmup_steps': 1 if quick else 5}
+      if scaling != 'none':
+        cell['model.rope_scaling_factor'] = factor
+      cells.append(cell)
   scaled = [f'--rope_scaling={s}:{factor:g}' for s in SCALINGS if s != 'none']
   return {
       'cells': cells,

@@ -38,6 +38,10 @@ def test_a_fine_tune_names_its_source_cell_and_gets_its_workdir(tmp_path):
   tunes = cells[2:]
   assert [c['after'] for c in tunes] == ['data.max_length=64,seed=0', 'data.max_length=64,seed=1'] * 2
   assert all(c['after'] is None for c in cells[:2])
+  # In the name the source appears once, without its seed (it is the fine-tune's own).
+  assert tunes[0]['overrides']['train.init_from'] == 'data.max_length=64'
+  assert tunes[0]['name'] == ('data.max_length=128,model.rope_scaling=pi,model.rope_scaling_factor='
+                              '2.0,train.init_from=data.max_length=64,seed=0')
   argv = sweep.train_command('x.py', '/sw', tunes[0])
   assert f'--config.train.init_from=/sw/{tunes[0]["after"]}' in argv
   assert '--config.train.seed=0' in argv
