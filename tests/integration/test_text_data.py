@@ -1,7 +1,8 @@
 """Your own data through the command lines: an encoder-decoder trained on a generated TSV corpus
 (2,000 pairs of real words) until its loss falls and evaluated (BLEU, exact match), a decoder-only
-LM on text files with the extrapolation harness, the prepared folder reused by eval.py, and each
-bad input as one line with exit status 2 and data_dir left clean."""
+LM on text files with the extrapolation harness, the prepared folder reused by eval.py, each
+bad input as one line with exit status 2 and data_dir left clean (a pair-only eval flag on a text_lm
+run, an input file changed since training), and the accounting CLI's SentencePiece vocabulary."""
 
 import json
 import os
@@ -80,16 +81,20 @@ def test_text_pairs_evaluates_with_bleu_on_detokenized_text(pairs_run):
   assert os.stat(data_dir / 'text_pairs' / folder / 'corpus.json').st_mtime_ns == mtime
 
 
+def lm_args(root):
+  return [TRAIN, f'--config={ROOT}/configs/text_lm.py:dir={root / "corpus"},quick',
+          f'--workdir={root / "run"}', f'--config.data.data_dir={root / "data"}',
+          '--config.data.vocab_size=96', '--config.data.max_length=64',
+          '--config.train.steps=50', '--config.train.eval_every=50',
+          '--config.train.checkpoint_every=50', '--config.train.batch_size=16', *SMALL[1:]]
+
+
 @pytest.fixture(scope='module')
 def lm_run(tmp_path_factory):
   """(workdir, data_dir) of a decoder-only LM trained 50 steps on generated documents."""
   root = tmp_path_factory.mktemp('text_lm')
   write_corpus(str(root / 'corpus'), num_train=300, num_eval=40, lm=True)
-  out = cli(TRAIN, f'--config={ROOT}/configs/text_lm.py:dir={root / "corpus"},quick',
-            f'--workdir={root / "run"}', f'--config.data.data_dir={root / "data"}',
-            '--config.data.vocab_size=96', '--config.data.max_length=64',
-            '--config.train.steps=50', '--config.train.eval_every=50',
-            '--config.train.checkpoint_every=50', '--config.train.batch_size=16', *SMALL[1:])
+  out = cli(*lm_args(root))
   assert out.returncode == 0, out.stderr[-3000:]
   return root / 'run', root / 'data'
 
@@ -112,6 +117,52 @@ def test_text_lm_evaluates_loss_and_extrapolation(lm_run):
   assert result['translation'] == {} and result['loss']['test'] < 2.5
   assert [(r['length'], r['mode']) for r in result['extrapolation']] == [
       (64, 'non_overlapping'), (128, 'non_overlapping')]
+
+
+def test_text_lm_eval_refuses_plot_attention_in_one_line(lm_run):
+  """It drew a pair's attention and ended in a traceback on documents (pipeline.load_examples)."""
+  workdir, _ = lm_run
+  out = cli(EVAL, f'--workdir={workdir}', '--split=test', '--plot_attention=2')
+  lines = out.stderr.strip().splitlines()
+  assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr[-3000:])
+  assert lines[0] == ("eval: --plot_attention=2 draws a pair's target-to-source attention; "
+                      "data.task='text_lm' holds documents, not sentence pairs; valid: 0")
+
+
+def test_an_input_file_changed_since_training_is_refused(lm_run):
+  """eval.py and a resumed train.py name the changed file, before a new folder and tokenizer are
+  prepared for it (the run's model was trained with the old ones)."""
+  workdir, data_dir = lm_run
+  with open(workdir / 'run_info.json') as f:
+    corpus = json.load(f)['corpus']
+  folders = os.listdir(data_dir / 'text_lm')
+  assert folders == [os.path.basename(corpus['folder'])] and folders[0].endswith(corpus['hash'])
+  path = corpus['files']['test']
+  with open(path, 'rb') as f:
+    original = f.read()
+  try:
+    with open(path, 'ab') as f:
+      f.write(b'The old farmer writes a letter again.\n')
+    needle = f'data.files.test={path} changed since the run started training'
+    for prefix, args in (('eval', [EVAL, f'--workdir={workdir}', '--split=test']),
+                         ('data error', lm_args(workdir.parent))):
+      out = cli(*args)
+      lines = out.stderr.strip().splitlines()
+      assert out.returncode == 2 and len(lines) == 1, (prefix, out.returncode, out.stderr[-3000:])
+      assert lines[0].startswith(f'{prefix}: {needle}') and corpus['folder'] in lines[0], lines[0]
+    assert os.listdir(data_dir / 'text_lm') == folders  # nothing prepared for the changed file
+  finally:
+    with open(path, 'wb') as f:
+      f.write(original)
+
+
+def test_accounting_cli_counts_the_sentencepiece_vocabulary():
+  """Two models of 500 pieces share the 6 specials: V = 994, not the toy task's 166; the files
+  are not read (they need not exist)."""
+  out = cli('-m', 'tools.accounting', '--config=configs/text_pairs.py:dir=/no/corpus,quick',
+            '--config.data.vocab_size=500', '--config.data.shared_vocab=False')
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.startswith('# Accounting: ') and ', V=994, ' in out.stdout.splitlines()[0]
 
 
 # (file to replace, its bytes or None, extra flags, words the one line holds): each exits 2 and
