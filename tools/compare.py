@@ -24,6 +24,7 @@ Flags (on the raw train loss of each run, documented in the table's footnote):
 import functools
 import json
 import math
+import re
 import sys
 
 from absl import app
@@ -93,6 +94,8 @@ def load_run(workdir):
   config = flatten(_read_json(paths_lib.join(workdir, 'config.json')))
   if config:  # fields attnlab gained after the run was written hold their defaults
     config = {**_default_fields(), **config}
+  if config.get('train.init_from'):  # a sweep's fine-tunes start from their own seed's source
+    config['train.init_from'] = re.sub(r',seed=\d+$', '', config['train.init_from'].rstrip('/'))
   run = {'workdir': workdir, 'name': paths_lib.basename(workdir), 'rows': rows,
          'config': config,
          'info': _read_json(paths_lib.join(workdir, 'run_info.json')),

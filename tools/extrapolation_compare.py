@@ -96,8 +96,10 @@ def figure(groups, band_kind='minmax'):
   if not lengths:
     return None
   plt = plot_style.pyplot()
-  fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.4), squeeze=False)
-  train_length = lengths[0]
+  n = len(curves)
+  fig, axes = plt.subplots(1, len(lengths), figsize=(3.6 * len(lengths), 3.0 + 0.18 * n),
+                           squeeze=False)
+  train_length = lengths[0]  # the shortest window: the training length of an x1 evaluation
   for ax, length in zip(axes[0], lengths):
     k = max(1, length // train_length)
     for i, (label, by_length) in enumerate(curves.items()):
@@ -111,12 +113,16 @@ def figure(groups, band_kind='minmax'):
       if len(runs) > 1 and band_kind != 'none':
         ax.fill_between(steps, lo, hi, color=color, alpha=0.15, linewidth=0)
     ax.axvline(train_length, color='0.5', ls=':', lw=1)
-    ax.set_title(f'windows of {length} tokens')
-    ax.set_xlabel('position in window (tokens)')
+    ax.set_title(f'{length}-token windows', fontsize=9)
+    ax.set_xlabel('position in window (tokens)', fontsize=8)
   axes[0][0].set_ylabel('loss')
-  axes[0][-1].legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.02, 1.0), frameon=False,
-                     title='cell (seeds)')
-  fig.tight_layout()
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  # Below the panels, one cell per line: the labels are long (every differing field).
+  spread = {'minmax': 'min to max', 'std': 'mean -/+ std', 'none': 'none'}[band_kind]
+  fig.legend(handles, labels, loc='lower left', fontsize=7, frameon=False, title_fontsize=7,
+             title=f'cell (seeds): mean across seeds, band {spread}')
+  fig.subplots_adjust(left=0.06, right=0.98, top=0.9, wspace=0.25,
+                      bottom=(0.18 * n + 0.8) / (3.0 + 0.18 * n))
   return fig, axes
 
 

@@ -70,3 +70,15 @@ def test_per_position_picture_has_a_seed_band_per_cell_and_panel(tmp_path):
   text = compare.compare([str(tmp_path)], out)
   assert os.path.exists(str(tmp_path / 'cmp_extrapolation.png'))
   assert '| cell | seeds | loss at L | r2 |' in text
+
+
+def test_fine_tunes_of_each_seed_s_own_source_form_one_group(tmp_path):
+  for seed in (0, 1):
+    path = _workdir(tmp_path, 'rope', seed, 1.0)
+    with open(os.path.join(path, 'config.json')) as f:
+      config = json.load(f)
+    config['train']['init_from'] = f'/sweep/data.max_length=64,seed={seed}'
+    with open(os.path.join(path, 'config.json'), 'w') as f:
+      json.dump(config, f)
+  groups = compare.group_runs([compare.load_run(w) for w in compare.find_runs([str(tmp_path)])])
+  assert len(groups) == 1 and len(groups[0][1]) == 2
