@@ -274,6 +274,15 @@ class XPos(RoPE):
       raise options.ConfigError(f'model.xpos_block={block!r} must be an integer >= 0 (0 = plain '
                                 'causal attention; w = blockwise causal with blocks of w)')
 
+  @classmethod
+  def check_config(cls, model_cfg, data_cfg):
+    """RoPE's checks; the blockwise causal mask is a `[T, S]` mask, which ring attention refuses."""
+    super().check_config(model_cfg, data_cfg)
+    if model_cfg.get('xpos_block', 0) and model_cfg.attention_impl == 'ring':
+      raise options.ConfigError("model.xpos_block > 0 (a [T, S] mask) cannot run with "
+                                "model.attention_impl='ring'; valid values: xla, blockwise, pallas, "
+                                'cudnn (or model.xpos_block=0)')
+
   def in_attention(self, q, k, q_pos, k_pos, *, is_causal):
     if q_pos is None:
       q_pos = jnp.arange(q.shape[1])[None]  # [1, T]

@@ -279,6 +279,12 @@ def test_config_checks_of_the_new_fields():
     validation.validate(bad)
   bad.model.random_positions_max = 256
   validation.validate(bad)
+  bad.model.update(position='xpos', random_positions_max=0, xpos_block=64, attention_impl='ring')
+  with pytest.raises(validation.ConfigError, match="xpos_block > 0 .*attention_impl='ring'"):
+    validation.validate(bad)
+  bad.model.xpos_block = -1
+  with pytest.raises(validation.ConfigError, match='xpos_block=-1 must be an integer >= 0'):
+    validation.validate(bad)
 
 
 def test_random_positions_are_sorted_distinct_draws_and_keep_segments_in_order():
