@@ -46,19 +46,36 @@ def read_quality(sweep_dir):
   out = {}
   for name in sorted(os.listdir(sweep_dir)):
     path = os.path.join(sweep_dir, name, 'eval.json')
-    if not os.path.isfile(path):
-      continue
     fields = cell_fields(name)
     variant = fields.get('model.attention', 'dense')
+    if fields.get('train.learning_rate'):
+      variant += f', lr {fields["train.learning_rate"]}'
+    if not os.path.isfile(path):
+      if _diverged(os.path.join(sweep_dir, name)):
+        _entry(out, variant, fields)['diverged'] += 1
+      continue
     with open(path) as f:
       ev = json.load(f)
     trans = ev.get('translation', {})
-    entry = out.setdefault(variant, {'val_loss': [], 'test_em': [], 'long_em': [],
-                                     'decoder': fields.get('model.decoder_attention', '')})
+    entry = _entry(out, variant, fields)
     entry['val_loss'].append(ev['loss']['validation'])
     entry['test_em'].append(trans.get('test', {}).get('exact_match', math.nan))
     entry['long_em'].append(trans.get('test_long', {}).get('exact_match', math.nan))
   return out
+
+
+def _entry(out, variant, fields):
+  return out.setdefault(variant, {'val_loss': [], 'test_em': [], 'long_em': [], 'diverged': 0,
+                                  'decoder': fields.get('model.decoder_attention', '')})
+
+
+def _diverged(workdir):
+  """True when the cell's train.log says it stopped on a non-finite loss or gradient."""
+  log = os.path.join(workdir, 'train.log')
+  if not os.path.isfile(log):
+    return False
+  with open(log, errors='replace') as f:
+    return 'non-finite' in f.read()
 
 
 def read_costs(path):
@@ -101,7 +118,8 @@ def points(quality, costs, length):
   """Rows [(label, kernel, quality entry, seconds at `length`, measured?)], dense as two rows."""
   out = []
   for variant, entry in sorted(quality.items()):
-    kernels = DENSE_KERNELS if variant == 'dense' else ((variant, variant),)
+    base = variant.split(',')[0]
+    kernels = (DENSE_KERNELS if base == 'dense' else ((base, variant),))
     for kernel, label in kernels:
       if entry['decoder']:
         label = f'{label} (decoder: {entry["decoder"]})'
@@ -118,8 +136,14 @@ def table(rows, costs):
   head += [f'temp {t // 1024}k' for t in TABLE_LENGTHS]
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   for label, kernel, entry, _, _ in rows:
-    cells = [label, str(len(entry['val_loss'])), _spread(entry['val_loss'], '{:.3f}'),
-             _spread(entry['test_em'], '{:.1f}', 100), _spread(entry['long_em'], '{:.1f}', 100)]
+    seeds = len(entry['val_loss']) + entry['diverged']
+    if entry['diverged']:
+      quality = f'diverged in {entry["diverged"]} of {seeds} seeds (non-finite gradient)'
+      cells = [label, str(seeds), quality, 'n/a', 'n/a']
+    else:
+      cells = [label, str(seeds), _spread(entry['val_loss'], '{:.4f}'),
+               _spread(entry['test_em'], '{:.1f}', 100),
+               _spread(entry['long_em'], '{:.1f}', 100)]
     for t in TABLE_LENGTHS:
       secs, measured = time_at(costs, kernel, t)
       cells.append('n/a' if secs is None else f'{secs:.2f}' if measured
@@ -144,7 +168,7 @@ def draw(rows, length, out):
           continue
         v = np.asarray(entry[key], np.float64) * scale
         v = v[~np.isnan(v)]
-        if not v.size:
+        if not v.size or entry['diverged']:
           continue
         color = plot_style.PALETTE[i % len(plot_style.PALETTE)]
         ax.errorbar([secs], [v.mean()], yerr=[[v.mean() - v.min()], [v.max() - v.mean()]],

@@ -73,6 +73,11 @@ def test_tradeoff_table_aggregates_seeds_and_extrapolates_unrun_dense(tmp_path):
   _write_cell(sweep_dir, 'model.attention=linformer,model.decoder_attention=dense,seed=0',
               2.0, 0.25, 0.0)
   os.makedirs(os.path.join(sweep_dir, 'model.attention=linear,seed=0'))  # unfinished: skipped
+  for seed in (0, 1):
+    os.makedirs(os.path.join(sweep_dir, f'model.attention=performer,seed={seed}'))
+    with open(os.path.join(sweep_dir, f'model.attention=performer,seed={seed}', 'train.log'),
+              'w') as f:
+      f.write('train: non-finite grad_norm (nan) at step 141; stopping.\n')
   rows = []
   for kernel, secs in (('dense', {1024: 1.0, 4096: 16.0, 16384: None}),
                        ('dense_flash', {1024: 0.5, 4096: 4.0, 16384: 60.0}),
@@ -84,7 +89,8 @@ def test_tradeoff_table_aggregates_seeds_and_extrapolates_unrun_dense(tmp_path):
     json.dump({'rows': rows}, f)
 
   quality = attention_tradeoff.read_quality(sweep_dir)
-  assert sorted(quality) == ['dense', 'linformer']
+  assert sorted(quality) == ['dense', 'linformer', 'performer']
+  assert quality['performer']['diverged'] == 2 and not quality['performer']['val_loss']
   points = attention_tradeoff.points(quality, attention_tradeoff.read_costs(costs), 16384)
   by_label = {p[0]: p for p in points}
   # Dense xla at 16k was not run: 4k's 16 s scaled by (16k/4k)^2, marked unmeasured.
@@ -92,7 +98,8 @@ def test_tradeoff_table_aggregates_seeds_and_extrapolates_unrun_dense(tmp_path):
   assert by_label['dense (blockwise)'][3:] == (60.0, True)
   assert by_label['linformer (decoder: dense)'][3:] == (1.6, True)
   text = attention_tradeoff.table(points, attention_tradeoff.read_costs(costs))
-  assert '| dense (xla) | 3 | 1.200 [1.000, 1.400] | 100.0 [100.0, 100.0] |' in text
+  assert '| dense (xla) | 3 | 1.2000 [1.0000, 1.4000] | 100.0 [100.0, 100.0] |' in text
+  assert '| performer | 2 | diverged in 2 of 2 seeds (non-finite gradient) |' in text
   assert '~256 (T² extrapolated)' in text
   out = str(tmp_path / 'tradeoff.png')
   attention_tradeoff.main([f'--sweep_dir={sweep_dir}', f'--costs={costs}', f'--out={out}'])
