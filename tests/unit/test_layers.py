@@ -129,7 +129,7 @@ def test_a_variant_check_names_its_field_and_valid_values():
   cfg = model_config(attention='longformer', position='t5_bias')
   data = ml_collections.ConfigDict({'max_length': 64})
   with pytest.raises(validation.ConfigError, match=r"^model\.position='t5_bias' adds a score term "
-                     r'.*; valid values: learned, nope, rope, sinusoidal$'):
+                     r'.*; valid values: learned, nope, rope, sinusoidal, xpos$'):
     attention_variants.VARIANTS['longformer'].check_config(cfg, data)
   cfg.update(position='rope', window=-2)
   with pytest.raises(validation.ConfigError, match=r'^model\.window=-2 must be an integer >= 0$'):
