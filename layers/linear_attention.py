@@ -56,9 +56,12 @@ def orthogonal_features_np(seed, num_features, dim):
 def favor_features(x, w, *, stabilise_axes):
   """Positive random features: E[phi(q)·phi(k)] = exp(q·k) (up to one constant factor).
 
-  phi(x) = exp(w·x - |x|²/2 - c) / sqrt(M). The shift c (the max over `stabilise_axes`, held
-  constant for the gradient) only keeps exp in range: a query's c cancels in its normalisation, and
-  one c shared by all keys cancels between numerator and denominator.
+  phi(x) = exp(w·x - |x|²/2 - c) / sqrt(M). The shift c (the max of w·x - |x|²/2 over
+  `stabilise_axes`, held constant for the gradient) only keeps exp in range: a query's c cancels in
+  its normalisation, and one c shared by all keys cancels between numerator and denominator. The
+  |x|²/2 term is inside the max: with it outside, a query or key of large norm had every feature
+  underflow towards 0, and the normaliser's gradient (1/den²) overflowed to NaN in training (the
+  encoder-decoder of the attention-variants study, from about step 150).
 
   Args:
     x: `[..., H]` queries or keys, already scaled by scale**0.5.
@@ -70,8 +73,9 @@ def favor_features(x, w, *, stabilise_axes):
   """
   proj = jnp.einsum('...H,MH->...M', x.astype(jnp.float32), w)  # [..., M]
   sq = 0.5 * jnp.sum(jnp.square(x.astype(jnp.float32)), -1, keepdims=True)  # [..., 1]
-  shift = jax.lax.stop_gradient(jnp.max(proj, axis=stabilise_axes, keepdims=True))
-  return jnp.exp(proj - sq - shift) / math.sqrt(w.shape[0])
+  logits = proj - sq
+  shift = jax.lax.stop_gradient(jnp.max(logits, axis=stabilise_axes, keepdims=True))
+  return jnp.exp(logits - shift) / math.sqrt(w.shape[0])
 
 
 def performer_features(q, k, w, scale):
@@ -332,7 +336,9 @@ class PerformerAttention(_Kernel):
     w = self.features_w.value.astype(jnp.float32)
     kf = favor_features(k * math.sqrt(scale), w, stabilise_axes=(-1,))  # one shift per key
     x = k.astype(jnp.float32) * math.sqrt(scale)
-    shift = jnp.max(jnp.einsum('...H,MH->...M', x, w), axis=-1)  # that shift, [B, 1, K]
+    logits = (jnp.einsum('...H,MH->...M', x, w)
+              - 0.5 * jnp.sum(jnp.square(x), -1, keepdims=True))  # as in favor_features
+    shift = jnp.max(logits, axis=-1)  # that shift, [B, 1, K]
     return kf, shift
 
 

@@ -260,3 +260,23 @@ def test_impossible_combinations_are_one_line_config_errors(overrides, field):
   with pytest.raises(validation.ConfigError, match=field.replace('.', r'\.')) as e:
     validation.validate(config)
   assert '\n' not in str(e.value)
+
+
+@pytest.mark.parametrize('is_causal', [False, True])
+def test_performer_queries_and_keys_of_large_norm_keep_finite_gradients(is_causal):
+  """|x|²/2 sits inside the stabilising max: a row of norm 16 (|x|²/2 = 128 > float32's exp range)
+  keeps a feature of exactly 1/sqrt(M) instead of underflowing to 0, and the normaliser's gradient
+  stays finite (it was NaN from about step 150 of the attention-variants study)."""
+  b, t, k, h, m = 1, 6, 1, 8, 16
+  w = jnp.asarray(linear_attention.orthogonal_features_np(0, m, h))
+  q, kk, v = (jax.random.normal(jax.random.key(i), (b, t, k, h)) for i in range(3))
+  big = q.at[:, 2].multiply(16.0 / jnp.linalg.norm(q[:, 2], axis=-1, keepdims=True))
+  qf = linear_attention.favor_features(big[:, :, :, None], w, stabilise_axes=(-1,))
+  np.testing.assert_allclose(jnp.max(qf, -1), 1 / np.sqrt(m), rtol=1e-6)
+
+  def loss(q, kk, v):
+    qf, kf = linear_attention.performer_features(q[:, :, :, None], kk, w, 1.0)
+    return jnp.sum(linear_attention.kernel_attention(qf, kf, v, is_causal=is_causal) ** 2)
+
+  grads = jax.grad(loss, argnums=(0, 1, 2))(big, kk.at[:, 3].multiply(6.0), v)
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
