@@ -137,13 +137,11 @@ def table(rows, costs):
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   for label, kernel, entry, _, _ in rows:
     seeds = len(entry['val_loss']) + entry['diverged']
-    if entry['diverged']:
-      quality = f'diverged in {entry["diverged"]} of {seeds} seeds (non-finite gradient)'
-      cells = [label, str(seeds), quality, 'n/a', 'n/a']
-    else:
-      cells = [label, str(seeds), _spread(entry['val_loss'], '{:.4f}'),
-               _spread(entry['test_em'], '{:.1f}', 100),
-               _spread(entry['long_em'], '{:.1f}', 100)]
+    cells = [label, str(seeds), _spread(entry['val_loss'], '{:.4f}'),
+             _spread(entry['test_em'], '{:.1f}', 100), _spread(entry['long_em'], '{:.1f}', 100)]
+    if entry['diverged']:  # the finished seeds' quality, and how many stopped
+      stopped = f'{entry["diverged"]} of {seeds} seeds diverged (non-finite gradient)'
+      cells[2] = f'{cells[2]}; {stopped}' if entry['val_loss'] else stopped
     for t in TABLE_LENGTHS:
       secs, measured = time_at(costs, kernel, t)
       cells.append('n/a' if secs is None else f'{secs:.2f}' if measured
@@ -160,16 +158,19 @@ def draw(rows, length, out):
   plt = plot_style.pyplot()
   with plt.rc_context(plot_style.STYLE):
     fig, axes = plt.subplots(1, 2, figsize=(plot_style.WIDTH, 4.2))
-    panels = (('val_loss', 1.0, 'validation loss (lower is better)'),
-              ('long_em', 100.0, 'exact match on test_long, % (higher is better)'))
-    for ax, (key, scale, ylabel) in zip(axes, panels):
+    panels = (('val_loss', 1.0, 'validation loss', 'lower is better'),
+              ('long_em', 100.0, 'test_long exact match (%)', 'higher is better'))
+    for ax, (key, scale, ylabel, title) in zip(axes, panels):
+      ax.set_title(title)
       for i, (label, _, entry, secs, measured) in enumerate(rows):
         if secs is None:
           continue
         v = np.asarray(entry[key], np.float64) * scale
         v = v[~np.isnan(v)]
-        if not v.size or entry['diverged']:
+        if not v.size:
           continue
+        if entry['diverged']:
+          label += f' ({entry["diverged"]} of {len(v) + entry["diverged"]} seeds diverged)'
         color = plot_style.PALETTE[i % len(plot_style.PALETTE)]
         ax.errorbar([secs], [v.mean()], yerr=[[v.mean() - v.min()], [v.max() - v.mean()]],
                     fmt='o', color=color, mfc=color if measured else 'white', ms=7, capsize=3,
