@@ -280,3 +280,22 @@ def test_performer_queries_and_keys_of_large_norm_keep_finite_gradients(is_causa
 
   grads = jax.grad(loss, argnums=(0, 1, 2))(big, kk.at[:, 3].multiply(6.0), v)
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+
+
+@pytest.mark.parametrize('is_causal', [False, True])
+def test_kernel_attention_with_a_vanishing_denominator_has_finite_gradients(is_causal):
+  """A query whose visible keys' features nearly underflowed (den ~ 1e-26) gets zeros and a
+  zero gradient: the quotient's den^-2 would overflow float32 to inf and NaN."""
+  b, t, k, m, h = 1, 5, 1, 4, 3
+  qf = jnp.full((b, t, k, 1, m), 0.5)
+  kf = jnp.full((b, t, k, m), 0.5).at[:, :2].set(1e-26)  # keys 0, 1: nearly underflowed
+  v = jax.random.normal(jax.random.key(0), (b, t, k, h))
+
+  def loss(qf, kf, v):
+    return jnp.sum(linear_attention.kernel_attention(qf, kf, v, is_causal=is_causal) ** 2)
+
+  grads = jax.grad(loss, argnums=(0, 1, 2))(qf, kf, v)
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+  out = linear_attention.kernel_attention(qf, kf, v, is_causal=is_causal)
+  if is_causal:  # queries 0 and 1 see only the denormal keys
+    np.testing.assert_array_equal(out[:, :2], 0.0)
