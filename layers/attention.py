@@ -242,6 +242,11 @@ class Attention(nnx.Module, options.Configurable):
       raise options.ConfigError(
           f'model.position={m.position!r} adds a score term that model.attention={m.attention!r} '
           f'does not take; valid values: {", ".join(sorted(valid))}')
+    if not cls.takes_score_terms and m.position == 'xpos' and m.get('xpos_block', 0):
+      # The blockwise causal form is a [T, S] mask, which these kernels have no scores to take.
+      raise options.ConfigError(
+          f'model.xpos_block={m.xpos_block!r} (a [T, S] mask) is not valid with model.attention='
+          f"{m.attention!r}; valid values here: 0 (or model.attention='dense')")
 
   def positions_without_scores(self, q, k, positions, position, is_causal):
     """q, k after `position`'s rotation (RoPE); a method that adds a score term (ALiBi, T5 bias)

@@ -341,3 +341,18 @@ def test_xpos_blockwise_causal_attention_in_models(impl):
   full_bca, step_bca = full_and_cached_logits(bca, tokens)
   assert float(jnp.max(jnp.abs(full_bca - plain({'inputs': tokens})))) > 1e-4  # beyond: it differs
   np.testing.assert_allclose(step_bca, full_bca, atol=2e-5, rtol=2e-5)  # and decodes the same
+
+
+def test_xpos_block_with_a_variant_without_scores_is_refused_at_validation():
+  """The blockwise causal form is a [T, S] mask: refused before compilation for the variants that
+  take no score terms (it was refused only when the model ran)."""
+  from configs import default  # pylint: disable=g-import-not-at-top
+  from training import validation  # pylint: disable=g-import-not-at-top
+  config = validation.resolve(default.get_config())
+  config.model.update({'position': 'xpos', 'xpos_block': 16, 'attention': 'sliding_window'})
+  with pytest.raises(validation.ConfigError,
+                     match=r"^model.xpos_block=16 \(a \[T, S\] mask\) is not valid with "
+                           r"model.attention='sliding_window'; valid values here: 0"):
+    validation.validate(config)
+  config.model.xpos_block = 0
+  validation.validate(config)
