@@ -1,7 +1,7 @@
 """Compares train.py runs: overlaid loss curves (PNG), divergence/plateau flags, a markdown table.
 
     python -m tools.compare DIR [DIR ...] [--out=PNG] [--smooth=ema:0.9] [--logy] [--logx]
-        [--target_loss=3.0] [--color_by=FIELD] [--style_by=FIELD] [--band=minmax|std|none]
+        [--target_loss=3.0 [--target_split=train]] [--color_by=FIELD] [--style_by=FIELD] [--band=minmax|std|none]
 
 Runs are workdirs (metrics.jsonl, config.json, run_info.json); a sweep directory stands for every
 workdir inside it. Runs whose configs differ only in `train.seed` form one group, drawn as the mean
@@ -194,13 +194,21 @@ def _stat(values, fmt='{:.4f}'):
   return f'{fmt.format(np.mean(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]'
 
 
-def summarize(groups, target_loss=None):
+def init_grad_ratio(run):
+  """The first block's gradient norm at initialisation over the last block's, or None."""
+  blocks = run['init_grad'].get('blocks') or []
+  return float(blocks[0] / blocks[-1]) if len(blocks) > 1 and blocks[-1] else None
+
+
+def summarize(groups, target_loss=None, target_split='valid'):
   """Per group: the table's numbers and flags. Returns a list of dicts (one per group)."""
+  if target_split not in ('train', 'valid'):
+    raise ValueError(f'--target_split: {target_split!r} unknown; valid: train, valid')
   out = []
   for label, runs in groups:
-    row = {'label': label, 'seeds': len(runs), 'final_valid': [], 'best_valid': [],
-           'steps_to_target': [], 'tokens_per_sec': [], 'num_params': None,
-           'diverged': [], 'plateaued': [], 'incomplete': 0}
+    row = {'label': label, 'seeds': len(runs), 'final_train': [], 'final_valid': [],
+           'best_valid': [], 'steps_to_target': [], 'init_grad_ratio': [], 'tokens_per_sec': [],
+           'num_params': None, 'diverged': [], 'plateaued': [], 'incomplete': 0}
     for r in runs:
       total = total_steps(r)
       ts, tl = r['train']
@@ -212,10 +220,12 @@ def summarize(groups, target_loss=None):
       if div is None and (not len(ts) or ts[-1] < total):
         row['incomplete'] += 1
       finite = vl[np.isfinite(vl)]
+      row['final_train'].append(float(tl[-1]) if len(tl) else None)
+      row['init_grad_ratio'].append(init_grad_ratio(r))
       row['final_valid'].append(float(vl[-1]) if len(vl) else None)
       row['best_valid'].append(float(finite.min()) if len(finite) else None)
       if target_loss is not None:
-        row['steps_to_target'].append(steps_to_target(vs, vl, target_loss))
+        row['steps_to_target'].append(steps_to_target(*r[target_split], target_loss))
       # The first window includes compilation: the median of the others is the steady rate.
       tps = [x.get('tokens_per_sec') for x in r['rows'][1:]
              if x.get('split') == 'train' and x.get('tokens_per_sec')]
@@ -226,19 +236,25 @@ def summarize(groups, target_loss=None):
   return out
 
 
-def markdown_table(summary, target_loss=None):
+def markdown_table(summary, target_loss=None, target_split='valid'):
   """The summary as a markdown table, with a footnote defining the flags."""
-  head = ['cell', 'seeds', 'final valid', 'best valid']
+  head = ['cell', 'seeds', 'final train', 'final valid', 'best valid']
   if target_loss is not None:
-    head.append(f'steps to valid <= {target_loss:g}')
+    head.append(f'steps to {target_split} <= {target_loss:g}')
+  has_init = any(v is not None for row in summary for v in row['init_grad_ratio'])
+  if has_init:
+    head.append('init grad first/last block')
   head += ['tokens/s', 'params', 'flags']
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   for row in summary:
-    cells = [row['label'], str(row['seeds']), _stat(row['final_valid']), _stat(row['best_valid'])]
+    cells = [row['label'], str(row['seeds']), _stat(row['final_train']),
+             _stat(row['final_valid']), _stat(row['best_valid'])]
     if target_loss is not None:
       reached = [s for s in row['steps_to_target'] if s is not None]
       cells.append(f'{_stat(reached, "{:.0f}")} ({len(reached)}/{row["seeds"]})' if reached
                    else f'never (0/{row["seeds"]})')
+    if has_init:
+      cells.append(_stat(row['init_grad_ratio'], '{:.3g}'))
     cells.append(_stat(row['tokens_per_sec'], '{:.0f}'))
     cells.append(f'{row["num_params"]:,}' if row['num_params'] else '-')
     flags = []
@@ -252,7 +268,9 @@ def markdown_table(summary, target_loss=None):
     cells.append(', '.join(flags) or 'ok')
     lines.append('| ' + ' | '.join(cells) + ' |')
   lines.append('')
-  lines.append(f'Mean [min, max] across seeds. DIVERGED: a non-finite loss, or a train loss above '
+  lines.append(f'Mean [min, max] across seeds; final train: the last logged training loss. '
+               + ('init grad first/last block: the gradient norm of the first block at '
+                  'initialisation over the last block\'s. ' if has_init else '') + f'DIVERGED: a non-finite loss, or a train loss above '
                f'{SPIKE_FACTOR:g}x its running minimum after {SPIKE_AFTER:.0%} of the steps. '
                f'PLATEAU: the final train loss within {PLATEAU_TOLERANCE:.0%} of the loss at '
                f'{PLATEAU_AT:.0%} of the steps and above {PLATEAU_LEVEL:g}x the unigram entropy.')
@@ -403,7 +421,7 @@ def plot(groups, summary, out, *, smoothing=None, logy=False, logx=False, title=
 
 
 def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=None,
-            color_by=None, style_by=None, band_kind='minmax'):
+            target_split='valid', color_by=None, style_by=None, band_kind='minmax'):
   """Loads the runs under `paths`, draws `out` (PNG) and returns the markdown summary table.
 
   Args:
@@ -412,7 +430,8 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
     smoothing: the train curves' `smooth` spec.
     logy: log-scale loss axes.
     logx: log-scale step axes.
-    target_loss: tabulate the first step at which the validation loss reaches this.
+    target_loss: tabulate the first logged step at which the loss reaches this.
+    target_split: the loss `target_loss` is read from: 'valid' or 'train'.
     color_by: the field that picks the hue (None: `rank_fields`'s first; 'none': one per group).
     style_by: the field that picks the line style (None: automatic; 'none': solid lines).
     band_kind: the spread across seeds: 'minmax', 'std' or 'none'.
@@ -425,7 +444,7 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   smooth(np.zeros(1), smoothing)  # reject a bad --smooth or --band before any work
   band([(np.zeros(1), np.zeros(1))], band_kind)
   groups = group_runs(runs)
-  summary = summarize(groups, target_loss)
+  summary = summarize(groups, target_loss, target_split)
   title = ', '.join(paths_lib.basename(p) for p in paths)
   title = f'{title}: ' if len(title) <= 60 else ''
   title += f'{len(runs)} runs in {len(groups)} cells' if len(groups) > 1 else f'{len(runs)} runs'
@@ -433,7 +452,7 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
        color_by=color_by, style_by=style_by, band_kind=band_kind)
   # Runs evaluated with eval.py --lengths: their table, and loss per position (OUT_extrapolation.png).
   extra = extrapolation_compare.report(groups, out, band_kind)
-  return markdown_table(summary, target_loss) + (f'\n\n{extra}' if extra else '')
+  return markdown_table(summary, target_loss, target_split) + (f'\n\n{extra}' if extra else '')
 
 
 # --- The command line -----------------------------------------------------------------------------
@@ -446,8 +465,10 @@ def define_flags():
   flags.DEFINE_string('smooth', None, 'Train-curve smoothing: ema:BETA (or BETA), ma:K, or none.')
   flags.DEFINE_bool('logy', False, 'Log-scale loss axis.')
   flags.DEFINE_bool('logx', False, 'Log-scale step axis.')
-  flags.DEFINE_float('target_loss', None, 'Report the first step whose validation loss is at most '
-                     'this.')
+  flags.DEFINE_float('target_loss', None, 'Report the first logged step whose loss (see '
+                     '--target_split) is at most this.')
+  flags.DEFINE_enum('target_split', 'valid', ['valid', 'train'], 'The loss --target_loss reads: '
+                    'validation (every eval_every steps) or training (every log_every steps).')
   flags.DEFINE_string('out', None, 'The PNG to write, local or gs:// (default: '
                       'DIR/compare.png of the first DIR).')
   flags.DEFINE_string('color_by', None, 'The config field whose values pick the colour (e.g. '
@@ -471,7 +492,8 @@ def main(argv):
   out = FLAGS.out or paths_lib.join(paths[0], 'compare.png')
   try:
     table = compare(paths, out, smoothing=FLAGS.smooth, logy=FLAGS.logy, logx=FLAGS.logx,
-                    target_loss=FLAGS.target_loss, color_by=FLAGS.color_by,
+                    target_loss=FLAGS.target_loss, target_split=FLAGS.target_split,
+                    color_by=FLAGS.color_by,
                     style_by=FLAGS.style_by, band_kind=FLAGS.band)
   except (FileNotFoundError, ValueError) as e:
     print(str(e), file=sys.stderr)

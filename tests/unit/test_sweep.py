@@ -3,6 +3,7 @@
 
 from tests.helpers import ROOT, write_run
 import glob
+import json
 import os
 
 import numpy as np
@@ -178,12 +179,33 @@ def test_compare_groups_seeds_flags_and_tabulates(tmp_path):
   assert set(rows) == {'norm_position=pre', 'norm_position=post', 'norm_position=mid'}
   pre = rows['norm_position=pre'].split(' | ')
   assert pre[1] == '2'  # two seeds, one row
-  assert pre[2] == '2.1000 [2.0000, 2.2000]'  # final validation loss: mean [min, max]
-  assert pre[4] == '75 [50, 100] (2/2)'  # steps to valid <= 3.7: 50 (seed 0) and 100 (seed 1)
-  assert pre[6] == '1,000' and pre[7] == 'ok |'
+  assert pre[2] == '2.1000 [2.0000, 2.2000]'  # final training loss (step 100): 2.0 and 2.2
+  assert pre[3] == '2.1000 [2.0000, 2.2000]'  # final validation loss: mean [min, max]
+  assert pre[5] == '75 [50, 100] (2/2)'  # steps to valid <= 3.7: 50 (seed 0) and 100 (seed 1)
+  assert pre[7] == '1,000' and pre[8] == 'ok |'
   assert 'DIVERGED 1/1 (step 70)' in rows['norm_position=post']
   assert 'PLATEAU 1/1' in rows['norm_position=mid']
   assert 'never (0/1)' in rows['norm_position=mid']
+
+
+def test_compare_steps_to_a_training_loss_and_the_init_gradient_ratio(tmp_path):
+  """--target_split=train reads the training curve (logged every few steps); the init gradient
+  column is the first block's norm over the last block's, mean [min, max] across seeds."""
+  for seed, (first, last) in enumerate([(1.0, 4.0), (3.0, 4.0)]):
+    workdir = tmp_path / f'sw/model.norm_position=post,seed={seed}'
+    write_run(workdir, [(s, 5.0 - 0.02 * s - seed) for s in range(10, 101, 10)],
+              [(50, 3.9), (100, 3.0)], seed=seed, fields={'norm_position': 'post'})
+    (workdir / 'init_grad_norms.json').write_text(
+        json.dumps({'blocks': [first, 2.0, last], 'groups': {}}))
+  table = compare.compare([str(tmp_path / 'sw')], str(tmp_path / 'cmp.png'), target_loss=3.9,
+                          target_split='train')
+  head, _, row = [line.split(' | ') for line in table.splitlines()[:3]]
+  assert head[5:7] == ['steps to train <= 3.9', 'init grad first/last block']
+  assert row[5] == '35 [10, 60] (2/2)'  # 5 - 0.02 s <= 3.9 from s = 60, 4 - 0.02 s from s = 10
+  assert row[6] == '0.5 [0.25, 0.75]'
+  with pytest.raises(ValueError, match='target_split'):
+    compare.compare([str(tmp_path / 'sw')], str(tmp_path / 'cmp.png'), target_loss=3.9,
+                    target_split='test')
 
 
 def test_compare_reads_separate_workdirs_and_reports_missing(tmp_path):
