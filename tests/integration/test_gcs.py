@@ -10,88 +10,29 @@ checks everything but the lock's race between two runs starting at the same mome
 
 import io
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 
-from tests.helpers import ROOT, quick_config, sigterm_after
+from tests.helpers import ROOT, gcs_emulator, quick_config, sigterm_after
 from training import lock
 from training import loop
 from training import paths
 from training import writers
 
-# The emulator as a process, with two departures from real GCS mended: its HTTP server answers one
-# request at a time with a listen queue of 5, and tensorstore opens many connections at once (a
-# longer queue keeps them from being refused); its media downloads lack the x-goog-generation
-# header that GCS sends and tensorstore's OCDBT needs for its conditional manifest writes
-# ('Malformed StorageGeneration' without it). The handler is wrapped before the server's routes
-# are built from it.
-LAUNCHER = """
-import http.server, sys
-from gcp_storage_emulator.handlers import objects
-http.server.HTTPServer.request_queue_size = 256
-_download = objects.download
-def download(request, response, storage, *args, **kwargs):
-  _download(request, response, storage, *args, **kwargs)
-  try:
-    obj = storage.get_file_obj(request.params['bucket_name'], request.params['object_id'])
-    response['x-goog-generation'] = obj['generation']
-  except Exception:  # not found: the handler set 404
-    pass
-objects.download = download
-from gcp_storage_emulator.__main__ import main
-sys.exit(main())
-"""
 RUN, DATA = 'gs://bucket/run', 'gs://bucket/data'
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
 
 
 @pytest.fixture(scope='module')
 def gcs(tmp_path_factory):
   """An in-memory emulator with the bucket `bucket`; the environment points every client at it
   (this process and the train.py / eval.py processes it starts)."""
-  port = _free_port()
-  url = f'http://127.0.0.1:{port}'
-  proc = subprocess.Popen(
-      [sys.executable, '-c', LAUNCHER, 'start', f'--port={port}', '--host=127.0.0.1',
-       '--default-bucket=bucket', '--in-memory', '-q'],
-      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  env = {'STORAGE_EMULATOR_HOST': url, 'TENSORSTORE_GCS_HTTP_URL': url,
-         'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'emulator',  # tensorstore sends it; nobody checks it
-         'TENSORSTORE_GCS_REQUEST_CONCURRENCY': '8',
-         # gcsfs would ask the storage-control API (not emulated) whether the bucket is hierarchical.
-         'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false',
-         'ATTNLAB_DATA_CACHE': str(tmp_path_factory.mktemp('data_cache'))}
-  saved = {k: os.environ.get(k) for k in env}
-  os.environ.update(env)
-  try:
-    deadline = time.time() + 60
-    while True:  # until it answers
-      try:
-        urllib.request.urlopen(f'{url}/storage/v1/b', timeout=2).read()
-        break
-      except OSError:
-        if proc.poll() is not None or time.time() > deadline:
-          raise RuntimeError(f'the GCS emulator did not start (exit {proc.poll()})') from None
-        time.sleep(0.2)
+  # tensorstore (hence Orbax) is pointed at it by its own settings and sends a fixed token.
+  with gcs_emulator(TENSORSTORE_GCS_HTTP_URL='{url}', GOOGLE_AUTH_TOKEN_FOR_TESTING='emulator',
+                    TENSORSTORE_GCS_REQUEST_CONCURRENCY='8',
+                    ATTNLAB_DATA_CACHE=str(tmp_path_factory.mktemp('data_cache'))) as url:
     yield url
-  finally:
-    proc.kill()
-    proc.wait()
-    for k, v in saved.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
 
 
 def steps_of(workdir, split='train'):

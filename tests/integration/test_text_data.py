@@ -6,17 +6,14 @@ run, an input file changed since training), and the accounting CLI's SentencePie
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 from etils import epath
 import pytest
 
 from data import text_corpus
-from tests.helpers import ROOT, metric_rows
+from tests.helpers import ROOT, gcs_emulator, metric_rows
 from tests.unit.test_text_data import data_config, write_corpus
 
 TRAIN = os.path.join(ROOT, 'train.py')
@@ -200,36 +197,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, split, content, flags, needl
 def gcs():
   """An in-memory GCS emulator (gcp-storage-emulator) with the bucket `bucket`, gcsfs pointed at it
   through its own settings (this process only: these tests read and write in-process)."""
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    port = s.getsockname()[1]
-  url = f'http://127.0.0.1:{port}'
-  proc = subprocess.Popen([sys.executable, '-m', 'gcp_storage_emulator', 'start', f'--port={port}',
-                           '--host=127.0.0.1', '--default-bucket=bucket', '--in-memory', '-q'],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  # gcsfs would ask the storage-control API (not emulated) whether the bucket is hierarchical.
-  env = {'STORAGE_EMULATOR_HOST': url, 'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false'}
-  saved = {k: os.environ.get(k) for k in env}
-  os.environ.update(env)
-  try:
-    deadline = time.time() + 60
-    while True:
-      try:
-        urllib.request.urlopen(f'{url}/storage/v1/b', timeout=2).read()
-        break
-      except OSError:
-        if proc.poll() is not None or time.time() > deadline:
-          raise RuntimeError(f'the GCS emulator did not start (exit {proc.poll()})') from None
-        time.sleep(0.2)
+  with gcs_emulator() as url:
     yield url
-  finally:
-    proc.kill()
-    proc.wait()
-    for k, v in saved.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
 
 
 def test_input_files_on_gs(gcs, tmp_path):
