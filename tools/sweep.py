@@ -248,15 +248,22 @@ def _selected(selector, cell):
 
 
 def eval_commands(sweep, sweep_dir, cell, python='python', eval_py='eval.py'):
-  """[(suffix, argv)] of a cell's eval.py runs: '' for eval_flags, then one per variant."""
+  """[(suffix, argv)] of a cell's eval.py runs: one per variant, then '' for eval_flags.
+
+  eval.py writes eval.json (and its pictures) in the workdir; the runner renames each variant's
+  eval.json to eval_<suffix>.json, and the plain evaluation runs last so that eval.json and the
+  pictures beside it are its own.
+  """
   workdir = paths.join(sweep_dir, cell['name'])
   base = list(sweep.get('eval_flags') or [])
-  runs = [('', [python, eval_py, f'--workdir={workdir}'] + base)] if 'eval_flags' in sweep else []
+  runs = []
   for selector, variants in (sweep.get('eval_variants') or {}).items():
     if _selected(selector, cell):
       for flag in variants:
         runs.append((_UNSAFE.sub('_', flag.lstrip('-')),
                      [python, eval_py, f'--workdir={workdir}'] + base + [flag]))
+  if 'eval_flags' in sweep:
+    runs.append(('', [python, eval_py, f'--workdir={workdir}'] + base))
   return runs
 
 

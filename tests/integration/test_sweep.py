@@ -61,9 +61,10 @@ def test_dry_run_prints_one_train_command_per_cell_and_the_eval_commands(tmp_pat
                             '--workdir=SW/model.position=rope,seed=0 '
                             '--config.model.position=rope --config.train.seed=0')
   evals = [l for l in lines if l.startswith('python eval.py --workdir=SW/model.position=rope,seed=0 ')]
-  assert len(evals) == 4  # eval_flags, then the three scalings of eval_variants
-  assert evals[3].endswith('--lengths=1,2,4,8 --modes=non_overlapping,sliding '
+  assert len(evals) == 4  # the three scalings of eval_variants, then eval_flags alone
+  assert evals[2].endswith('--lengths=1,2,4,8 --modes=non_overlapping,sliding '
                            '--rope_scaling=yarn:4')
+  assert evals[3].endswith('--lengths=1,2,4,8 --modes=non_overlapping,sliding')
   assert not os.path.exists(os.path.join(ROOT, 'SW'))
 
 

@@ -94,3 +94,32 @@ def test_fine_tunes_start_only_after_their_source_also_in_parallel(tmp_path, fai
       assert set(results.values()) == {'done'}
       for t in tunes:  # each fine-tune started after its own base ended
         assert events.index(('start', t)) > events.index(('end', base))
+
+
+def test_eval_json_is_the_plain_evaluation_and_each_variant_keeps_its_own(tmp_path):
+  """eval.py always writes eval.json: the variants run first and are renamed, the plain
+  evaluation (eval_flags alone) last, so that eval.json is its own and none is lost."""
+  spec = _write(tmp_path, SWEEP.replace(
+      "'seeds': [0, 1]}",
+      "'seeds': [0], 'eval_flags': ['--lengths=1,2'],\n"
+      "          'eval_variants': {'data.max_length=64': ['--rope_scaling=pi:2', "
+      "'--rope_scaling=ntk:2']}}"))
+
+  def launch(argv, log_path, env):
+    del log_path, env
+    workdir = next(a for a in argv if a.startswith('--workdir=')).split('=', 1)[1]
+    if argv[1].endswith('eval.py'):
+      with open(os.path.join(workdir, 'eval.json'), 'w') as f:
+        f.write(' '.join(argv[3:]))  # the flags after --workdir
+    else:
+      os.makedirs(os.path.join(workdir, 'checkpoints', '20'))
+    return 0
+
+  sweep.run_sweep(spec, str(tmp_path / 'sw'), run_eval=True, launch=launch, out=io.StringIO())
+  base = tmp_path / 'sw' / 'data.max_length=64,seed=0'
+  assert (base / 'eval.json').read_text() == '--lengths=1,2'
+  assert (base / 'eval_rope_scaling=pi_2.json').read_text() == '--lengths=1,2 --rope_scaling=pi:2'
+  assert (base / 'eval_rope_scaling=ntk_2.json').read_text() == '--lengths=1,2 --rope_scaling=ntk:2'
+  tune = next(p for p in (tmp_path / 'sw').iterdir() if 'rope_scaling=pi' in p.name)
+  assert (tune / 'eval.json').read_text() == '--lengths=1,2'
+  assert not list(tune.glob('eval_*.json'))
