@@ -2,7 +2,13 @@
 loss per window position with seed bands, from each workdir's eval.json (eval.py --lengths).
 
 Per run, from the non-overlapping windows: the loss at the training length L, the ratios
-r_k = loss(k L) / loss(L) for k = 2, 4, 8, and the loss on target tokens only at 4L and 8L.
+r_k = loss(k L) / loss(L) for k = 2, 4, 8, and the loss on target tokens only at 4L and 8L. A
+cell's evaluation variants (a sweep's eval_variants, kept as eval_<flag>.json) get rows of their
+own, `cell [eval rope_scaling=ntk_4]`.
+
+When some runs started from another run's parameters (train.init_from: context extension), a
+second table compares every cell at the base's length L and at 4L in tokens, against the base's
+own loss at L of the same seed (the base: the runs with no init_from, at the shortest length).
 """
 
 import math
@@ -54,23 +60,89 @@ def _stat(values):
   return f'{np.mean(values):.3f} [{min(values):.3f}, {max(values):.3f}]'
 
 
+def eval_names(runs):
+  """The evaluation files of a group's runs: 'eval.json' first, then the variants' (sorted)."""
+  names = set()
+  for r in runs:
+    names.update(n for n in paths_lib.listdir(r['workdir'])
+                 if n.startswith('eval') and n.endswith('.json'))
+  return sorted(names, key=lambda n: (n != 'eval.json', n))
+
+
+def row_label(label, name):
+  """`label` for eval.json, `label [eval FLAG]` for a variant's eval_FLAG.json."""
+  return label if name == 'eval.json' else f'{label} [eval {name[len("eval_"):-len(".json")]}]'
+
+
 def markdown_table(groups):
   """The table over `tools.compare.group_runs` groups that have eval.json extrapolation rows
-  ('' when none has)."""
+  ('' when none has), one row per cell and evaluation variant; then `extension_table`."""
   keys = ['loss_L'] + [f'r{k}' for k in RATIOS] + [f'target_{k}L' for k in TARGET_AT]
   head = (['cell', 'seeds', 'loss at L'] + [f'r{k}' for k in RATIOS]
           + [f'target loss {k}L' for k in TARGET_AT])
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   for label, runs in groups:
-    metrics = [run_metrics(load_eval(r['workdir'])) for r in runs]
-    metrics = [m for m in metrics if m['loss_L'] is not None]
-    if metrics:
-      lines.append('| ' + ' | '.join([label, str(len(metrics))] + [
-          _stat([m[k] for m in metrics]) for k in keys]) + ' |')
+    for name in eval_names(runs):
+      metrics = [run_metrics(load_eval(r['workdir'], name)) for r in runs]
+      metrics = [m for m in metrics if m['loss_L'] is not None]
+      if metrics:
+        lines.append('| ' + ' | '.join([row_label(label, name), str(len(metrics))] + [
+            _stat([m[k] for m in metrics]) for k in keys]) + ' |')
   if len(lines) == 2:
     return ''
-  return '\n'.join(lines + ['', f'Mean [min, max] across seeds; {MODE} windows; r_k = loss at kL '
-                                '/ loss at L; target loss: on target tokens only.'])
+  table = '\n'.join(lines + ['', f'Mean [min, max] across seeds; {MODE} windows; r_k = loss at '
+                             'kL / loss at L; target loss: on target tokens only.'])
+  extension = extension_table(groups)
+  return table + (f'\n\n{extension}' if extension else '')
+
+
+def _loss_at(result, length):
+  """The loss of `MODE` windows of `length` tokens in an eval.json, or None."""
+  for r in (result or {}).get('extrapolation') or []:
+    if r.get('mode') == MODE and int(r['length']) == length:
+      return r.get('loss')
+  return None
+
+
+def extension_table(groups, multiple=4):
+  """Context extension: each cell (and variant) at the base's L and at `multiple` x L tokens, and
+  its loss at `multiple` x L over the base's loss at L of the same seed. '' when no run has a
+  train.init_from or no base was evaluated."""
+  runs = [r for _, rs in groups for r in rs]
+  if not any(r['config'].get('train.init_from') for r in runs):
+    return ''
+  sources = [r for r in runs if not r['config'].get('train.init_from')]
+  lengths = [r['config'].get('data.max_length') for r in sources]
+  if not sources or None in lengths:
+    return ''
+  length = min(lengths)
+  base = {}  # seed -> the base's loss at L
+  for r in sources:
+    loss = _loss_at(load_eval(r['workdir']), length)
+    if r['config'].get('data.max_length') == length and loss is not None:
+      base[r['config'].get('train.seed')] = loss
+  if not base:
+    return ''
+  far = multiple * length
+  head = ['cell', 'seeds', f'loss at {length} (L)', f'loss at {far} ({multiple}L)',
+          f'{multiple}L / base at L']
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for label, rs in groups:
+    for name in eval_names(rs):
+      near, at_far, ratio = [], [], []
+      for r in rs:
+        result = load_eval(r['workdir'], name)
+        near.append(_loss_at(result, length))
+        at_far.append(_loss_at(result, far))
+        ref = base.get(r['config'].get('train.seed'))
+        ratio.append(at_far[-1] / ref if at_far[-1] is not None and ref else None)
+      seeds = sum(v is not None for v in at_far)
+      if seeds:
+        lines.append('| ' + ' | '.join([row_label(label, name), str(seeds), _stat(near),
+                                        _stat(at_far), _stat(ratio)]) + ' |')
+  return '\n'.join(lines + ['', f'Mean [min, max] across seeds; {MODE} windows, lengths in tokens; '
+                             f'the base: the runs without train.init_from at L = {length}; the '
+                             f'ratio divides by the base\'s loss at L of the same seed.'])
 
 
 def per_position(groups):

@@ -82,3 +82,54 @@ def test_fine_tunes_of_each_seed_s_own_source_form_one_group(tmp_path):
       json.dump(config, f)
   groups = compare.group_runs([compare.load_run(w) for w in compare.find_runs([str(tmp_path)])])
   assert len(groups) == 1 and len(groups[0][1]) == 2
+
+
+def _config(path, **fields):
+  with open(os.path.join(path, 'config.json')) as f:
+    config = json.load(f)
+  for dotted, value in fields.items():
+    section, key = dotted.split('.')
+    config.setdefault(section, {})[key] = value
+  with open(os.path.join(path, 'config.json'), 'w') as f:
+    json.dump(config, f)
+
+
+def test_variants_get_rows_and_fine_tunes_are_compared_with_their_own_seed_s_base(tmp_path):
+  """A variant's eval_FLAG.json is a row `cell [eval FLAG]`; with fine-tunes (train.init_from)
+  the context-extension table gives each cell's loss at L and 4L (tokens) and 4L over the
+  base's loss at L of the same seed."""
+  for seed, scale in enumerate((1.0, 2.0)):
+    base = _workdir(tmp_path, 'rope', seed, scale)  # L = 8: losses scale x 1, 2, 3 at 8, 16, 32
+    with open(os.path.join(base, 'eval.json')) as f:
+      result = json.load(f)
+    for row in result['extrapolation']:
+      row['loss'] *= 2  # the variant: twice the loss at every length
+    with open(os.path.join(base, 'eval_rope_scaling=pi_4.json'), 'w') as f:
+      json.dump(result, f)
+    tune = os.path.join(tmp_path, f'model.position=rope,data.max_length=32,seed={seed}')
+    os.makedirs(tune)
+    with open(os.path.join(base, 'config.json')) as f:
+      config = json.load(f)
+    with open(os.path.join(tune, 'config.json'), 'w') as f:
+      json.dump(config, f)
+    _config(tune, **{'data.max_length': 32, 'train.init_from': os.path.join(str(tmp_path), 'b')})
+    with open(os.path.join(tune, 'metrics.jsonl'), 'w') as f:
+      f.write(json.dumps({'step': 1, 'split': 'train', 'loss': 1.0}) + '\n')
+    with open(os.path.join(tune, 'eval.json'), 'w') as f:  # at 8 and 32 tokens: 0.5 and 1.5
+      json.dump({'extrapolation': [
+          {'multiple': m, 'length': int(32 * m), 'mode': 'non_overlapping', 'loss': loss}
+          for m, loss in ((0.25, 0.5 * scale), (1.0, 1.5 * scale))]}, f)
+  groups = compare.group_runs([compare.load_run(w) for w in compare.find_runs([str(tmp_path)])])
+  table = extrapolation_compare.markdown_table(groups).splitlines()
+  rows = {l.split(' | ')[0][2:]: l.split(' | ') for l in table if l.startswith('| max_length')}
+  base, variant = rows['max_length=8,init_from='], rows['max_length=8,init_from= '
+                                                         '[eval rope_scaling=pi_4]']
+  assert base[2] == '1.500 [1.000, 2.000]' and variant[2] == '3.000 [2.000, 4.000]'  # loss at L
+  head = next(i for i, l in enumerate(table) if l.startswith('| cell | seeds | loss at 8 (L)'))
+  assert table[head] == '| cell | seeds | loss at 8 (L) | loss at 32 (4L) | 4L / base at L |'
+  ext = {l.split(' | ')[0][2:]: l.split(' | ')[2:] for l in table[head + 2:] if l.startswith('| ')}
+  assert ext['max_length=8,init_from='] == ['1.500 [1.000, 2.000]', '4.500 [3.000, 6.000]',
+                                                '3.000 [3.000, 3.000] |']
+  assert ext['max_length=8,init_from= [eval rope_scaling=pi_4]'][2] == '6.000 [6.000, 6.000] |'
+  tune = next(v for k, v in ext.items() if 'max_length=32' in k)
+  assert tune == ['0.750 [0.500, 1.000]', '2.250 [1.500, 3.000]', '1.500 [1.500, 1.500] |']
