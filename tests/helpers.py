@@ -88,6 +88,20 @@ def write_run(workdir, train, valid=(), *, steps=100, seed=0, fields=None, entro
     json.dump(info, f)
 
 
+
+def one_block_reference(enc, tokens, attention):
+  """A one-block Pre-LN `models.stack.Stack`'s output for `tokens` [1, T], computed around a
+  reference attention: `attention(block.self_attention, x)` gets the normed row (float64, [T, D])
+  and returns the attention sublayer's output; the rest reuses the model's own layers (embedding
+  times sqrt(D), x + attn(norm(x)), x + ffn(norm(x)), the final norm)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  blk = enc.blocks[0]
+  x = np.asarray(enc.embed(tokens)[0] * np.sqrt(enc.embed.features), np.float64)
+  x = x + attention(blk.self_attention, np.asarray(blk.self_norm(x), np.float64))
+  x = x + np.asarray(blk.ffn(blk.ffn_norm(jnp.asarray(x, jnp.float32))), np.float64)
+  return enc.final_norm(jnp.asarray(x, jnp.float32))
+
 # The GCS emulator (gcp-storage-emulator, from the test extras) as a process, with two departures
 # from real GCS mended: its HTTP server answers one request at a time with a listen queue of 5, and
 # tensorstore opens many connections at once (a longer queue keeps them from being refused); its

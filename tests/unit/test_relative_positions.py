@@ -18,6 +18,7 @@ from layers import positions
 from layers import relative_bias
 from layers import rope
 from models import stack
+from tests.helpers import one_block_reference
 from training import validation
 
 jax.config.update('jax_default_matmul_precision', 'highest')
@@ -117,12 +118,8 @@ def test_one_layer_model_equals_float64_reference(kind, is_causal, impl, monkeyp
   pos = np.array([0, 1, 2, 3, 4, 0, 1, 2])
   got = enc(tokens, segment_ids=jnp.asarray(seg)[None], positions=jnp.asarray(pos)[None],
             is_causal=is_causal)[0]
-  blk = enc.blocks[0]  # Pre-LN: x + attn(norm(x)), then x + ffn(norm(x)), then the final norm
-  x = np.asarray(enc.embed(tokens)[0] * 4.0, np.float64)  # sqrt(D) = 4
-  x = x + _reference_layer(blk.self_attention, np.asarray(blk.self_norm(x), np.float64), pos,
-                           seg, enc.position, kind, is_causal)
-  x = x + np.asarray(blk.ffn(blk.ffn_norm(jnp.asarray(x, jnp.float32))), np.float64)
-  want = enc.final_norm(jnp.asarray(x, jnp.float32))
+  want = one_block_reference(enc, tokens, lambda attn, x: _reference_layer(
+      attn, x, pos, seg, enc.position, kind, is_causal))
   np.testing.assert_allclose(got, want, atol=2e-5)
 
 
