@@ -1,7 +1,8 @@
 """Compares train.py runs: overlaid loss curves (PNG), divergence/plateau flags, a markdown table.
 
     python -m tools.compare DIR [DIR ...] [--out=PNG] [--smooth=ema:0.9] [--logy] [--logx]
-        [--target_loss=3.0 [--target_split=train]] [--color_by=FIELD] [--style_by=FIELD] [--band=minmax|std|none]
+        [--target_loss=3.0 [--target_split=train]] [--color_by=FIELD] [--style_by=FIELD]
+        [--band=minmax|std|none]
 
 Runs are workdirs (metrics.jsonl, config.json, run_info.json); a sweep directory stands for every
 workdir inside it. Runs whose configs differ only in `train.seed` form one group, drawn as the mean
@@ -194,12 +195,6 @@ def _stat(values, fmt='{:.4f}'):
   return f'{fmt.format(np.mean(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]'
 
 
-def init_grad_ratio(run):
-  """The first block's gradient norm at initialisation over the last block's, or None."""
-  blocks = run['init_grad'].get('blocks') or []
-  return float(blocks[0] / blocks[-1]) if len(blocks) > 1 and blocks[-1] else None
-
-
 def summarize(groups, target_loss=None, target_split='valid'):
   """Per group: the table's numbers and flags. Returns a list of dicts (one per group)."""
   if target_split not in ('train', 'valid'):
@@ -221,7 +216,8 @@ def summarize(groups, target_loss=None, target_split='valid'):
         row['incomplete'] += 1
       finite = vl[np.isfinite(vl)]
       row['final_train'].append(float(tl[-1]) if len(tl) else None)
-      row['init_grad_ratio'].append(init_grad_ratio(r))
+      blocks = r['init_grad'].get('blocks') or []  # the first block's init grad over the last's
+      row['init_grad_ratio'].append(blocks[0] / blocks[-1] if blocks[1:] and blocks[-1] else None)
       row['final_valid'].append(float(vl[-1]) if len(vl) else None)
       row['best_valid'].append(float(finite.min()) if len(finite) else None)
       if target_loss is not None:
@@ -257,20 +253,17 @@ def markdown_table(summary, target_loss=None, target_split='valid'):
       cells.append(_stat(row['init_grad_ratio'], '{:.3g}'))
     cells.append(_stat(row['tokens_per_sec'], '{:.0f}'))
     cells.append(f'{row["num_params"]:,}' if row['num_params'] else '-')
-    flags = []
     div = [d for d in row['diverged'] if d is not None]
-    if div:
-      flags.append(f'DIVERGED {len(div)}/{row["seeds"]} (step {min(div)})')
-    if any(row['plateaued']):
-      flags.append(f'PLATEAU {sum(row["plateaued"])}/{row["seeds"]}')
-    if row['incomplete']:
-      flags.append(f'incomplete {row["incomplete"]}/{row["seeds"]}')
+    flags = ([f'DIVERGED {len(div)}/{row["seeds"]} (step {min(div)})'] if div else []) + (
+        [f'PLATEAU {sum(row["plateaued"])}/{row["seeds"]}'] if any(row['plateaued']) else []) + (
+        [f'incomplete {row["incomplete"]}/{row["seeds"]}'] if row['incomplete'] else [])
     cells.append(', '.join(flags) or 'ok')
     lines.append('| ' + ' | '.join(cells) + ' |')
   lines.append('')
-  lines.append(f'Mean [min, max] across seeds; final train: the last logged training loss. '
-               + ('init grad first/last block: the gradient norm of the first block at '
-                  'initialisation over the last block\'s. ' if has_init else '') + f'DIVERGED: a non-finite loss, or a train loss above '
+  init = ('init grad first/last block: the first block\'s gradient norm at initialisation over '
+          'the last block\'s. ') if has_init else ''
+  lines.append(f'Mean [min, max] across seeds; final train: the last logged training loss. {init}'
+               f'DIVERGED: a non-finite loss, or a train loss above '
                f'{SPIKE_FACTOR:g}x its running minimum after {SPIKE_AFTER:.0%} of the steps. '
                f'PLATEAU: the final train loss within {PLATEAU_TOLERANCE:.0%} of the loss at '
                f'{PLATEAU_AT:.0%} of the steps and above {PLATEAU_LEVEL:g}x the unigram entropy.')

@@ -248,15 +248,9 @@ def _selected(selector, cell):
 
 
 def eval_commands(sweep, sweep_dir, cell, python='python', eval_py='eval.py'):
-  """[(suffix, argv)] of a cell's eval.py runs: one per variant, then '' for eval_flags.
-
-  eval.py writes eval.json (and its pictures) in the workdir; the runner renames each variant's
-  eval.json to eval_<suffix>.json, and the plain evaluation runs last so that eval.json and the
-  pictures beside it are its own.
-  """
-  workdir = paths.join(sweep_dir, cell['name'])
-  base = list(sweep.get('eval_flags') or [])
-  runs = []
+  """[(suffix, argv)] of a cell's eval.py runs: one per variant, then '' for eval_flags (last:
+  the runner renames each variant's eval.json to eval_<suffix>.json; eval.json stays the plain)."""
+  workdir, base, runs = paths.join(sweep_dir, cell['name']), list(sweep.get('eval_flags') or []), []
   for selector, variants in (sweep.get('eval_variants') or {}).items():
     if _selected(selector, cell):
       for flag in variants:

@@ -162,7 +162,8 @@ def test_compare_cli_prints_the_table_and_the_png(tmp_path):
                     str(tmp_path / 'sw/model.ffn=relu,seed=1'), str(tmp_path / 'other'),
                     f'--out={out}', '--logy', '--smooth=ema:0.5', '--target_loss=2.6')
   assert result.returncode == 0, result.stderr
-  assert '| ffn=relu | 2 | 2.5000 [2.5000, 2.5000] |' in result.stdout
+  # Final train loss (2.0 and 3.0 at step 20), then final validation loss.
+  assert '| ffn=relu | 2 | 2.5000 [2.0000, 3.0000] | 2.5000 [2.5000, 2.5000] |' in result.stdout
   assert '| ffn=gelu | 1 |' in result.stdout
   assert result.stdout.rstrip().endswith(f'wrote {out}') and out.stat().st_size > 10000
   result = run_tool('tools.compare', str(tmp_path / 'sw'))  # a sweep directory: its default PNG
