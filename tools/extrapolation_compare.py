@@ -30,9 +30,10 @@ def load_eval(workdir, name='eval.json'):
   return paths_lib.read_json(path) if paths_lib.exists(path) else None
 
 
-def _row(rows, multiple, key):
+def _row(rows, multiple, key, field='multiple'):
+  """`key` of the `MODE` row whose `field` ('multiple', or 'length' in tokens) is `multiple`."""
   for r in rows:
-    if r.get('mode') == MODE and math.isclose(float(r['multiple']), multiple):
+    if r.get('mode') == MODE and math.isclose(float(r[field]), multiple):
       return r.get(key)
   return None
 
@@ -98,10 +99,7 @@ def markdown_table(groups):
 
 def _loss_at(result, length):
   """The loss of `MODE` windows of `length` tokens in an eval.json, or None."""
-  for r in (result or {}).get('extrapolation') or []:
-    if r.get('mode') == MODE and int(r['length']) == length:
-      return r.get('loss')
-  return None
+  return _row((result or {}).get('extrapolation') or [], length, 'loss', field='length')
 
 
 def extension_table(groups, multiple=4):
