@@ -208,20 +208,30 @@ def _group(feature: str) -> str:
 def _pad_rows(pairs, length, arch, loss_on, batch_size, seed, shuffle):
   """packing='none': one pair per row, right-padded to length."""
   del batch_size, seed, shuffle
+  return pairs.map(lambda pair: _pad_row(pair, length, arch, loss_on))
 
-  def pad(pair):
-    row = {}
-    for name, value in ARCHS[arch](pair['source'], pair['target'], loss_on).items():
-      row[name] = np.zeros(length, value.dtype)
-      row[name][:len(value)] = value
-      group = _group(name)
-      if f'{group}segment_ids' not in row:  # The group's first feature defines its extent.
-        real = np.arange(length) < len(value)
-        row[f'{group}segment_ids'] = real.astype(np.int32)
-        row[f'{group}positions'] = np.where(real, np.arange(length), 0).astype(np.int32)
-    return row
 
-  return pairs.map(pad)
+def _pad_row(pair, length, arch, loss_on):
+  """One pair's features right-padded to `length`, with each group's segment ids and positions."""
+  row = {}
+  for name, value in ARCHS[arch](pair['source'], pair['target'], loss_on).items():
+    row[name] = np.zeros(length, value.dtype)
+    row[name][:len(value)] = value
+    group = _group(name)
+    if f'{group}segment_ids' not in row:  # The group's first feature defines its extent.
+      real = np.arange(length) < len(value)
+      row[f'{group}segment_ids'] = real.astype(np.int32)
+      row[f'{group}positions'] = np.where(real, np.arange(length), 0).astype(np.int32)
+  return row
+
+
+def batch_shapes(arch: str, batch_size: int, length: int) -> dict[str, tuple]:
+  """{feature: (shape, dtype)} of the batches `make_iterator` yields for `arch` (every packing
+  gives the same features), without reading data: for abstract (ahead-of-time) compilation."""
+  _check('arch', arch, list(ARCHS))
+  one = np.ones(1, np.int32)
+  row = _pad_row({'source': one, 'target': one}, max(length, 4), arch, 'target')
+  return {name: ((batch_size, length), value.dtype) for name, value in row.items()}
 
 
 def _pack_segments(pairs, length, arch, loss_on, batch_size, seed, shuffle):

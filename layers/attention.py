@@ -9,6 +9,7 @@ from flax import nnx
 from layers import attention_blockwise
 from layers import attention_pallas
 from layers import attention_ring
+from layers import attention_sharded
 from layers import attention_xla
 from layers import initializers
 from layers import masks
@@ -37,10 +38,13 @@ def _cudnn(query, key, value, bias=None, mask=None, *, scale, is_causal=False, w
 IMPLEMENTATIONS = {
     'xla': attention_xla.attention,
     'blockwise': attention_blockwise.attention,
-    'pallas': attention_pallas.attention,
-    'cudnn': _cudnn,
+    # Custom calls XLA cannot partition: per device under shard_map on a mesh (attention_sharded).
+    'pallas': attention_sharded.per_device(attention_pallas.attention),
+    'cudnn': attention_sharded.per_device(_cudnn),
     'ring': attention_ring.ring_attention,  # needs a mesh with sequence > 1
 }
+# The kernels that hold the whole sequence on each device: refused with mesh.sequence > 1 (use ring).
+WHOLE_SEQUENCE_IMPLEMENTATIONS = ('pallas', 'cudnn')
 # The kernels that take `dropout_rate`/`dropout_seed` (model.attention_dropout > 0).
 DROPOUT_IMPLEMENTATIONS = ('xla', 'blockwise')
 # The projection options only `Attention.from_config` passes on (head_dim, attention_bias,

@@ -149,6 +149,11 @@ def active_mesh():
   return _ACTIVE.mesh
 
 
+def active_rules():
+  """The rules of the innermost `use_rules`, or `DEFAULT_RULES` outside one."""
+  return _ACTIVE.rules or DEFAULT_RULES
+
+
 def constrain(x, names):
   """`x` with the sharding its logical axis `names` get under the active rules (no-op without)."""
   mesh = _ACTIVE.mesh

@@ -8,6 +8,11 @@ if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                              ' --xla_force_host_platform_device_count=8').strip()
 
+# The test extra installs libtpu (the aot tier compiles for TPU topologies); the tests' own
+# programs run on this host's CPU, without libtpu's start-up probe (about 1 s and 5 error lines
+# per process, subprocesses included).
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 

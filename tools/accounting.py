@@ -40,7 +40,7 @@ def _n(x):
   return f'{int(round(x)):,}'
 
 
-def _mib(x):
+def human_bytes(x):
   """Bytes in the largest binary unit that keeps the number >= 1."""
   for unit, size in (('GiB', 2 ** 30), ('MiB', 2 ** 20), ('KiB', 2 ** 10)):
     if x >= size:
@@ -139,11 +139,11 @@ def report(config, vocab_size):
     if cross:
       elems *= 2  # the cross-attention keys/values of the source (length T), cached once
     rows.append((f'this config, one sequence of {length}' + (' (self + cross)' if cross else ''),
-                 _n(elems), _mib(4 * elems), _mib(2 * elems)))
+                 _n(elems), human_bytes(4 * elems), human_bytes(2 * elems)))
   for name, kv in (('MHA', 32), ('GQA, 8 KV heads', 8), ('MQA', 1)):
     elems = accounting.kv_cache_elements(32, kv, 64, 2048)
     rows.append((f'example: 32 layers, 32 heads, H 64, length 2048, {name}', _n(elems),
-                 _mib(4 * elems), _mib(2 * elems)))
+                 human_bytes(4 * elems), human_bytes(2 * elems)))
   out += _table(('', 'elements', 'fp32', 'fp16/bf16'), rows)
   out += ['', 'The example is 2 x 32 layers x 32 heads x 64 x 2048 = 268,435,456 elements (the '
           '"268 MB" some texts print is that element count, not bytes); 8 KV heads keep a quarter '
@@ -152,9 +152,9 @@ def report(config, vocab_size):
   out += ['', '## Attention scores (T x S per head; the softmax output doubles it)', '']
 
   def score_row(label, length, heads=1):  # fp32, fp16, fp16 with the softmax output kept
-    return (label, _mib(heads * accounting.score_bytes(length, 4)),
-            _mib(heads * accounting.score_bytes(length, 2)),
-            _mib(heads * accounting.score_bytes(length, 2, with_softmax=True)))
+    return (label, human_bytes(heads * accounting.score_bytes(length, 4)),
+            human_bytes(heads * accounting.score_bytes(length, 2)),
+            human_bytes(heads * accounting.score_bytes(length, 2, with_softmax=True)))
 
   rows = [score_row(f'this config, T={length}: one head', length),
           score_row(f'this config: one layer ({m.num_heads} heads)', length, m.num_heads),
@@ -169,12 +169,12 @@ def report(config, vocab_size):
   sizes = ' x '.join(f'{a}={mesh.shape[a]}' for a in sharding.MESH_AXES)
   plural = 's' if mesh.size > 1 else ''
   out += ['', f'## Per device under the mesh {sizes} ({mesh.size} device{plural}; float32)', '']
-  rows = [('parameters', _mib(p_dev)), ('gradients (sharded like the parameters)', _mib(p_dev)),
-          ('AdamW moments mu, nu (2 x parameters)', _mib(2 * p_dev)),
-          ('**state total**', f'**{_mib(4 * p_dev)}**'),
+  rows = [('parameters', human_bytes(p_dev)), ('gradients (sharded like the parameters)', human_bytes(p_dev)),
+          ('AdamW moments mu, nu (2 x parameters)', human_bytes(2 * p_dev)),
+          ('**state total**', f'**{human_bytes(4 * p_dev)}**'),
           (f'activations, batch {config.train.batch_size} (estimate, see '
-           'models.accounting.activation_bytes)', _mib(act)),
-          ('**total**', f'**{_mib(4 * p_dev + act)}**')]
+           'models.accounting.activation_bytes)', human_bytes(act)),
+          ('**total**', f'**{human_bytes(4 * p_dev + act)}**')]
   out += _table(('', 'bytes per device'), rows)
   by_factor = {}
   for path, count, _, factor in shards:

@@ -140,6 +140,21 @@ class Profiler:
       self.active = False
 
 
+def jit_train_step(config, graphdef, tx, state, mesh, leaf_groups):
+  """The jitted `steps.train_step` of `config.train` (state donated): the state keeps its layout
+  (`state`'s shardings, concrete or abstract) step after step, the metrics come back replicated.
+  Call it (or lower it) under `jax.set_mesh(mesh)` and `layers.sharding.use_rules`."""
+  t = config.train
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.jit(
+      functools.partial(steps.train_step, graphdef, tx, jax.random.key(t.seed),
+                        leaf_groups=leaf_groups if t.diagnostics else None,
+                        skip_nonfinite=t.skip_nonfinite, accum_steps=t.get('grad_accum_steps', 1),
+                        compute_dtype=t.get('compute_dtype', 'float32'),
+                        loss_chunk=t.get('loss_chunk', 0)),
+      donate_argnums=(0,), out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated))
+
+
 def train_and_evaluate(config, workdir, hooks=()):
   """Trains `config` in `workdir`, resuming if a checkpoint exists. Returns the last train metrics.
 
@@ -213,15 +228,7 @@ def _train(config, workdir, hooks, lead):
         return fn(*args)
     return call
 
-  # The state keeps its layout step after step; the metrics come back replicated.
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  step_fn = in_mesh(jax.jit(
-      functools.partial(steps.train_step, graphdef, tx, jax.random.key(t.seed),
-                        leaf_groups=leaf_groups if t.diagnostics else None,
-                        skip_nonfinite=t.skip_nonfinite, accum_steps=t.get('grad_accum_steps', 1),
-                        compute_dtype=t.get('compute_dtype', 'float32'),
-                        loss_chunk=t.get('loss_chunk', 0)),
-      donate_argnums=(0,), out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated)))
+  step_fn = in_mesh(jit_train_step(config, graphdef, tx, state, mesh, leaf_groups))
 
   def placed(fn):
     return lambda variables, batch: fn(variables, distributed.place_batch(batch, mesh, rules))

@@ -40,6 +40,12 @@ def make_optimizer(t):
   return optax.chain(*chain)
 
 
+def _builder(config, vocab_size, special_ids):
+  """A function that builds the config's model with its seed's initial parameters."""
+  return lambda: models.build(config.model, vocab_size, config.data.max_length,
+                              rngs=nnx.Rngs(params=config.train.seed), special_ids=special_ids)
+
+
 def create_state(config, vocab_size, mesh=None, *, special_ids=None):
   """Builds the model and optimiser; returns (graphdef, optimizer, state pytree).
 
@@ -50,10 +56,7 @@ def create_state(config, vocab_size, mesh=None, *, special_ids=None):
   (e.g. the Performer's random features: checkpointed, not optimised; often empty). Rebuild the
   model with `nnx.merge(graphdef, *model_variables(state))`.
   """
-  def build():
-    return models.build(config.model, vocab_size, config.data.max_length,
-                        rngs=nnx.Rngs(params=config.train.seed), special_ids=special_ids)
-
+  build = _builder(config, vocab_size, special_ids)
   tx = make_optimizer(config.train)
   if mesh is None:
     graphdef, params, buffers = nnx.split(build(), nnx.Param, ...)
@@ -61,22 +64,46 @@ def create_state(config, vocab_size, mesh=None, *, special_ids=None):
   else:
     # Initialised inside jit straight into their shardings: each device computes only its shard,
     # so a model that fits the mesh but not one device can be built (FSDP).
-    rules = sharding.rules_of(config.get('mesh', {}))
     graphdef, params, buffers = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
-    param_sharding, buffer_sharding = (
-        sharding.named(sharding.param_specs(v, mesh, rules), mesh) for v in (params, buffers))
+    shardings = state_shardings(config, mesh, tx, params, buffers)
     params, buffers = jax.jit(lambda: nnx.split(build(), nnx.Param, ...)[1:],
-                              out_shardings=(param_sharding, buffer_sharding))()
-    # Each moment lives where its parameter lives; counters are replicated.
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    opt_sharding = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params),
-                                         param_sharding, transform_non_params=lambda _: replicated)
-    opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(params)
+                              out_shardings=(shardings['params'], shardings['buffers']))()
+    opt_state = jax.jit(tx.init, out_shardings=shardings['opt_state'])(params)
+    replicated = shardings['step']
   state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'buffers': buffers,
            'opt_state': opt_state, 'skipped': jnp.zeros((), jnp.int32)}
   if mesh is not None:  # from the host: no device holds anything placed elsewhere afterwards
     state.update(jax.device_put({'step': np.zeros((), np.int32), 'skipped': np.zeros((), np.int32)},
                                 replicated))
+  return graphdef, tx, state
+
+
+def state_shardings(config, mesh, tx, params, buffers):
+  """The `NamedSharding` of every leaf of a training state on `mesh`: parameters and buffers by
+  their logical axis names under `config.mesh.rules`, each optimiser moment where its parameter
+  lives, counters replicated. `params`/`buffers` may be abstract (`nnx.eval_shape`)."""
+  rules = sharding.rules_of(config.get('mesh', {}))
+  param_sharding, buffer_sharding = (
+      sharding.named(sharding.param_specs(v, mesh, rules), mesh) for v in (params, buffers))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  opt_sharding = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params),
+                                       param_sharding, transform_non_params=lambda _: replicated)
+  return {'step': replicated, 'params': param_sharding, 'buffers': buffer_sharding,
+          'opt_state': opt_sharding, 'skipped': replicated}
+
+
+def abstract_state(config, vocab_size, mesh, *, special_ids=None):
+  """`create_state` without computing or placing anything: (graphdef, optimizer, state of
+  `jax.ShapeDtypeStruct`s carrying their shardings on `mesh`), for ahead-of-time compilation on
+  devices this host does not have (training.aot)."""
+  build = _builder(config, vocab_size, special_ids)
+  tx = make_optimizer(config.train)
+  graphdef, params, buffers = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+  shapes = {'step': jax.ShapeDtypeStruct((), jnp.int32), 'params': params, 'buffers': buffers,
+            'opt_state': jax.eval_shape(tx.init, params),
+            'skipped': jax.ShapeDtypeStruct((), jnp.int32)}
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                       state_shardings(config, mesh, tx, params, buffers))
   return graphdef, tx, state
 
 

@@ -217,6 +217,12 @@ def _validate_mesh(config):
     raise ConfigError("model.attention_impl='ring' cannot take position='t5_bias' (a dense [T, S] "
                       'bias on every device); valid with ring: rope, alibi, sinusoidal, learned, '
                       'nope')
+  impl = config.model.attention_impl
+  if impl in attention.WHOLE_SEQUENCE_IMPLEMENTATIONS and mesh.get('sequence', 1) > 1:
+    raise ConfigError(f'model.attention_impl={impl!r} holds the whole sequence on each device '
+                      f'(shard_map over batch and heads), so mesh.sequence={mesh.sequence} would '
+                      "only repeat its work; valid: mesh.sequence=1, or model.attention_impl="
+                      "'ring' (context parallelism)")
   if config.model.attention_impl == 'ring' and mesh.get('sequence', 1) < 2:
     raise ConfigError("model.attention_impl='ring' needs mesh.sequence > 1 (the ring of devices "
                       'the keys/values travel round); use xla or blockwise on one device')

@@ -1,0 +1,231 @@
+"""Compiles a config (or every cell of a sweep) for a TPU topology this host does not have.
+
+    python -m tools.aot --topology=v5p:4x4x4 --config=configs/decoder_only.py [--config.F=V ...]
+        [--mesh=auto] [--programs=train,eval,decode] [--json]
+    python -m tools.aot --topology=v5p:2x2x2 --sweep=configs/ablations/NAME.py[:ARG] [--mesh=auto]
+
+libtpu (`pip install "jax[tpu]==<jax's version>"`) describes the topology as compile-only devices
+and compiles the train step, the eval step and the cached decode step for them on this CPU host
+(training.aot), with the training state built abstractly (no memory) and sharded by the config's
+mesh; `--mesh=auto` puts fsdp over all chips. The report, per chip: the bytes of each program's
+arguments, outputs, temporaries and aliased (donated) buffers against the chip's HBM, XLA's FLOPs
+beside models.accounting's, the collectives and the custom calls (Mosaic kernels:
+`tpu_custom_call`). `--json` prints one JSON object as the last line.
+
+Exit status: 0 when everything compiles and fits; 1 when it does not fit ("needs X GiB per chip,
+v5e has 16") or fails to compile; 2 for a config, mesh or topology error (one line each).
+"""
+
+import json
+import os
+import re
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from training import aot
+
+aot.quiet_libtpu()  # before jax starts: none of libtpu's start-up noise in the report
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from ml_collections import config_flags
+
+from tools import accounting
+from tools import sweep as sweep_lib
+from training import cli_checks
+from training import validation
+
+FLAGS = flags.FLAGS
+PROGRAMS = ('train', 'eval', 'decode')
+
+
+def define_flags():
+  """The CLI flags, defined only when run as a program (tests import this module)."""
+  config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py).', lock_config=True)
+  flags.DEFINE_string('topology', None, 'TPU topology libtpu knows, e.g. v5p:2x2x2, v5e:2x2, '
+                      'v5p:4x4x4 (64 chips), v6e:4x4.')
+  flags.DEFINE_string('sweep', None, 'Compile every cell of configs/ablations/NAME.py[:ARG] '
+                      '(its first seed) instead of --config.')
+  flags.DEFINE_enum('mesh', 'config', ['config', 'auto'], 'config: the config\'s mesh sizes; '
+                    'auto: fsdp over all chips.')
+  flags.DEFINE_list('programs', list(PROGRAMS), f'Which of {", ".join(PROGRAMS)} to compile.')
+  flags.DEFINE_bool('json', False, 'Print one JSON object (the summary) as the last line.')
+
+
+class DoesNotFit(Exception):
+  """The compiler ran out of HBM, or the programs need more than the chip has."""
+
+
+def gib(x):
+  return f'{x / aot.GiB:.2f}'
+
+
+def size(x):
+  return accounting.human_bytes(x)
+
+
+def compile_one(config, devices):
+  """(summary dict, seconds) of one config; DoesNotFit when libtpu refuses for lack of HBM."""
+  vocab_size = accounting.task_vocab_size(config.data)
+  start = time.perf_counter()
+  try:
+    report = aot.compile_config(config, devices, vocab_size=vocab_size, programs=FLAGS.programs)
+  except Exception as e:  # pylint: disable=broad-except
+    text = str(e)
+    if 'RESOURCE_EXHAUSTED' not in text:
+      raise
+    # 'Ran out of memory on HBM, the total memory required for HLO temporaries (24.52G) exceeds
+    # available HBM (15.75G).': the compiler's own verdict.
+    sizes = re.findall(r'\(([\d.]+)([KMGT])\)', text.splitlines()[0])
+    unit = {'K': 2 ** 10, 'M': 2 ** 20, 'G': 2 ** 30, 'T': 2 ** 40}
+    need = float(sizes[0][0]) * unit[sizes[0][1]] if sizes else None
+    raise DoesNotFit(need, text.splitlines()[0]) from None
+  return aot.summary(config, devices, report, vocab_size), time.perf_counter() - start
+
+
+def does_not_fit_line(need, devices):
+  hbm = aot.hbm_bytes(devices[0])
+  gen = aot.GENERATIONS.get(devices[0].device_kind, devices[0].device_kind)
+  has = 'an unknown amount' if hbm is None else f'{hbm / aot.GiB:g}'
+  return f'needs {gib(need)} GiB per chip, {gen} has {has}'
+
+
+def table(summary):
+  """The per-program table of one compile, as markdown lines."""
+  lines = ['| program | arguments | outputs | temp | aliased | total per chip | FLOPs per chip '
+           '(XLA) | collectives | custom calls |', '|' + '---|' * 9]
+  for name, r in summary['programs'].items():
+    b = r['bytes']
+    coll = ', '.join(f'{k} {v}' for k, v in r['collectives'].items() if v) or 'none'
+    calls = ', '.join(f'{k} {v}' for k, v in r['custom_calls'].items()) or 'none'
+    lines.append(f'| {name} | {size(b["argument"])} | {size(b["output"])} | {size(b["temp"])} | '
+                 f'{size(b["alias"])} | **{size(b["total"])}** | {r["flops"]:.3g} | {coll} | '
+                 f'{calls} |')
+  return lines
+
+
+def describe(summary, name):
+  mesh = ' x '.join(f'{a} {s}' for a, s in summary['mesh'].items() if s > 1) or 'one chip'
+  hbm = summary['hbm_bytes']
+  verdict = 'fits' if summary['fits'] else 'DOES NOT FIT'
+  flops = summary['analytic_flops_per_chip']
+  out = [f'# {name}: {summary["chips"]} x {summary["topology_kind"]} ({summary["generation"]}), '
+         f'mesh {mesh}', ''] + table(summary) + ['']
+  out.append(f'{verdict}: needs {size(summary["per_chip_bytes"])} per chip (the largest '
+             f'program), {summary["generation"]} has '
+             f'{"?" if hbm is None else gib(hbm)} GiB of HBM.')
+  if flops:
+    out.append(f'Train step FLOPs per chip: XLA {summary["flops_per_chip"]:.4g}, '
+               f'models.accounting {flops:.4g} (matmuls and full score matrices, x3 for the '
+               'backward pass; a Mosaic kernel\'s FLOPs are not in XLA\'s count).')
+  return '\n'.join(out)
+
+
+def load_configs():
+  """[(name, config or the ConfigError text)] of --config or of every cell of --sweep."""
+  if FLAGS.sweep:
+    path, arg = sweep_lib.split_spec(FLAGS.sweep)
+    try:
+      module = sweep_lib.load_sweep_module(path)
+      cells = sweep_lib.expand(sweep_lib.get_sweep(module, arg))
+    except sweep_lib.SweepError as e:
+      cli_checks.fail('config error', e)
+    out, first_seed = [], cells[0]['seed'] if cells else 0
+    for cell in (c for c in cells if c['seed'] == first_seed):
+      # A fine-tune's source run changes the parameters, not the program.
+      cell = {**cell, 'overrides': {k: v for k, v in cell['overrides'].items()
+                                    if k != 'train.init_from'}}
+      try:
+        out.append((cell['name'].rsplit(',seed=', 1)[0] or 'base',
+                    sweep_lib.cell_config(module, arg, cell)))
+      except sweep_lib.SweepError as e:
+        out.append((cell['name'], str(e)))
+    return out
+  if FLAGS.config is None:
+    cli_checks.fail('aot', '--config or --sweep is required; e.g. --config=configs/decoder_only.py')
+  config = validation.resolve(FLAGS.config.unlock())
+  try:
+    validation.validate(config)
+  except validation.ConfigError as e:
+    cli_checks.fail('config error', e)
+  return [(FLAGS['config'].config_filename, config)]
+
+
+def main(argv):
+  logging.set_verbosity(logging.WARNING)  # jax logs at INFO that this host has no TPU backend
+  if len(argv) > 1:
+    cli_checks.fail('aot', f'unexpected arguments {argv[1:]}; valid: flags only')
+  if not FLAGS.topology:
+    cli_checks.fail('aot', '--topology is required; valid examples: '
+                    f'{", ".join(aot.EXAMPLE_TOPOLOGIES)}')
+  bad = [p for p in FLAGS.programs if p not in PROGRAMS]
+  if bad:
+    cli_checks.fail('aot', f'--programs={bad[0]!r} unknown; valid: {", ".join(PROGRAMS)}')
+  try:
+    devices = aot.topology_devices(FLAGS.topology)
+  except aot.AotError as e:
+    cli_checks.fail('aot', e)
+  configs = load_configs()
+  if FLAGS.mesh == 'auto':
+    configs = [(n, c if isinstance(c, str) else aot.auto_mesh(c, len(devices))) for n, c in configs]
+  results, status = [], 0
+  for name, config in configs:
+    if isinstance(config, str):
+      results.append((name, {'error': config, 'status': 2}))
+      continue
+    try:
+      validation.validate(config)  # the auto mesh may change what the batch must divide
+      aot.make_mesh(config, devices)
+      summary, seconds = compile_one(config, devices)
+      summary['compile_seconds'] = round(seconds, 1)
+      if not summary['fits']:
+        summary['status'] = 1
+        summary['error'] = does_not_fit_line(summary['per_chip_bytes'], devices)
+      results.append((name, summary))
+    except (validation.ConfigError, aot.AotError) as e:
+      results.append((name, {'error': ' '.join(str(e).split()), 'status': 2}))
+    except DoesNotFit as e:
+      need, line = e.args
+      results.append((name, {'error': does_not_fit_line(need, devices) if need else line,
+                             'status': 1, 'fits': False, 'per_chip_bytes': need}))
+  for name, r in results:
+    status = max(status, r.get('status', 0))
+  if FLAGS.sweep:
+    print(sweep_table(results, devices))
+  else:
+    (name, r), = results
+    if 'programs' in r:
+      print(describe(r, name))
+    if r.get('error'):
+      print(('config error: ' if r['status'] == 2 else 'aot: ') + r['error'], file=sys.stderr)
+  if FLAGS.json:
+    out = ({'topology': FLAGS.topology, 'cells': dict(results)} if FLAGS.sweep else results[0][1])
+    print(json.dumps(out, sort_keys=True))
+  sys.exit(status)
+
+
+def sweep_table(results, devices):
+  """One row per cell: mesh, GiB per chip against the HBM, fits, Mosaic kernels, compile time."""
+  gen = aot.GENERATIONS.get(devices[0].device_kind, devices[0].device_kind)
+  hbm = aot.hbm_bytes(devices[0])
+  lines = [f'# {FLAGS.sweep} on {FLAGS.topology} ({len(devices)} x {gen}, '
+           f'{"?" if hbm is None else gib(hbm)} GiB HBM per chip)', '',
+           '| cell | mesh | GiB per chip | fits | Mosaic kernels | compile s |',
+           '|---|---|---|---|---|---|']
+  for name, r in results:
+    if 'programs' not in r:
+      lines.append(f'| {name} | | | {"no" if r.get("status") == 1 else "error"}: {r["error"]} | | |')
+      continue
+    mesh = ' x '.join(f'{a} {s}' for a, s in r['mesh'].items() if s > 1) or 'one chip'
+    lines.append(f'| {name} | {mesh} | {gib(r["per_chip_bytes"])} | '
+                 f'{"yes" if r["fits"] else "no"} | {r["custom_calls"].get("tpu_custom_call", 0)} '
+                 f'| {r["compile_seconds"]} |')
+  return '\n'.join(lines)
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main, flags_parser=cli_checks.flags_parser('aot'))

@@ -1,0 +1,240 @@
+"""Ahead-of-time compilation for a TPU topology this host does not have (libtpu, compile only).
+
+libtpu describes any TPU slice by name (`jax.experimental.topologies.get_topology_desc`, e.g.
+'v5p:4x4x4') as compile-only devices; a program lowered for platform 'tpu' over a mesh of them is
+compiled by libtpu's real compiler, Mosaic kernels included, on a CPU host (as MaxText's
+train_compile.py does). `compile_config` builds a config's training state abstractly (no device
+memory), sharded by its mesh and rules, compiles the train step, the eval step and the cached
+decode step, and reads each program's per-chip memory, FLOPs, collectives and custom calls.
+
+The attention kernel follows the lowering platform (`lax.platform_dependent`): the programs hold
+the TPU kernels whatever the host.
+"""
+
+import collections
+import functools
+import math
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+
+from data import pipeline
+from layers import sharding
+import models
+from training import diagnostics
+from training import loop
+from training import state as state_lib
+from training import steps
+
+GiB = 2 ** 30
+# HBM per chip by TPU generation, Google's published specs (Cloud TPU system architecture pages:
+# v4 32 GiB, v5e 16 GB, v5p 95 GB, v6e 32 GB; the GB figures are read as GiB). Keyed by libtpu's
+# `device_kind`.
+HBM_BYTES = {
+    'TPU v4': 32 * GiB,
+    'TPU v5 lite': 16 * GiB,  # v5e
+    'TPU v5': 95 * GiB,  # v5p
+    'TPU v6 lite': 32 * GiB,  # v6e (Trillium)
+}
+GENERATIONS = {'TPU v4': 'v4', 'TPU v5 lite': 'v5e', 'TPU v5': 'v5p', 'TPU v6 lite': 'v6e'}
+EXAMPLE_TOPOLOGIES = ('v4:2x2x1', 'v5e:2x2', 'v5p:2x2x2', 'v5p:4x4x4', 'v6e:2x2')
+COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'collective-permute')
+# Custom-call targets of the attention kernels, by the name a report gives them.
+KERNEL_NAMES = {'tpu_custom_call': 'mosaic', '__gpu$xla.gpu.triton': 'triton'}
+
+
+class AotError(Exception):
+  """A topology, mesh or environment the compile cannot start from (one line; exit 2)."""
+
+
+def quiet_libtpu():
+  """Environment that keeps libtpu's start-up noise ("could not determine TPU accelerator type",
+  INVALID_ARGUMENT on TPU_WORKER_HOSTNAMES) out of a host run: set before jax loads libtpu."""
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # this host's programs run on its CPU
+  os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')  # no metadata server to ask
+  # Without these libtpu looks for a TPU of its own and logs that it found none; they name no
+  # target (the topology passed to get_topology_desc does).
+  os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5p-8')
+  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+
+
+def topology_devices(name):
+  """The compile-only devices of TPU topology `name` (e.g. 'v5p:2x2x2').
+
+  Raises:
+    AotError: libtpu is not installed, or does not know `name` (one line, with examples).
+  """
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  try:
+    import libtpu  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    raise AotError('libtpu is not installed; install it into this virtualenv with: '
+                   f'.venv/bin/pip install "jax[tpu]=={jax.__version__}"') from None
+  try:
+    return topologies.get_topology_desc(topology_name=name, platform='tpu').devices
+  except Exception as e:  # libtpu raises XlaRuntimeError / ValueError with long texts
+    first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    raise AotError(f'--topology={name!r} is not a TPU topology libtpu knows ({first}); valid '
+                   f'examples: {", ".join(EXAMPLE_TOPOLOGIES)}') from None
+
+
+def hbm_bytes(device):
+  """The HBM of one chip (`HBM_BYTES`), or None for a kind the table lacks."""
+  return HBM_BYTES.get(device.device_kind)
+
+
+def auto_mesh(config, num_devices):
+  """`config` with every mesh axis 1 but fsdp = `num_devices` (`--mesh=auto`)."""
+  config = config.copy_and_resolve_references()
+  for axis in sharding.MESH_AXES:
+    config.mesh[axis] = num_devices if axis == 'fsdp' else 1
+  return config
+
+
+def make_mesh(config, devices):
+  """The config's mesh over `devices`, or an AotError naming the sizes and the chip count."""
+  try:
+    return sharding.make_mesh(config.get('mesh', {}), devices)
+  except ValueError as e:
+    raise AotError(f'{e} (the chips of the topology)') from None
+
+
+def _abstract_batch(config, mesh, rules, batch_size):
+  shapes = pipeline.batch_shapes(models.batch_format(config.model.arch), batch_size,
+                                 config.data.max_length)
+  def sds(shape, dtype):
+    spec = sharding.spec(('batch', 'length'), shape, mesh, rules)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+  return {name: sds(*v) for name, v in shapes.items()}
+
+
+def hlo_counts(text):
+  """(collectives {op: count}, custom calls {target: count}) in a compiled program's HLO text.
+
+  An asynchronous collective (`all-gather-start` ... `-done`) counts once; every kind of
+  `COLLECTIVES` is present (0 when absent).
+  """
+  collectives = {op: 0 for op in COLLECTIVES}
+  for op in re.findall(r'= [^=\n]*? (' + '|'.join(COLLECTIVES) + r')(?:-start)?\(', text):
+    collectives[op] += 1
+  calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
+  return collectives, dict(sorted(calls.items()))
+
+
+def analyse(compiled):
+  """Per-chip figures of one compiled program: bytes (arguments, outputs, temporaries, aliased,
+  total = arguments + outputs + temporaries - aliased), XLA's FLOPs, collectives, custom calls."""
+  mem = compiled.memory_analysis()
+  sizes = {'argument': mem.argument_size_in_bytes, 'output': mem.output_size_in_bytes,
+           'temp': mem.temp_size_in_bytes, 'alias': mem.alias_size_in_bytes}
+  sizes = {k: int(v) for k, v in sizes.items()}
+  sizes['total'] = sizes['argument'] + sizes['output'] + sizes['temp'] - sizes['alias']
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  collectives, calls = hlo_counts(compiled.as_text())
+  return {'bytes': sizes, 'flops': float((cost or {}).get('flops', 0.0)),
+          'collectives': collectives, 'custom_calls': calls}
+
+
+def compile_config(config, devices, *, vocab_size, programs=('train', 'eval', 'decode')):
+  """Compiles `config`'s steps for `devices` (compile-only TPU devices) on this host.
+
+  Args:
+    config: a resolved, validated config; its mesh's product must be the device count.
+    devices: `topology_devices(...)`.
+    vocab_size: V of the configured task's tokenizer.
+    programs: which of 'train' (the loop's jitted `train_step`, state donated), 'eval'
+      (`steps.eval_step`) and 'decode' (one cached `decode_step` of a batch, decoder-only and
+      encoder-decoder only) to compile.
+
+  Returns:
+    {program: `analyse(...)`} for each compiled program.
+  """
+  mesh = make_mesh(config, devices)
+  rules = sharding.rules_of(config.get('mesh', {}))
+  graphdef, tx, state = state_lib.abstract_state(config, vocab_size, mesh)
+  batch = _abstract_batch(config, mesh, rules, config.train.batch_size)
+  out = {}
+
+  def lower(fn, *args):
+    with jax.set_mesh(mesh), sharding.use_rules(mesh, rules):
+      return fn.trace(*args).lower(lowering_platforms=('tpu',)).compile()
+
+  if 'train' in programs:
+    leaf_groups = diagnostics.param_groups(state['params'])[1]
+    out['train'] = analyse(lower(loop.jit_train_step(config, graphdef, tx, state, mesh,
+                                                     leaf_groups), state, batch))
+  variables = state_lib.model_variables(state)
+  if 'eval' in programs:
+    out['eval'] = analyse(lower(jax.jit(functools.partial(steps.eval_step, graphdef)),
+                                variables, batch))
+  if 'decode' in programs and hasattr(models.ARCHS[config.model.arch], 'decode_step'):
+    out['decode'] = analyse(lower(*_decode_program(config, graphdef, variables, batch, mesh)))
+  return out
+
+
+def _decode_program(config, graphdef, variables, batch, mesh):
+  """(jitted one-token cached step, its abstract arguments): the cache of the batch's rows at the
+  training length, laid out as the step lays it out, one token per row."""
+  b, length = config.train.batch_size, config.data.max_length
+
+  def init(variables, batch):
+    return state_lib.merge(graphdef, variables).init_cache(batch, length)
+
+  def step(variables, cache, tokens, index):
+    return state_lib.merge(graphdef, variables).decode_step(cache, tokens, index)
+
+  with jax.set_mesh(mesh):
+    cache = jax.eval_shape(init, variables, batch)
+  rows = jax.sharding.NamedSharding(mesh, sharding.spec(('batch',), (b,), mesh,
+                                                        sharding.rules_of(config.mesh)))
+  cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+          *rows.spec, *(None,) * (x.ndim - 1)) if x.ndim and x.shape[0] == b else
+          jax.sharding.PartitionSpec())), cache)
+  tokens = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows)
+  return jax.jit(step, donate_argnums=(1,)), variables, cache, tokens, tokens
+
+
+def per_chip_bytes(report):
+  """The largest per-chip total of a `compile_config` report's programs: what the chip must hold
+  (the programs run one at a time; each holds the state as its arguments)."""
+  return max(r['bytes']['total'] for r in report.values())
+
+
+def analytic_flops(config, vocab_size, chips):
+  """`models.accounting`'s FLOPs of one training step per chip: forward + backward = 3x the
+  forward matmuls and full score matrices of every row of the batch; None for an arch the closed
+  forms do not cover (rnn_seq2seq)."""
+  from models import accounting  # pylint: disable=g-import-not-at-top
+  if config.model.arch not in models.ARCHS or config.model.arch == 'rnn_seq2seq':
+    return None
+  row = accounting.forward_flops(config.model, vocab_size, config.data.max_length)
+  return 3.0 * (row['matmul'] + row['scores']) * config.train.batch_size / chips
+
+
+def summary(config, devices, report, vocab_size):
+  """The JSON summary of a compile: fits, bytes, chips, mesh, collectives, custom calls, FLOPs."""
+  hbm = hbm_bytes(devices[0])
+  need = per_chip_bytes(report)
+  train = report.get('train', next(iter(report.values())))
+  kernels = collections.Counter()
+  for r in report.values():
+    kernels.update(r['custom_calls'])
+  return {
+      'topology_kind': devices[0].device_kind,
+      'generation': GENERATIONS.get(devices[0].device_kind, devices[0].device_kind),
+      'chips': len(devices),
+      'mesh': {a: int(config.mesh.get(a, 1)) for a in sharding.MESH_AXES},
+      'fits': hbm is not None and need <= hbm,
+      'per_chip_bytes': int(need),
+      'hbm_bytes': None if hbm is None else int(hbm),
+      'flops_per_chip': train['flops'],
+      'analytic_flops_per_chip': analytic_flops(config, vocab_size, len(devices)),
+      'collectives': train['collectives'],
+      'custom_calls': dict(sorted(kernels.items())),
+      'programs': report,
+  }
+
