@@ -23,9 +23,14 @@ from models import accounting
 from training import validation
 
 
+def toy_tokenizer():
+  """The toy translation task's tokenizer, without generating the data."""
+  return tokenizer_lib.Tokenizer.from_words(toy_translation.vocabulary())
+
+
 def toy_vocab_size():
   """V of the toy translation task (its tokenizer's vocabulary), without generating the data."""
-  return tokenizer_lib.Tokenizer.from_words(toy_translation.vocabulary()).vocab_size
+  return toy_tokenizer().vocab_size
 
 
 def task_vocab_size(data_config):

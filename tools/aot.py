@@ -33,6 +33,7 @@ aot.quiet_libtpu()  # before jax starts: none of libtpu's start-up noise in the 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from ml_collections import config_flags
 
+import models
 from tools import accounting
 from tools import sweep as sweep_lib
 from training import cli_checks
@@ -72,7 +73,10 @@ def compile_one(config, devices):
   vocab_size = accounting.task_vocab_size(config.data)
   start = time.perf_counter()
   try:
-    report = aot.compile_config(config, devices, vocab_size=vocab_size, programs=FLAGS.programs)
+    # The special ids are constants of the program: the toy tokenizer's serve for any task.
+    special_ids = models.SpecialIds.from_tokenizer(accounting.toy_tokenizer())
+    report = aot.compile_config(config, devices, vocab_size=vocab_size, special_ids=special_ids,
+                                programs=FLAGS.programs)
   except Exception as e:  # pylint: disable=broad-except
     text = str(e)
     if 'RESOURCE_EXHAUSTED' not in text:

@@ -138,13 +138,17 @@ def analyse(compiled):
           'collectives': collectives, 'custom_calls': calls}
 
 
-def compile_config(config, devices, *, vocab_size, programs=('train', 'eval', 'decode')):
+def compile_config(config, devices, *, vocab_size, special_ids=None,
+                   programs=('train', 'eval', 'decode')):
   """Compiles `config`'s steps for `devices` (compile-only TPU devices) on this host.
 
   Args:
     config: a resolved, validated config; its mesh's product must be the device count.
-    devices: `topology_devices(...)`.
+    devices: `topology_devices(...)` (or any compile-only devices: the programs are lowered for
+      their platform).
     vocab_size: V of the configured task's tokenizer.
+    special_ids: `models.SpecialIds` (encoder_only masks by them; they are constants of the
+      program, so any tokenizer's serve to compile it).
     programs: which of 'train' (the loop's jitted `train_step`, state donated), 'eval'
       (`steps.eval_step`) and 'decode' (one cached `decode_step` of a batch, decoder-only and
       encoder-decoder only) to compile.
@@ -154,13 +158,14 @@ def compile_config(config, devices, *, vocab_size, programs=('train', 'eval', 'd
   """
   mesh = make_mesh(config, devices)
   rules = sharding.rules_of(config.get('mesh', {}))
-  graphdef, tx, state = state_lib.abstract_state(config, vocab_size, mesh)
+  graphdef, tx, state = state_lib.abstract_state(config, vocab_size, mesh,
+                                                 special_ids=special_ids)
   batch = _abstract_batch(config, mesh, rules, config.train.batch_size)
   out = {}
 
   def lower(fn, *args):
     with jax.set_mesh(mesh), sharding.use_rules(mesh, rules):
-      return fn.trace(*args).lower(lowering_platforms=('tpu',)).compile()
+      return fn.trace(*args).lower(lowering_platforms=(devices[0].platform,)).compile()
 
   if 'train' in programs:
     leaf_groups = diagnostics.param_groups(state['params'])[1]
