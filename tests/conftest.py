@@ -28,5 +28,7 @@ def pytest_collection_modifyitems(items):
     parts = item.path.parts
     if 'integration' in parts:
       item.add_marker(pytest.mark.integration)
+    elif 'aot' in parts:
+      item.add_marker(pytest.mark.aot)
     elif 'unit' in parts:
       item.add_marker(pytest.mark.unit)

@@ -97,6 +97,10 @@ def does_not_fit_line(need, devices):
   return f'needs {gib(need)} GiB per chip, {gen} has {has}'
 
 
+def flops_text(flops):
+  return 'n/a' if flops is None else f'{flops:.3g}'
+
+
 def table(summary):
   """The per-program table of one compile, as markdown lines."""
   lines = ['| program | arguments | outputs | temp | aliased | total per chip | FLOPs per chip '
@@ -106,7 +110,7 @@ def table(summary):
     coll = ', '.join(f'{k} {v}' for k, v in r['collectives'].items() if v) or 'none'
     calls = ', '.join(f'{k} {v}' for k, v in r['custom_calls'].items()) or 'none'
     lines.append(f'| {name} | {size(b["argument"])} | {size(b["output"])} | {size(b["temp"])} | '
-                 f'{size(b["alias"])} | **{size(b["total"])}** | {r["flops"]:.3g} | {coll} | '
+                 f'{size(b["alias"])} | **{size(b["total"])}** | {flops_text(r["flops"])} | {coll} | '
                  f'{calls} |')
   return lines
 
@@ -121,7 +125,7 @@ def describe(summary, name):
   out.append(f'{verdict}: needs {size(summary["per_chip_bytes"])} per chip (the largest '
              f'program), {summary["generation"]} has '
              f'{"?" if hbm is None else gib(hbm)} GiB of HBM.')
-  if flops:
+  if flops and summary['flops_per_chip']:
     out.append(f'Train step FLOPs per chip: XLA {summary["flops_per_chip"]:.4g}, '
                f'models.accounting {flops:.4g} (matmuls and full score matrices, x3 for the '
                'backward pass; a Mosaic kernel\'s FLOPs are not in XLA\'s count).')
@@ -142,11 +146,11 @@ def load_configs():
       # A fine-tune's source run changes the parameters, not the program.
       cell = {**cell, 'overrides': {k: v for k, v in cell['overrides'].items()
                                     if k != 'train.init_from'}}
+      name = cell['name'].rsplit(',seed=', 1)[0] or 'base'
       try:
-        out.append((cell['name'].rsplit(',seed=', 1)[0] or 'base',
-                    sweep_lib.cell_config(module, arg, cell)))
+        out.append((name, sweep_lib.cell_config(module, arg, cell)))
       except sweep_lib.SweepError as e:
-        out.append((cell['name'], str(e)))
+        out.append((name, str(e)))
     return out
   if FLAGS.config is None:
     cli_checks.fail('aot', '--config or --sweep is required; e.g. --config=configs/decoder_only.py')

@@ -58,6 +58,8 @@ def quiet_libtpu():
   # target (the topology passed to get_topology_desc does).
   os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5p-8')
   os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  # Compile-only: several processes (a test run's workers, a sweep) may hold libtpu at once.
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 
 
 def topology_devices(name):
@@ -76,8 +78,16 @@ def topology_devices(name):
     return topologies.get_topology_desc(topology_name=name, platform='tpu').devices
   except Exception as e:  # libtpu raises XlaRuntimeError / ValueError with long texts
     first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    if 'INVALID_ARGUMENT' not in first:
+      raise AotError(f'libtpu could not describe --topology={name!r}: {first}') from None
     raise AotError(f'--topology={name!r} is not a TPU topology libtpu knows ({first}); valid '
                    f'examples: {", ".join(EXAMPLE_TOPOLOGIES)}') from None
+
+
+def lowering_platform(device):
+  """The platform to lower for: a device's own, but 'cuda' for 'gpu' (a compile-only GPU device
+  says 'gpu', which jax resolves only against a running GPU backend)."""
+  return {'gpu': 'cuda'}.get(device.platform, device.platform)
 
 
 def hbm_bytes(device):
@@ -125,16 +135,18 @@ def hlo_counts(text):
 
 def analyse(compiled):
   """Per-chip figures of one compiled program: bytes (arguments, outputs, temporaries, aliased,
-  total = arguments + outputs + temporaries - aliased), XLA's FLOPs, collectives, custom calls."""
+  total = arguments + outputs + temporaries - aliased), XLA's FLOPs (None where the compiler
+  gives none), collectives, custom calls."""
   mem = compiled.memory_analysis()
   sizes = {'argument': mem.argument_size_in_bytes, 'output': mem.output_size_in_bytes,
            'temp': mem.temp_size_in_bytes, 'alias': mem.alias_size_in_bytes}
   sizes = {k: int(v) for k, v in sizes.items()}
   sizes['total'] = sizes['argument'] + sizes['output'] + sizes['temp'] - sizes['alias']
-  cost = compiled.cost_analysis()
+  cost = compiled.cost_analysis()  # None for a compile-only GPU executable
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  flops = None if not cost or 'flops' not in cost else float(cost['flops'])
   collectives, calls = hlo_counts(compiled.as_text())
-  return {'bytes': sizes, 'flops': float((cost or {}).get('flops', 0.0)),
+  return {'bytes': sizes, 'flops': flops,
           'collectives': collectives, 'custom_calls': calls}
 
 
@@ -165,7 +177,7 @@ def compile_config(config, devices, *, vocab_size, special_ids=None,
 
   def lower(fn, *args):
     with jax.set_mesh(mesh), sharding.use_rules(mesh, rules):
-      return fn.trace(*args).lower(lowering_platforms=(devices[0].platform,)).compile()
+      return fn.trace(*args).lower(lowering_platforms=(lowering_platform(devices[0]),)).compile()
 
   if 'train' in programs:
     leaf_groups = diagnostics.param_groups(state['params'])[1]
@@ -182,8 +194,10 @@ def compile_config(config, devices, *, vocab_size, special_ids=None,
 
 def _decode_program(config, graphdef, variables, batch, mesh):
   """(jitted one-token cached step, its abstract arguments): the cache of the batch's rows at the
-  training length, laid out as the step lays it out, one token per row."""
+  training length, one token per row. The cache is laid out by the rules (rows over the batch
+  axes, KV heads over theirs) and kept in that layout, so the donated cache is updated in place."""
   b, length = config.train.batch_size, config.data.max_length
+  rules = sharding.rules_of(config.mesh)
 
   def init(variables, batch):
     return state_lib.merge(graphdef, variables).init_cache(batch, length)
@@ -191,16 +205,21 @@ def _decode_program(config, graphdef, variables, batch, mesh):
   def step(variables, cache, tokens, index):
     return state_lib.merge(graphdef, variables).decode_step(cache, tokens, index)
 
+  def layout(x):  # k/v [B, S, K, H]; a mask or block table [B, S]; anything else replicated
+    names = {4: ('batch', None, 'kv_heads', 'head_dim'), 2: ('batch', None), 1: ('batch',)}
+    if x.ndim not in names or x.shape[0] != b:
+      return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.sharding.NamedSharding(mesh, sharding.spec(names[x.ndim], x.shape, mesh, rules))
+
   with jax.set_mesh(mesh):
     cache = jax.eval_shape(init, variables, batch)
-  rows = jax.sharding.NamedSharding(mesh, sharding.spec(('batch',), (b,), mesh,
-                                                        sharding.rules_of(config.mesh)))
-  cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-          *rows.spec, *(None,) * (x.ndim - 1)) if x.ndim and x.shape[0] == b else
-          jax.sharding.PartitionSpec())), cache)
+  cache_sharding = jax.tree.map(layout, cache)
+  cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
+                       cache_sharding)
+  rows = jax.sharding.NamedSharding(mesh, sharding.spec(('batch',), (b,), mesh, rules))
   tokens = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows)
-  return jax.jit(step, donate_argnums=(1,)), variables, cache, tokens, tokens
+  fn = jax.jit(step, donate_argnums=(1,), out_shardings=(None, cache_sharding))
+  return fn, variables, cache, tokens, tokens
 
 
 def per_chip_bytes(report):

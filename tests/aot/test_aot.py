@@ -1,0 +1,184 @@
+"""Sharded steps compiled for a TPU pod (v5p:2x2x2, 8 chips) by libtpu on this CPU host.
+
+Nothing runs: libtpu's compiler, Mosaic included, checks that every kernel lowers and every
+sharding partitions for the target, and reports the per-chip memory. A kernel that GSPMD cannot
+partition, or a sharding rule that breaks on a TPU, fails here without a TPU.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from training import aot
+
+aot.quiet_libtpu()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import models
+from configs import decoder_only
+from configs import encoder_decoder
+from configs import encoder_only
+from layers import attention
+from layers import attention_pallas
+from tools import accounting
+from training import validation
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOPOLOGY = 'v5p:2x2x2'
+ARCHS = {'decoder_only': decoder_only, 'encoder_decoder': encoder_decoder,
+         'encoder_only': encoder_only}
+MESHES = {'fsdp8': dict(fsdp=8), 'data2_fsdp2_tensor2': dict(data=2, fsdp=2, tensor=2)}
+# Flash-attention layers per model of the quick configs (2 layers a stack): each is a Mosaic
+# forward, dQ and dK/dV kernel in the train step and a forward kernel in the eval step.
+ATTENTION_LAYERS = {'decoder_only': 2, 'encoder_decoder': 6, 'encoder_only': 2}
+
+
+@pytest.fixture(scope='module')
+def devices():
+  return aot.topology_devices(TOPOLOGY)
+
+
+def _config(arch, mesh, **fields):
+  config = ARCHS[arch].get_config('quick')
+  config.model.attention_impl = 'pallas'
+  config.mesh.update(mesh)
+  for field, value in fields.items():
+    section, name = field.split('.')
+    config[section][name] = value
+  config = validation.resolve(config)
+  validation.validate(config)
+  return config
+
+
+def _compile(config, devices, programs=('train', 'eval', 'decode')):
+  return aot.compile_config(
+      config, devices, vocab_size=accounting.task_vocab_size(config.data),
+      special_ids=models.SpecialIds.from_tokenizer(accounting.toy_tokenizer()), programs=programs)
+
+
+def _mosaic(report, program):
+  return report[program]['custom_calls'].get('tpu_custom_call', 0)
+
+
+@pytest.mark.parametrize('mesh', list(MESHES))
+@pytest.mark.parametrize('arch', list(ARCHS))
+def test_pallas_steps_compile_for_a_tpu_pod(arch, mesh, devices):
+  report = _compile(_config(arch, MESHES[mesh]), devices)
+  layers = ATTENTION_LAYERS[arch]
+  assert _mosaic(report, 'train') == 3 * layers
+  assert _mosaic(report, 'eval') == layers
+  # The cached step attends one query row with the dense kernel: no Mosaic call.
+  assert set(report) == ({'train', 'eval'} if arch == 'encoder_only' else
+                         {'train', 'eval', 'decode'})
+  train = report['train']
+  assert train['collectives']['all-gather'] > 0  # fsdp gathers the parameters it sharded
+  if mesh == 'data2_fsdp2_tensor2':
+    assert train['collectives']['all-reduce'] > 0  # tensor parallelism sums partial products
+  for r in report.values():
+    assert 0 < r['bytes']['total'] < aot.hbm_bytes(devices[0])
+    assert r['flops'] > 0
+
+
+def test_pallas_without_shard_map_does_not_compile_on_a_mesh(devices, monkeypatch):
+  """The reason the kernels run under shard_map: GSPMD refuses to partition a Mosaic call."""
+  monkeypatch.setitem(attention.IMPLEMENTATIONS, 'pallas', attention_pallas.attention)
+  with pytest.raises(Exception, match='Mosaic kernels cannot be automatically partitioned'):
+    _compile(_config('decoder_only', MESHES['fsdp8']), devices, programs=('train',))
+
+
+def test_ring_attention_compiles_on_a_sequence_mesh(devices):
+  config = _config('decoder_only', dict(data=2, sequence=4), **{'model.attention_impl': 'ring',
+                                                                 'model.position': 'rope'})
+  report = _compile(config, devices, programs=('train',))
+  # Key/value blocks travel round the ring: forward, then again in the backward pass.
+  assert report['train']['collectives']['collective-permute'] > 0
+  assert _mosaic(report, 'train') == 0
+
+
+def test_bf16_scanned_layers_and_gradient_accumulation_compile(devices):
+  config = _config('decoder_only', MESHES['data2_fsdp2_tensor2'],
+                   **{'train.compute_dtype': 'bfloat16', 'model.scan_layers': True,
+                      'train.grad_accum_steps': 2, 'train.batch_size': 16})
+  report = _compile(config, devices)
+  # One scanned block (3 kernels) inside the micro-batch scan: the kernels appear once.
+  assert _mosaic(report, 'train') == 3
+  assert _mosaic(report, 'eval') == 1
+  assert report['decode']['bytes']['alias'] > 0  # the cache is donated and updated in place
+
+
+def _aot(*args):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  return subprocess.run([sys.executable, '-m', 'tools.aot', *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_cli_reports_a_fitting_pallas_config_as_json():
+  r = _aot(f'--topology={TOPOLOGY}', '--config=configs/decoder_only.py',
+           '--config.model.attention_impl=pallas', '--config.mesh.fsdp=8', '--json')
+  assert r.returncode == 0, r.stderr
+  summary = json.loads(r.stdout.strip().splitlines()[-1])
+  assert summary['fits'] is True and summary['chips'] == 8
+  assert summary['hbm_bytes'] == 95 * 2 ** 30
+  assert 0 < summary['per_chip_bytes'] < summary['hbm_bytes']
+  assert summary['custom_calls']['tpu_custom_call'] >= 1
+  assert summary['mesh'] == {'data': 1, 'fsdp': 8, 'tensor': 1, 'sequence': 1}
+  assert set(summary['collectives']) == set(aot.COLLECTIVES)
+  # XLA's count of the train step and the closed form agree within 10% (the Mosaic kernels'
+  # FLOPs, about 4·T²·D per layer here, are left out of XLA's).
+  assert abs(summary['flops_per_chip'] / summary['analytic_flops_per_chip'] - 1) < 0.1
+  assert 'could not determine TPU' not in r.stderr + r.stdout  # libtpu's noise kept out
+
+
+def test_cli_refuses_a_config_too_large_for_the_chip():
+  r = _aot('--topology=v5e:2x2', '--config=configs/decoder_only.py:quick',
+           '--config.data.max_length=8192', '--config.model.d_model=128',
+           '--config.model.num_heads=8', '--config.mesh.fsdp=4', '--config.train.batch_size=16',
+           '--programs=train')
+  assert r.returncode == 1, r.stderr
+  line = r.stderr.strip().splitlines()[-1]
+  assert line.startswith('aot: needs ') and line.endswith('GiB per chip, v5e has 16'), line
+  assert float(line.split()[2]) > 16
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--topology=v9z:2x2'], 'is not a TPU topology libtpu knows'),
+    (['--topology=v5p:2x2x2', '--config.mesh.fsdp=4'], 'must equal the device count 8'),
+    (['--topology=v5p:2x2x2', '--config.model.num_heads=7'], 'must divide model.d_model'),
+])
+def test_cli_bad_input_is_one_line_with_exit_2(args, message):
+  r = _aot('--config=configs/decoder_only.py:quick', *args)
+  assert r.returncode == 2, r.stderr
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and message in lines[0], r.stderr
+  if 'v9z' in args[0]:
+    assert 'v5p:2x2x2' in lines[0]  # valid examples named
+
+
+def test_missing_libtpu_names_the_install_command(monkeypatch):
+  monkeypatch.setitem(sys.modules, 'libtpu', None)  # `import libtpu` raises ImportError
+  with pytest.raises(aot.AotError, match=r'pip install "jax\[tpu\]=='):
+    aot.topology_devices(TOPOLOGY)
+
+
+def test_cli_compiles_every_cell_of_a_sweep(tmp_path):
+  sweep = tmp_path / 'grid.py'
+  sweep.write_text(
+      'from configs import decoder_only\n'
+      'def get_config(arg=None):\n'
+      '  config = decoder_only.get_config("quick")\n'
+      '  config.mesh.fsdp = 8\n'
+      '  return config\n'
+      'def get_sweep():\n'
+      '  return {"cells": [{"model.attention_impl": "pallas"}, {"model.attention_impl": "xla"},\n'
+      '                    {"model.num_kv_heads": 3}], "seeds": [0, 1]}\n')
+  r = _aot(f'--topology={TOPOLOGY}', f'--sweep={sweep}', '--programs=train', '--json')
+  assert r.returncode == 2, r.stderr  # the third cell is a config error
+  cells = json.loads(r.stdout.strip().splitlines()[-1])['cells']
+  assert len(cells) == 3  # one seed per cell: the seed does not change the program
+  assert cells['model.attention_impl=pallas']['custom_calls']['tpu_custom_call'] == 6
+  assert 'tpu_custom_call' not in cells['model.attention_impl=xla']['custom_calls']
+  assert cells['model.num_kv_heads=3']['status'] == 2
+  assert '| model.attention_impl=pallas | fsdp 8 |' in r.stdout
