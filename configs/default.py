@@ -8,6 +8,8 @@ SIZES = {
     'tiny': (2, 64, 4, 256),
     'small': (3, 128, 4, 512),
     'base': (6, 512, 8, 2048),
+    'large': (12, 1024, 16, 4096),  # about 150M parameters in the blocks (12·D² a layer)
+    'xl': (24, 2048, 16, 8192),  # about 1.2B in the blocks: the pod examples (tools.aot)
 }
 
 

@@ -329,14 +329,18 @@ def gpu_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=F
   """
   b, t, n, h = query.shape
   s, kh = key.shape[1], key.shape[2]
-  bq, bk = min(block_q, t), min(block_k, s)
+  # Triton takes power-of-two tiles only: a short sequence gets the next power of two (its padded
+  # keys are masked, its padded query rows dropped), and so does the head dim (zero features add
+  # nothing to q·k; v's zero columns give output columns that are dropped).
+  bq, bk = min(block_q, pl.next_power_of_2(t)), min(block_k, pl.next_power_of_2(s))
   tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
+  hp = pl.next_power_of_2(h)
   cfg = blockwise.Config(float(scale), bool(is_causal), None if window is None else tuple(window),
                          t, s, bq, bk)
   pad_t = lambda x, axis, size: blockwise._pad_axis(x, axis, size)  # pylint: disable=protected-access
-  q = pad_t(query, 1, tp).transpose(0, 2, 1, 3)  # [B, N, Tp, H]
-  k = pad_t(key, 1, sp).transpose(0, 2, 1, 3)  # [B, K, Sp, H]
-  v = pad_t(value, 1, sp).transpose(0, 2, 1, 3)  # [B, K, Sp, H]
+  q = pad_t(pad_t(query, 1, tp), 3, hp).transpose(0, 2, 1, 3)  # [B, N, Tp, Hp]
+  k = pad_t(pad_t(key, 1, sp), 3, hp).transpose(0, 2, 1, 3)  # [B, K, Sp, Hp]
+  v = pad_t(pad_t(value, 1, sp), 3, hp).transpose(0, 2, 1, 3)  # [B, K, Sp, Hp]
 
   def dense_bt(x, dtype):
     # [b, N|1, Tp, Sp]: batch and head axes stay broadcast (index maps pick block 0), the sequence
@@ -360,8 +364,8 @@ def gpu_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=F
       'q_seg': None if q_segment_ids is None else pad_t(q_segment_ids.astype(jnp.int32), 1, tp),
       'kv_seg': None if kv_segment_ids is None else pad_t(kv_segment_ids.astype(jnp.int32), 1, sp),
   }
-  out = _flash(cfg, backend, q, k, v, opt)  # [B, N, Tp, H]
-  return out[:, :, :t].transpose(0, 2, 1, 3).astype(query.dtype)
+  out = _flash(cfg, backend, q, k, v, opt)  # [B, N, Tp, Hp]
+  return out[:, :, :t, :h].transpose(0, 2, 1, 3).astype(query.dtype)
 
 
 def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,

@@ -197,8 +197,9 @@ def main(argv):
       results.append((name, {'error': ' '.join(str(e).split()), 'status': 2}))
     except DoesNotFit as e:
       need, line = e.args
-      results.append((name, {'error': does_not_fit_line(need, devices) if need else line,
-                             'status': 1, 'fits': False, 'per_chip_bytes': need}))
+      results.append((name, {**aot.target(config, devices), 'status': 1, 'fits': False,
+                             'per_chip_bytes': need,
+                             'error': does_not_fit_line(need, devices) if need else line}))
   for name, r in results:
     status = max(status, r.get('status', 0))
   if FLAGS.sweep:

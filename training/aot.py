@@ -8,13 +8,16 @@ memory), sharded by its mesh and rules, compiles the train step, the eval step a
 decode step, and reads each program's per-chip memory, FLOPs, collectives and custom calls.
 
 The attention kernel follows the lowering platform (`lax.platform_dependent`): the programs hold
-the TPU kernels whatever the host.
+the TPU kernels whatever the host. GPUs go the same way where jax's CUDA plugin is installed: XLA's
+description of an H100 (training/targets/) gives N compile-only GPUs ('h100:8'), and the programs
+hold the Triton kernels.
 """
 
 import collections
 import functools
 import math
 import os
+import pathlib
 import re
 
 import jax
@@ -37,8 +40,12 @@ HBM_BYTES = {
     'TPU v5 lite': 16 * GiB,  # v5e
     'TPU v5': 95 * GiB,  # v5p
     'TPU v6 lite': 32 * GiB,  # v6e (Trillium)
+    'NVIDIA H100 80GB HBM3': 84_978_434_048,  # its target description's device_memory_size
 }
-GENERATIONS = {'TPU v4': 'v4', 'TPU v5 lite': 'v5e', 'TPU v5': 'v5p', 'TPU v6 lite': 'v6e'}
+GENERATIONS = {'TPU v4': 'v4', 'TPU v5 lite': 'v5e', 'TPU v5': 'v5p', 'TPU v6 lite': 'v6e',
+               'NVIDIA H100 80GB HBM3': 'h100'}
+# GPU kinds by XLA's target description (training/targets/), for '--topology=KIND:N'.
+GPU_TARGETS = {'h100': 'h100_sxm.txtpb'}
 EXAMPLE_TOPOLOGIES = ('v4:2x2x1', 'v5e:2x2', 'v5p:2x2x2', 'v5p:4x4x4', 'v6e:2x2')
 COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'collective-permute')
 # Custom-call targets of the attention kernels, by the name a report gives them.
@@ -50,9 +57,13 @@ class AotError(Exception):
 
 
 def quiet_libtpu():
-  """Environment that keeps libtpu's start-up noise ("could not determine TPU accelerator type",
-  INVALID_ARGUMENT on TPU_WORKER_HOSTNAMES) out of a host run: set before jax loads libtpu."""
+  """Environment for compiling on this host: libtpu's start-up noise ("could not determine TPU
+  accelerator type", INVALID_ARGUMENT on TPU_WORKER_HOSTNAMES) kept out, no GPU autotuning. Call
+  it before jax starts."""
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # this host's programs run on its CPU
+  if not jax.config.jax_platforms:  # jax was imported first (it reads the variable on import);
+    # set, it also makes jax register the CUDA plugin's compile-only topologies
+    jax.config.update('jax_platforms', os.environ['JAX_PLATFORMS'])
   os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')  # no metadata server to ask
   # Without these libtpu looks for a TPU of its own and logs that it found none; they name no
   # target (the topology passed to get_topology_desc does).
@@ -60,15 +71,24 @@ def quiet_libtpu():
   os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
   # Compile-only: several processes (a test run's workers, a sweep) may hold libtpu at once.
   os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+  # GPU targets: XLA would otherwise time candidate kernels on a GPU this host does not have.
+  if '--xla_gpu_autotune_level' not in os.environ.get('XLA_FLAGS', ''):
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                               ' --xla_gpu_autotune_level=0').strip()
 
 
 def topology_devices(name):
-  """The compile-only devices of TPU topology `name` (e.g. 'v5p:2x2x2').
+  """The compile-only devices of TPU topology `name` (e.g. 'v5p:2x2x2'), or of N GPUs of a kind
+  in `GPU_TARGETS` ('h100:8', through jax's CUDA plugin).
 
   Raises:
-    AotError: libtpu is not installed, or does not know `name` (one line, with examples).
+    AotError: libtpu (or the CUDA plugin) is not installed, or `name` is unknown (one line, with
+      examples).
   """
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  kind, _, count = name.partition(':')
+  if kind in GPU_TARGETS:
+    return _gpu_devices(topologies, kind, count)
   try:
     import libtpu  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
@@ -81,7 +101,24 @@ def topology_devices(name):
     if 'INVALID_ARGUMENT' not in first:
       raise AotError(f'libtpu could not describe --topology={name!r}: {first}') from None
     raise AotError(f'--topology={name!r} is not a TPU topology libtpu knows ({first}); valid '
-                   f'examples: {", ".join(EXAMPLE_TOPOLOGIES)}') from None
+                   f'examples: {", ".join(EXAMPLE_TOPOLOGIES)}, or '
+                   f'{", ".join(k + ":8" for k in GPU_TARGETS)}') from None
+
+
+def _gpu_devices(topologies, kind, count):
+  """N compile-only GPUs described by XLA's target file for `kind` (autotuning off: no GPU)."""
+  if not count.isdigit() or int(count) < 1:
+    raise AotError(f'--topology={kind}:{count}: the GPU count must be a positive integer, e.g. '
+                   f'{kind}:8')
+  try:
+    import jax_cuda12_plugin  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    raise AotError(f'--topology={kind}:{count} needs jax\'s CUDA plugin; install it into a '
+                   'virtualenv of its own (it prints a line on every JAX start-up without a GPU): '
+                   f'pip install "jax-cuda12-plugin=={jax.__version__}"') from None
+  text = (pathlib.Path(__file__).parent / 'targets' / GPU_TARGETS[kind]).read_text()
+  return topologies.get_topology_desc(platform='cuda', target_config=text,
+                                      topology=f'1x1x{count}').devices
 
 
 def lowering_platform(device):
@@ -239,6 +276,16 @@ def analytic_flops(config, vocab_size, chips):
   return 3.0 * (row['matmul'] + row['scores']) * config.train.batch_size / chips
 
 
+def target(config, devices):
+  """What a report says of the target: the chips' kind and generation, their count and HBM, and
+  the mesh sizes."""
+  hbm = hbm_bytes(devices[0])
+  return {'topology_kind': devices[0].device_kind,
+          'generation': GENERATIONS.get(devices[0].device_kind, devices[0].device_kind),
+          'chips': len(devices), 'hbm_bytes': None if hbm is None else int(hbm),
+          'mesh': {a: int(config.mesh.get(a, 1)) for a in sharding.MESH_AXES}}
+
+
 def summary(config, devices, report, vocab_size):
   """The JSON summary of a compile: fits, bytes, chips, mesh, collectives, custom calls, FLOPs."""
   hbm = hbm_bytes(devices[0])
@@ -248,13 +295,9 @@ def summary(config, devices, report, vocab_size):
   for r in report.values():
     kernels.update(r['custom_calls'])
   return {
-      'topology_kind': devices[0].device_kind,
-      'generation': GENERATIONS.get(devices[0].device_kind, devices[0].device_kind),
-      'chips': len(devices),
-      'mesh': {a: int(config.mesh.get(a, 1)) for a in sharding.MESH_AXES},
+      **target(config, devices),
       'fits': hbm is not None and need <= hbm,
       'per_chip_bytes': int(need),
-      'hbm_bytes': None if hbm is None else int(hbm),
       'flops_per_chip': train['flops'],
       'analytic_flops_per_chip': analytic_flops(config, vocab_size, len(devices)),
       'collectives': train['collectives'],

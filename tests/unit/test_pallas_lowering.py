@@ -9,6 +9,7 @@ The checks are on the lowered StableHLO's custom calls: `tpu_custom_call` (Mosai
 import re
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 
@@ -89,3 +90,23 @@ def test_cudnn_lowers_for_cuda_where_jax_allows_it_on_this_host():
       raise
     pytest.skip(f'jax cannot lower cuDNN attention on this host: {e}')
   assert any('cudnn' in c for c in _custom_calls(text)), _custom_calls(text)
+
+
+@pytest.mark.parametrize('t,h', [(40, 32), (24, 48)])
+def test_triton_tiles_are_powers_of_two_for_any_length_and_head_dim(t, h):
+  """Triton lowers power-of-two tiles only: a 40-token row or a head dim of 48 is padded to the
+  next power of two (the toy task's rows are 40 long), and the numbers stay those of `xla`."""
+  q = jax.ShapeDtypeStruct((1, t, N, h), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, t, 2, h), jnp.float32)
+
+  def loss(impl, q, k, v):
+    out = attention.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    return jnp.sum(jnp.sin(out))
+
+  grad = lambda impl: jax.grad(lambda *a: loss(impl, *a), argnums=(0, 1, 2))  # noqa: E731
+  traced = jax.jit(grad('pallas')).trace(q, kv, kv)
+  assert _lowered_calls(traced, 'cuda') == ['__gpu$xla.gpu.triton'] * 3
+  rng = np.random.default_rng(0)
+  args = [jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, kv, kv)]
+  for got, want in zip(jax.jit(grad('pallas'))(*args), jax.jit(grad('xla'))(*args)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
