@@ -28,6 +28,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from layers import sharding
@@ -62,8 +63,9 @@ def layout(mesh, rules, batch, heads, kv_heads):
     (batch axes or None, head axes or None, repeats): the KV heads are repeated `repeats` times
     (1: not at all) so that every head shard holds whole query groups and their KV head.
   """
-  batch_axes = sharding.spec(('batch',), (batch,), mesh, rules)[0]
-  head_axes = sharding.spec(('heads',), (heads,), mesh, rules)[0]
+  # One spec for both: a mesh axis the rules give to the batch and the heads is used once.
+  batch_axes, _, head_axes = sharding.spec(('batch', None, 'heads'), (batch, 1, heads), mesh,
+                                           rules)
   shards = _axes_size(mesh, head_axes)
   if shards == 1 or kv_heads % shards == 0:
     return batch_axes, head_axes, 1
@@ -106,8 +108,16 @@ def per_device(kernel):
       extra = dict(extra)
       return kernel(q, k, v, extra.pop('bias', None), extra.pop('mask', None), **extra, **kwargs)
 
+    # Under explicit mesh axes the arrays' types carry their shardings: move them to the specs
+    # first, and the output back to the query's own sharding after.
+    explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+    out_spec = jax.typeof(query).sharding.spec if explicit else None
+    if explicit:
+      query, key, value = (jax.sharding.reshard(a, x) for a in (query, key, value))
+      args = {k: jax.sharding.reshard(v, arg_specs[k]) for k, v in args.items()}
     # check_vma off: a pallas_call carries no varying-axes annotation for its outputs.
-    return jax.shard_map(local, mesh=mesh, in_specs=(x, x, x, arg_specs), out_specs=x,
-                         check_vma=False)(query, key, value, args)
+    out = jax.shard_map(local, mesh=mesh, in_specs=(x, x, x, arg_specs), out_specs=x,
+                        check_vma=False)(query, key, value, args)
+    return jax.sharding.reshard(out, out_spec) if explicit else out
 
   return call

@@ -1,5 +1,6 @@
 """Fixtures shared across test modules, and the simulated devices of the sharding tests."""
 
+import glob
 import os
 
 # Eight CPU devices for the mesh, ring-attention and sharded-training tests (before jax is
@@ -8,10 +9,11 @@ if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                              ' --xla_force_host_platform_device_count=8').strip()
 
-# The test extra installs libtpu (the aot tier compiles for TPU topologies); the tests' own
-# programs run on this host's CPU, without libtpu's start-up probe (about 1 s and 5 error lines
-# per process, subprocesses included).
-os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# The test extra installs libtpu (the aot tier compiles for TPU topologies). On a host without an
+# accelerator the tests' own programs run on the CPU without libtpu's start-up probe (about 1 s and
+# 5 error lines per process, subprocesses included); a GPU or TPU host keeps its backend.
+if not any(glob.glob(p) for p in ('/dev/nvidia[0-9]*', '/dev/accel[0-9]*', '/dev/vfio/[0-9]*')):
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 

@@ -57,19 +57,15 @@ def define_flags():
 
 
 class DoesNotFit(Exception):
-  """The compiler ran out of HBM, or the programs need more than the chip has."""
+  """The compiler ran out of HBM: (bytes it named, or None; its first line)."""
 
 
 def gib(x):
   return f'{x / aot.GiB:.2f}'
 
 
-def size(x):
-  return accounting.human_bytes(x)
-
-
 def compile_one(config, devices):
-  """(summary dict, seconds) of one config; DoesNotFit when libtpu refuses for lack of HBM."""
+  """(summary dict, seconds) of one config; DoesNotFit when the compiler refuses for lack of HBM."""
   vocab_size = accounting.task_vocab_size(config.data)
   start = time.perf_counter()
   try:
@@ -82,7 +78,7 @@ def compile_one(config, devices):
     if 'RESOURCE_EXHAUSTED' not in text:
       raise
     # 'Ran out of memory on HBM, the total memory required for HLO temporaries (24.52G) exceeds
-    # available HBM (15.75G).': the compiler's own verdict.
+    # available HBM (15.75G).': the compiler's verdict, on the temporaries alone.
     sizes = re.findall(r'\(([\d.]+)([KMGT])\)', text.splitlines()[0])
     unit = {'K': 2 ** 10, 'M': 2 ** 20, 'G': 2 ** 30, 'T': 2 ** 40}
     need = float(sizes[0][0]) * unit[sizes[0][1]] if sizes else None
@@ -90,11 +86,11 @@ def compile_one(config, devices):
   return aot.summary(config, devices, report, vocab_size), time.perf_counter() - start
 
 
-def does_not_fit_line(need, devices):
+def does_not_fit_line(need, devices, *, lower_bound=False):
   hbm = aot.hbm_bytes(devices[0])
-  gen = aot.GENERATIONS.get(devices[0].device_kind, devices[0].device_kind)
+  gen = aot.target_generation(devices[0])
   has = 'an unknown amount' if hbm is None else f'{hbm / aot.GiB:g}'
-  return f'needs {gib(need)} GiB per chip, {gen} has {has}'
+  return f'needs {"at least " if lower_bound else ""}{gib(need)} GiB per chip, {gen} has {has}'
 
 
 def flops_text(flops):
@@ -109,8 +105,8 @@ def table(summary):
     b = r['bytes']
     coll = ', '.join(f'{k} {v}' for k, v in r['collectives'].items() if v) or 'none'
     calls = ', '.join(f'{k} {v}' for k, v in r['custom_calls'].items()) or 'none'
-    lines.append(f'| {name} | {size(b["argument"])} | {size(b["output"])} | {size(b["temp"])} | '
-                 f'{size(b["alias"])} | **{size(b["total"])}** | {flops_text(r["flops"])} | {coll} | '
+    lines.append(f'| {name} | {accounting.human_bytes(b["argument"])} | {accounting.human_bytes(b["output"])} | {accounting.human_bytes(b["temp"])} | '
+                 f'{accounting.human_bytes(b["alias"])} | **{accounting.human_bytes(b["total"])}** | {flops_text(r["flops"])} | {coll} | '
                  f'{calls} |')
   return lines
 
@@ -118,11 +114,11 @@ def table(summary):
 def describe(summary, name):
   mesh = ' x '.join(f'{a} {s}' for a, s in summary['mesh'].items() if s > 1) or 'one chip'
   hbm = summary['hbm_bytes']
-  verdict = 'fits' if summary['fits'] else 'DOES NOT FIT'
+  verdict = {True: 'fits', False: 'DOES NOT FIT', None: 'HBM unknown'}[summary['fits']]
   flops = summary['analytic_flops_per_chip']
   out = [f'# {name}: {summary["chips"]} x {summary["topology_kind"]} ({summary["generation"]}), '
          f'mesh {mesh}', ''] + table(summary) + ['']
-  out.append(f'{verdict}: needs {size(summary["per_chip_bytes"])} per chip (the largest '
+  out.append(f'{verdict}: needs {accounting.human_bytes(summary["per_chip_bytes"])} per chip (the largest '
              f'program), {summary["generation"]} has '
              f'{"?" if hbm is None else gib(hbm)} GiB of HBM.')
   if flops and summary['flops_per_chip']:
@@ -138,11 +134,13 @@ def load_configs():
     path, arg = sweep_lib.split_spec(FLAGS.sweep)
     try:
       module = sweep_lib.load_sweep_module(path)
-      cells = sweep_lib.expand(sweep_lib.get_sweep(module, arg))
+      sweep = sweep_lib.get_sweep(module, arg)
+      # One seed: the seed changes the parameters' values, not the program.
+      cells = sweep_lib.expand(sweep, seeds=[str((sweep.get('seeds') or [0])[0])])
     except sweep_lib.SweepError as e:
       cli_checks.fail('config error', e)
-    out, first_seed = [], cells[0]['seed'] if cells else 0
-    for cell in (c for c in cells if c['seed'] == first_seed):
+    out = []
+    for cell in cells:
       # A fine-tune's source run changes the parameters, not the program.
       cell = {**cell, 'overrides': {k: v for k, v in cell['overrides'].items()
                                     if k != 'train.init_from'}}
@@ -185,11 +183,11 @@ def main(argv):
       results.append((name, {'error': config, 'status': 2}))
       continue
     try:
-      validation.validate(config)  # the auto mesh may change what the batch must divide
-      aot.make_mesh(config, devices)
+      if FLAGS.mesh == 'auto':
+        validation.validate(config)  # the batch must divide over the new mesh
       summary, seconds = compile_one(config, devices)
       summary['compile_seconds'] = round(seconds, 1)
-      if not summary['fits']:
+      if summary['fits'] is False:
         summary['status'] = 1
         summary['error'] = does_not_fit_line(summary['per_chip_bytes'], devices)
       results.append((name, summary))
@@ -198,8 +196,13 @@ def main(argv):
     except DoesNotFit as e:
       need, line = e.args
       results.append((name, {**aot.target(config, devices), 'status': 1, 'fits': False,
-                             'per_chip_bytes': need,
-                             'error': does_not_fit_line(need, devices) if need else line}))
+                             'per_chip_bytes': need, 'error': does_not_fit_line(
+                                 need, devices, lower_bound=True) if need else line}))
+    except Exception as e:  # pylint: disable=broad-except
+      # Any other compiler or lowering failure: one line, and the other cells still compile.
+      first = (str(e).strip().splitlines() or [''])[0][:300]
+      results.append((name, {'error': f'does not compile: {type(e).__name__}: {first}',
+                             'status': 1}))
   for name, r in results:
     status = max(status, r.get('status', 0))
   if FLAGS.sweep:
@@ -218,20 +221,21 @@ def main(argv):
 
 def sweep_table(results, devices):
   """One row per cell: mesh, GiB per chip against the HBM, fits, Mosaic kernels, compile time."""
-  gen = aot.GENERATIONS.get(devices[0].device_kind, devices[0].device_kind)
+  gen = aot.target_generation(devices[0])
   hbm = aot.hbm_bytes(devices[0])
+  kernel = aot.KERNEL_CALLS.get(aot.lowering_platform(devices[0]))
   lines = [f'# {FLAGS.sweep} on {FLAGS.topology} ({len(devices)} x {gen}, '
            f'{"?" if hbm is None else gib(hbm)} GiB HBM per chip)', '',
-           '| cell | mesh | GiB per chip | fits | Mosaic kernels | compile s |',
+           f'| cell | mesh | GiB per chip | fits | {kernel} calls | compile s |',
            '|---|---|---|---|---|---|']
   for name, r in results:
     if 'programs' not in r:
       lines.append(f'| {name} | | | {"no" if r.get("status") == 1 else "error"}: {r["error"]} | | |')
       continue
     mesh = ' x '.join(f'{a} {s}' for a, s in r['mesh'].items() if s > 1) or 'one chip'
-    lines.append(f'| {name} | {mesh} | {gib(r["per_chip_bytes"])} | '
-                 f'{"yes" if r["fits"] else "no"} | {r["custom_calls"].get("tpu_custom_call", 0)} '
-                 f'| {r["compile_seconds"]} |')
+    fits = {True: 'yes', False: 'no', None: 'HBM unknown'}[r['fits']]
+    lines.append(f'| {name} | {mesh} | {gib(r["per_chip_bytes"])} | {fits} | '
+                 f'{r["custom_calls"].get(kernel, 0)} | {r["compile_seconds"]} |')
   return '\n'.join(lines)
 
 

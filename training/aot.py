@@ -32,24 +32,24 @@ from training import state as state_lib
 from training import steps
 
 GiB = 2 ** 30
-# HBM per chip by TPU generation, Google's published specs (Cloud TPU system architecture pages:
-# v4 32 GiB, v5e 16 GB, v5p 95 GB, v6e 32 GB; the GB figures are read as GiB). Keyed by libtpu's
-# `device_kind`.
-HBM_BYTES = {
-    'TPU v4': 32 * GiB,
-    'TPU v5 lite': 16 * GiB,  # v5e
-    'TPU v5': 95 * GiB,  # v5p
-    'TPU v6 lite': 32 * GiB,  # v6e (Trillium)
-    'NVIDIA H100 80GB HBM3': 84_978_434_048,  # its target description's device_memory_size
+# The chips by the `device_kind` their compile-only devices report: (generation, HBM bytes per
+# chip). TPUs from Google's published specs (Cloud TPU system architecture pages: v4 32 GiB, v5e
+# 16 GB, v5p 95 GB, v6e 32 GB; the GB figures read as GiB); the H100 from its XLA description's
+# device_memory_size. A program also needs what the runtime keeps for itself (libtpu lets a
+# program use 15.75 of v5e's 16 GiB), so a total within a few percent of the HBM is marginal.
+CHIPS = {
+    'TPU v4': ('v4', 32 * GiB),
+    'TPU v5 lite': ('v5e', 16 * GiB),
+    'TPU v5': ('v5p', 95 * GiB),
+    'TPU v6 lite': ('v6e', 32 * GiB),
+    'NVIDIA H100 80GB HBM3': ('h100', 84_978_434_048),
 }
-GENERATIONS = {'TPU v4': 'v4', 'TPU v5 lite': 'v5e', 'TPU v5': 'v5p', 'TPU v6 lite': 'v6e',
-               'NVIDIA H100 80GB HBM3': 'h100'}
 # GPU kinds by XLA's target description (training/targets/), for '--topology=KIND:N'.
 GPU_TARGETS = {'h100': 'h100_sxm.txtpb'}
 EXAMPLE_TOPOLOGIES = ('v4:2x2x1', 'v5e:2x2', 'v5p:2x2x2', 'v5p:4x4x4', 'v6e:2x2')
 COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'collective-permute')
-# Custom-call targets of the attention kernels, by the name a report gives them.
-KERNEL_NAMES = {'tpu_custom_call': 'mosaic', '__gpu$xla.gpu.triton': 'triton'}
+# The custom-call target of the Pallas kernels, by lowering platform (Mosaic, Triton).
+KERNEL_CALLS = {'tpu': 'tpu_custom_call', 'cuda': '__gpu$xla.gpu.triton'}
 
 
 class AotError(Exception):
@@ -117,8 +117,12 @@ def _gpu_devices(topologies, kind, count):
                    'virtualenv of its own (it prints a line on every JAX start-up without a GPU): '
                    f'pip install "jax-cuda12-plugin=={jax.__version__}"') from None
   text = (pathlib.Path(__file__).parent / 'targets' / GPU_TARGETS[kind]).read_text()
-  return topologies.get_topology_desc(platform='cuda', target_config=text,
-                                      topology=f'1x1x{count}').devices
+  try:
+    return topologies.get_topology_desc(platform='cuda', target_config=text,
+                                        topology=f'1x1x{count}').devices
+  except Exception as e:  # pylint: disable=broad-except
+    first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    raise AotError(f'jax could not describe --topology={kind}:{count}: {first}') from None
 
 
 def lowering_platform(device):
@@ -127,9 +131,14 @@ def lowering_platform(device):
   return {'gpu': 'cuda'}.get(device.platform, device.platform)
 
 
+def target_generation(device):
+  """The chip generation a report names ('v5e', 'h100'; the device kind if `CHIPS` lacks it)."""
+  return CHIPS.get(device.device_kind, (device.device_kind,))[0]
+
+
 def hbm_bytes(device):
-  """The HBM of one chip (`HBM_BYTES`), or None for a kind the table lacks."""
-  return HBM_BYTES.get(device.device_kind)
+  """The HBM of one chip (`CHIPS`), or None for a kind the table lacks."""
+  return CHIPS.get(device.device_kind, (None, None))[1]
 
 
 def auto_mesh(config, num_devices):
@@ -160,11 +169,13 @@ def _abstract_batch(config, mesh, rules, batch_size):
 def hlo_counts(text):
   """(collectives {op: count}, custom calls {target: count}) in a compiled program's HLO text.
 
-  An asynchronous collective (`all-gather-start` ... `-done`) counts once; every kind of
+  These count instructions in the program, not executions (a scanned body's count once). An
+  asynchronous collective (`all-gather-start` ... `-done`) counts once; every kind of
   `COLLECTIVES` is present (0 when absent).
   """
   collectives = {op: 0 for op in COLLECTIVES}
-  for op in re.findall(r'= [^=\n]*? (' + '|'.join(COLLECTIVES) + r')(?:-start)?\(', text):
+  # The opcode follows the result's shape (a tuple's ends in ')'); `-done` halves do not match.
+  for op in re.findall(r'[ )](' + '|'.join(COLLECTIVES) + r')(?:-start)?\(', text):
     collectives[op] += 1
   calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
   return collectives, dict(sorted(calls.items()))
@@ -225,16 +236,16 @@ def compile_config(config, devices, *, vocab_size, special_ids=None,
     out['eval'] = analyse(lower(jax.jit(functools.partial(steps.eval_step, graphdef)),
                                 variables, batch))
   if 'decode' in programs and hasattr(models.ARCHS[config.model.arch], 'decode_step'):
-    out['decode'] = analyse(lower(*_decode_program(config, graphdef, variables, batch, mesh)))
+    out['decode'] = analyse(lower(*_decode_program(config, graphdef, variables, batch, mesh,
+                                                   rules)))
   return out
 
 
-def _decode_program(config, graphdef, variables, batch, mesh):
+def _decode_program(config, graphdef, variables, batch, mesh, rules):
   """(jitted one-token cached step, its abstract arguments): the cache of the batch's rows at the
   training length, one token per row. The cache is laid out by the rules (rows over the batch
   axes, KV heads over theirs) and kept in that layout, so the donated cache is updated in place."""
   b, length = config.train.batch_size, config.data.max_length
-  rules = sharding.rules_of(config.mesh)
 
   def init(variables, batch):
     return state_lib.merge(graphdef, variables).init_cache(batch, length)
@@ -281,9 +292,16 @@ def target(config, devices):
   the mesh sizes."""
   hbm = hbm_bytes(devices[0])
   return {'topology_kind': devices[0].device_kind,
-          'generation': GENERATIONS.get(devices[0].device_kind, devices[0].device_kind),
+          'generation': target_generation(devices[0]),
           'chips': len(devices), 'hbm_bytes': None if hbm is None else int(hbm),
           'mesh': {a: int(config.mesh.get(a, 1)) for a in sharding.MESH_AXES}}
+
+
+def param_count(config, vocab_size):
+  """The model's parameters (`models.accounting`, counted on the abstract model)."""
+  from models import accounting  # pylint: disable=g-import-not-at-top
+  model = accounting.abstract_model(config.model, vocab_size, config.data.max_length)
+  return int(sum(accounting.counted_params(model).values()))
 
 
 def summary(config, devices, report, vocab_size):
@@ -296,8 +314,9 @@ def summary(config, devices, report, vocab_size):
     kernels.update(r['custom_calls'])
   return {
       **target(config, devices),
-      'fits': hbm is not None and need <= hbm,
+      'fits': None if hbm is None else need <= hbm,  # None: the chip's HBM is not in CHIPS
       'per_chip_bytes': int(need),
+      'params': param_count(config, vocab_size),
       'flops_per_chip': train['flops'],
       'analytic_flops_per_chip': analytic_flops(config, vocab_size, len(devices)),
       'collectives': train['collectives'],

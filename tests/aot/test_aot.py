@@ -14,6 +14,9 @@ import pytest
 
 from training import aot
 
+if not sys.platform.startswith('linux'):  # libtpu's wheels are Linux-only (the test extra's marker)
+  pytest.skip('libtpu is published for Linux only', allow_module_level=True)
+
 aot.quiet_libtpu()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -73,6 +76,8 @@ def test_pallas_steps_compile_for_a_tpu_pod(arch, mesh, devices):
   # The cached step attends one query row with the dense kernel: no Mosaic call.
   assert set(report) == ({'train', 'eval'} if arch == 'encoder_only' else
                          {'train', 'eval', 'decode'})
+  if 'decode' in report:
+    assert _mosaic(report, 'decode') == 0
   train = report['train']
   assert train['collectives']['all-gather'] > 0  # fsdp gathers the parameters it sharded
   if mesh == 'data2_fsdp2_tensor2':
@@ -139,8 +144,9 @@ def test_cli_refuses_a_config_too_large_for_the_chip():
            '--programs=train')
   assert r.returncode == 1, r.stderr
   line = r.stderr.strip().splitlines()[-1]
-  assert line.startswith('aot: needs ') and line.endswith('GiB per chip, v5e has 16'), line
-  assert float(line.split()[2]) > 16
+  # libtpu's compiler refuses, naming the temporaries alone: a lower bound of the need.
+  assert line.startswith('aot: needs at least ') and line.endswith('GiB per chip, v5e has 16'), line
+  assert float(line.split()[4]) > 16
 
 
 @pytest.mark.parametrize('args,message', [

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from layers import attention
 from layers import attention_sharded
@@ -27,13 +29,19 @@ CASES = {
     'tensor4_gqa_k2_causal_alibi': ((1, 1, 4, 1), 2, 8, 2, dict(is_causal=True, alibi=True)),
     # N = 6 is not divided by tensor = 4: heads stay whole, the batch is still split.
     'fsdp2_tensor4_heads_whole': ((1, 2, 4, 1), 2, 6, 3, dict(is_causal=True)),
-    # A dense [B, N, T, S] bias and mask follow the batch and head split.
+    # A dense [B, N, T, S] bias and mask follow the batch and head split; d(bias) too.
     'data2_tensor2_dense_bias_mask': ((2, 1, 2, 1), 4, 4, 4, dict(bias=True, mask=True)),
+    # A [1, N, T, S] bias (T5's) is shared by the rows: its gradient sums over the batch shards.
+    'fsdp4_tensor2_shared_bias': ((1, 4, 2, 1), 4, 4, 2, dict(bias='shared', is_causal=True)),
+    # Explicit mesh axes (jax.make_mesh's default): the arrays' types carry their shardings.
+    'explicit_data2_fsdp2_tensor2_causal_alibi_gqa': ((2, 2, 2, 1), 4, 4, 2, dict(
+        is_causal=True, alibi=True, explicit=True)),
 }
 
 
-def _mesh(shape):
-  return jax.make_mesh(shape, sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+def _mesh(shape, explicit=False):
+  kind = AxisType.Explicit if explicit else AxisType.Auto
+  return jax.make_mesh(shape, sharding.MESH_AXES, axis_types=(kind,) * 4)
 
 
 def _inputs(b, n, k, opts, seed=0):
@@ -49,19 +57,23 @@ def _inputs(b, n, k, opts, seed=0):
     seg[0, 20:] = 0  # padding in one row
     kw['segment_ids'] = jnp.asarray(seg)
   if opts.get('bias'):
-    kw['bias'] = arr(b, n, T, T)
+    kw['bias'] = arr(1 if opts['bias'] == 'shared' else b, n, T, T)
   if opts.get('mask'):
     kw['mask'] = jnp.asarray(rng.random((b, 1, T, T)) > 0.3)
   return (q, key, value, ct), kw
 
 
 def _value_and_grads(q, k, v, ct, kw):
+  """The output and the vjp of `ct` w.r.t. q, k, v (and the bias, where there is one)."""
+  kw = dict(kw)
+  bias = kw.pop('bias', None)
+
   @jax.jit
-  def run(q, k, v, ct):
-    out, vjp = jax.vjp(lambda q, k, v: attention.dot_product_attention(
-        q, k, v, implementation='pallas', **kw), q, k, v)
-    return (out,) + vjp(ct)
-  return run(q, k, v, ct)
+  def run(q, k, v, bias, ct):
+    out, vjp = jax.vjp(lambda q, k, v, bias: attention.dot_product_attention(
+        q, k, v, bias, implementation='pallas', **kw), q, k, v, bias)
+    return (out,) + tuple(g for g in vjp(ct) if g is not None)  # no d(bias) without a bias
+  return run(q, k, v, bias, ct)
 
 
 @pytest.mark.parametrize('case', list(CASES))
@@ -69,10 +81,31 @@ def test_sharded_pallas_equals_one_device(case):
   shape, b, n, k, opts = CASES[case]
   (q, key, value, ct), kw = _inputs(b, n, k, opts)
   want = _value_and_grads(q, key, value, ct, kw)
-  with jax.set_mesh(_mesh(shape)):
+  mesh = _mesh(shape, opts.get('explicit', False))
+  with jax.set_mesh(mesh):
+    if opts.get('explicit'):  # the inputs arrive sharded, as a model's activations would
+      q, key, value, ct = (jax.device_put(a, NamedSharding(mesh, P(('data', 'fsdp'))))
+                           for a in (q, key, value, ct))
     got = _value_and_grads(q, key, value, ct, kw)
-  for name, w, g in zip(('out', 'dq', 'dk', 'dv'), want, got):
+  assert len(got) == (5 if 'bias' in kw else 4)
+  for name, w, g in zip(('out', 'dq', 'dk', 'dv', 'dbias'), want, got):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=TOL, rtol=TOL, err_msg=name)
+
+
+def test_training_path_use_rules_without_set_mesh():
+  """The loop also activates its rules (`sharding.use_rules`): a rules table that sends the heads
+  over fsdp and the batch over tensor is what the kernel then follows."""
+  (q, key, value, ct), kw = _inputs(4, 4, 4, dict(is_causal=True, alibi=True))
+  want = _value_and_grads(q, key, value, ct, kw)
+  mesh = _mesh((1, 2, 4, 1))
+  rules = sharding.rules_of({'rules': (('heads', 'fsdp'), ('batch', 'tensor'))})
+  with sharding.use_rules(mesh, rules):
+    got = _value_and_grads(q, key, value, ct, kw)
+    text = str(jax.make_jaxpr(lambda q: attention.dot_product_attention(
+        q, key, value, implementation='pallas', **kw))(q))
+  assert "P('tensor', None, 'fsdp', None)" in text
+  for w, g in zip(want, got):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=TOL, rtol=TOL)
 
 
 def test_on_a_mesh_the_kernel_runs_under_shard_map_with_the_local_shapes(monkeypatch):
@@ -114,18 +147,20 @@ def test_rules_decide_the_split():
   mesh = _mesh((2, 1, 4, 1))
   rules = sharding.rules_of({'rules': (('heads', 'data'), ('batch', 'tensor'))})
   assert attention_sharded.layout(mesh, rules, 8, 4, 4) == ('tensor', 'data', 1)
+  # An axis the rules give to both (batch over data x fsdp, heads over tensor x fsdp) is used
+  # once, by the batch, which comes first.
+  mesh = _mesh((2, 2, 2, 1))
+  rules = sharding.rules_of({'rules': (('heads', ('tensor', 'fsdp')),)})
+  assert attention_sharded.layout(mesh, rules, 8, 4, 4) == (('data', 'fsdp'), 'tensor', 1)
 
 
-@pytest.mark.parametrize('impl', ['pallas', 'cudnn'])
-def test_a_whole_sequence_kernel_with_a_sequence_axis_is_refused_in_one_line(impl):
+def test_pallas_with_a_sequence_axis_is_refused_in_one_line():
   from configs import default  # pylint: disable=g-import-not-at-top
   from training import validation  # pylint: disable=g-import-not-at-top
   config = validation.resolve(default.get_config('quick'))
-  config.model.attention_impl = impl
+  config.model.attention_impl = 'pallas'
   config.mesh.sequence = 2
-  if impl == 'cudnn':  # cuDNN is refused off a GPU first; the mesh check runs on a GPU host
-    with pytest.raises(validation.ConfigError, match='needs a GPU'):
-      validation.validate(config)
-  with pytest.raises(validation.ConfigError) as e:  # the mesh check itself
-    validation._validate_mesh(config)  # pylint: disable=protected-access
+  with pytest.raises(validation.ConfigError) as e:
+    validation.validate(config)
+  assert str(e.value).startswith("model.attention_impl='pallas' holds the whole sequence")
   assert "model.attention_impl='ring'" in str(e.value) and '\n' not in str(e.value)
