@@ -85,7 +85,7 @@ def main(argv):
     cli_checks.fail('config error', e)
   except checkpointing.RunFailed as e:  # non-finite loss, a failed save, no readable checkpoint
     print(str(e), file=sys.stderr)
-    sys.exit(1)
+    cli_checks.exit_now(1)  # a failed save leaves threads that would hold the exit for ever
   except loop.Stopped as e:
     print(str(e), file=sys.stderr)
     sys.exit(128 + e.signum)  # the shell's convention for "ended by this signal"

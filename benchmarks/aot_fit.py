@@ -19,9 +19,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = ('small', 'base', 'large')
 TOPOLOGIES = ('v5e:2x2', 'v5p:2x2x2', 'v6e:2x2')
-# (size, topology, mesh overrides, global batch) of the pod rows.
+# (size, topology, mesh overrides, global batch) of the pod rows: the 1.2B model on v5p-128, and
+# on a v5e host, where it does not fit.
 POD = (('xl', 'v5p:4x4x4', {'fsdp': 64}, 64),
-       ('xl', 'v5p:4x4x4', {'fsdp': 16, 'tensor': 4}, 64))
+       ('xl', 'v5p:4x4x4', {'fsdp': 16, 'tensor': 4}, 64),
+       ('xl', 'v5e:2x2', {'fsdp': 4}, 32))
 
 
 def run(size, topology, mesh, batch, length):
@@ -35,7 +37,7 @@ def run(size, topology, mesh, batch, length):
   r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=False)
   seconds = time.perf_counter() - start
   lines = r.stdout.strip().splitlines()
-  if r.returncode in (0, 1) and lines and lines[-1].startswith('{'):
+  if r.returncode in (0, 1) and lines and lines[-1].startswith('{') and 'mesh' in lines[-1]:
     return json.loads(lines[-1]), seconds
   return {'error': (r.stderr.strip().splitlines() or ['?'])[-1]}, seconds
 
@@ -53,18 +55,23 @@ def main():
     rows += list(POD)
   print(f'Decoder-only train step, Pallas attention, {args.length} tokens a row, AdamW, float32 '
         'state; per chip: the compiled program\'s arguments + outputs + temporaries - aliased.\n')
-  print('| size | topology | chips | mesh | batch | GiB per chip | HBM GiB | fits | compile s |')
-  print('|---|---|---|---|---|---|---|---|---|')
+  print('| size | parameters | topology | chips | mesh | batch | GiB per chip | HBM GiB | fits | '
+        'compile s |')
+  print('|---|---|---|---|---|---|---|---|---|---|')
   for size, topology, mesh, batch in rows:
     r, seconds = run(size, topology, mesh, batch, args.length)
     if 'mesh' not in r:
-      print(f'| {size} | {topology} | | | {batch} | | | error: {r["error"]} | {seconds:.0f} |')
+      print(f'| {size} | | {topology} | | | {batch} | | | error: {r["error"]} | {seconds:.0f} |')
       continue
     mesh_text = ' x '.join(f'{a} {n}' for a, n in r['mesh'].items() if n > 1)
-    need = r['per_chip_bytes'] / 2 ** 30 if r.get('per_chip_bytes') else float('nan')
+    need = f'{r["per_chip_bytes"] / 2 ** 30:.2f}' if r.get('per_chip_bytes') else '?'
+    if 'programs' not in r:  # the compiler refused: its count of the temporaries alone
+      need = f'> {need}'
+    params = f'{r["params"] / 1e6:,.0f}M' if r.get('params') else ''
     hbm = r.get('hbm_bytes') or 0
-    print(f'| {size} | {topology} | {r.get("chips", "")} | {mesh_text} | {batch} | {need:.2f} | '
-          f'{hbm / 2 ** 30:.0f} | {"yes" if r.get("fits") else "no"} | {seconds:.0f} |', flush=True)
+    print(f'| {size} | {params} | {topology} | {r.get("chips", "")} | {mesh_text} | {batch} | '
+          f'{need} | {hbm / 2 ** 30:.0f} | {"yes" if r.get("fits") else "no"} | {seconds:.0f} |',
+          flush=True)
 
 
 if __name__ == '__main__':

@@ -59,7 +59,17 @@ def check_resume_config(workdir, config):
   if not paths.exists(path) or not any(
       name.isdigit() for name in paths.listdir(paths.join(workdir, 'checkpoints'))):
     return []
-  old = flatten(paths.read_json(path))
+  try:
+    old = flatten(paths.read_json(path))
+  except ValueError as e:  # json.JSONDecodeError: damaged. The checkpoint's shapes still guard
+    # the resume (restore_newest_good); the file is kept aside and written anew after the restore.
+    aside = f'{path}.corrupt-{int(time.time())}'
+    if jax.process_index() != 0:  # process 0 moves it
+      return []
+    paths.rename(path, aside)
+    print(f'train: {path} is damaged ({e}); moved to {paths.basename(aside)}, checking the '
+          'resume against the checkpoint\'s shapes only', file=sys.stderr)
+    return []
   new = flatten(json.loads(config.to_json_best_effort()))
   # A field added to attnlab after the run started is unchanged if it holds its default.
   defaults = flatten(json.loads(default_config.get_config().to_json_best_effort()))
@@ -212,8 +222,11 @@ def restore_newest_good(mngr, state, workdir, move_aside=True):
   `corrupt-<step>-<time>`; one that is readable but holds arrays of other shapes than `state` (a
   different model) is an IncompatibleResume naming them, whether or not config.json says so.
 
+  Every item of a step (state, data position, log window) is read here: a step with any of them
+  damaged falls back to the previous one.
+
   Returns:
-    (state, data state, step), or None when the workdir has no checkpoint.
+    (state, data state, step, log window or None), or None when the workdir has no checkpoint.
 
   Raises:
     IncompatibleResume: the newest readable checkpoint does not fit `state`.
@@ -241,6 +254,7 @@ def restore_newest_good(mngr, state, workdir, move_aside=True):
       try:
         with _quiet():
           restored, data_state = restore_state(mngr, state, step)
+          window = restore_window(mngr, step)
       except Exception as e:  # pylint: disable=broad-except
         unreadable.append((step, _reason(e)))
       else:
@@ -250,7 +264,7 @@ def restore_newest_good(mngr, state, workdir, move_aside=True):
               mngr.directory, f'corrupt-{bad}-{int(time.time())}'))
         if unreadable and move_aside:
           mngr.reload()
-        return restored, data_state, step
+        return restored, data_state, step, window
     bad, reason = unreadable[-1]
     print(f'checkpoint step {bad} in {workdir} is unreadable ({reason})' +
           (f'; {"moving it to corrupt-" + str(bad) + "-TIME and " if move_aside else ""}trying '

@@ -41,6 +41,15 @@ def fail(prefix, message, status=2):
   sys.exit(status)
 
 
+def exit_now(status):
+  """Ends the process with `status` once the output is flushed, without waiting for other threads:
+  after a failed checkpoint save, Orbax's background threads wait for a signal that never comes,
+  and the interpreter's shutdown would wait for them for ever."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)  # pylint: disable=protected-access
+
+
 # --- The config file -------------------------------------------------------------------------
 
 class _ReadArgs(dict):
@@ -235,6 +244,11 @@ def check_train_run(config, workdir):
     raise ConfigError(f'the config lacks a field ({type(e).__name__}: {e}); valid: every field of '
                       'configs/default.py') from None
   validation.check_writable('workdir', workdir)
+  for name in ('checkpoints',):  # the directories the run writes into
+    path = paths.join(workdir, name)
+    if paths.exists(path) and not paths.isdir(path):
+      raise ConfigError(f'{path} is a file, where the run keeps its checkpoints; valid: a '
+                        'directory (move the file away, or use a new --workdir)')
   validation.check_writable('data.data_dir', config.data.data_dir)
   distributed.make_mesh(config)  # the sizes' product against the device count
   check_corpus(config, workdir)  # a resumed run: before new files get a tokenizer of their own
@@ -325,7 +339,11 @@ def _run_config(workdir):
   path = paths.join(workdir, 'config.json')  # local or gs://
   if not paths.exists(path):
     return None  # evaluation says so itself (no config.json: not a train.py workdir)
-  return ml_collections.ConfigDict(paths.read_json(path))
+  try:
+    return ml_collections.ConfigDict(paths.read_json(path))
+  except ValueError as e:  # json.JSONDecodeError: a damaged file
+    raise ConfigError(f'{path} is damaged ({e}); rerun the run\'s train.py command to rewrite '
+                      'it (it resumes from the checkpoint)') from None
 
 
 def _check_documents_flags(task, *, translate, plot_attention, decode, max_examples):

@@ -182,8 +182,6 @@ def _train(config, workdir, hooks, lead):
   for change in checkpointing.check_resume_config(workdir, config):
     if lead:
       print(f'train: resuming with changed {change}', file=sys.stderr)
-  if lead:  # atomically: other processes may be reading it (resume check)
-    paths.write_text(paths.join(workdir, 'config.json'), config.to_json_best_effort(indent=2))
   t = config.train
   tokenizer = pipeline.get_tokenizer(config.data)
   mesh = distributed.make_mesh(config)
@@ -200,9 +198,8 @@ def _train(config, workdir, hooks, lead):
   start, carried = 0, None
   restored = checkpointing.restore_newest_good(mngr, state, workdir) if mngr.all_steps() else None
   if restored is not None:
-    state, data_state, start = restored
+    state, data_state, start, carried = restored
     it.set_state(data_state)
-    carried = checkpointing.restore_window(mngr, start)
     print(f'train: resumed from step {start} in {workdir}', file=sys.stderr)
   elif t.get('init_from'):
     # A fine-tune's step 0: another run's parameters, a fresh optimiser and schedule (a run with
@@ -210,6 +207,9 @@ def _train(config, workdir, hooks, lead):
     state, source_step = state_lib.init_from(state, t.init_from)
     print(f'train: parameters from {t.init_from} (its step {source_step}); starting at step 0',
           file=sys.stderr)
+  if lead:  # atomically (other processes may be reading it); only now that the checkpoint
+    # fits: a run refused at its resume leaves the config.json of the run that wrote the checkpoint
+    paths.write_text(paths.join(workdir, 'config.json'), config.to_json_best_effort(indent=2))
   writer = writers.MetricsWriter(workdir, start) if lead else writers.NullWriter()
 
   # The parameter count per group goes to run_info.json (metrics.jsonl rows all carry a loss).

@@ -39,11 +39,12 @@ def decode_row(line):
   return row
 
 
-def read_metrics(path, warn=True):
+def read_metrics(path, warn=True, bad_lines=None):
   """The rows of a metrics.jsonl, in order, with non-finite values restored as floats.
 
   A torn last line (a run killed while writing it) is skipped, with one warning; any other line
-  that is not a JSON object with a 'step' is a ValueError naming its line number.
+  that is not a JSON object with a 'step' is a ValueError naming its line number, or, given a list
+  `bad_lines`, skipped and its number appended there.
   """
   lines = paths.read_text(path).split('\n')
   complete = lines[-1] == ''  # a file of whole lines ends with a newline
@@ -62,9 +63,35 @@ def read_metrics(path, warn=True):
           print(f'warning: {path}: skipped its torn last line {number} (a run stopped while '
                 'writing it)', file=sys.stderr)
         break
-      raise ValueError(f'{path}: line {number} is not a metrics row ({e}): {line[:80]!r}') from None
+      if bad_lines is None:
+        raise ValueError(f'{path}: line {number} is not a metrics row ({e}): '
+                         f'{line[:80]!r}') from None
+      bad_lines.append(number)
+      continue
     rows.append(row)
   return rows
+
+
+def resumed_rows(path, resume_step):
+  """The rows a resumed run keeps: those up to its checkpoint, one per (step, split) (the last
+  written wins, in the place of the first). Lines that cannot be read are left out: the file as it was is kept beside it as
+  `metrics.jsonl.corrupt-<time>`, with a one-line warning."""
+  bad = []
+  rows = read_metrics(path, bad_lines=bad)
+  if bad:
+    aside = f'{path}.corrupt-{int(time.time())}'
+    paths.write_text(aside, paths.read_text(path))
+    print(f'warning: {path}: line{"s" if len(bad) > 1 else ""} '
+          f'{", ".join(map(str, bad[:5]))}{" ..." if len(bad) > 5 else ""} could not be read and '
+          f'{"are" if len(bad) > 1 else "is"} left out; the file as it was is kept as '
+          f'{paths.basename(aside)}', file=sys.stderr)
+  last = {(r['step'], r.get('split')): r for r in rows if r['step'] <= resume_step}
+  kept = []  # in the order of each (step, split)'s first row, with its last row's values
+  for r in rows:
+    key = (r['step'], r.get('split'))
+    if key in last:
+      kept.append(last.pop(key))
+  return kept
 
 
 class NullWriter:
@@ -97,9 +124,14 @@ class MetricsWriter:
     self.remote, self.flush_secs = paths.is_remote(self.path), flush_secs
     rows = []
     if paths.exists(self.path):
-      rows = [r for r in read_metrics(self.path) if r['step'] <= resume_step]
+      rows = resumed_rows(self.path, resume_step)
       paths.write_text(self.path, ''.join(map(encode_row, rows)))  # a kill leaves the old whole
-    self.lines = [encode_row(r) for r in rows]  # object storage: the whole object's contents
+    elif resume_step:
+      print(f'warning: {self.path} is missing (deleted?): the rows up to the checkpoint, step '
+            f'{resume_step}, are lost; the rows after it are written', file=sys.stderr)
+    # Every row of the file: object storage rewrites it whole; locally it is written again if the
+    # file is deleted while the run goes on.
+    self.lines = [encode_row(r) for r in rows]
     self.dirty, self.flushed = False, time.monotonic()
     self.file = None if self.remote else open(self.path, 'a')
     self.events = tempfile.mkdtemp(prefix='attnlab_events_') if self.remote else None
@@ -108,10 +140,16 @@ class MetricsWriter:
 
   def write(self, step, split, metrics):
     line = encode_row({'step': step, 'split': split, **metrics})
+    self.lines.append(line)
     if self.remote:
-      self.lines.append(line)
       self.dirty = True
     else:
+      if not os.path.exists(self.path):  # deleted under the run: the open file is unlinked
+        print(f'warning: {self.path} was deleted while the run wrote it; writing it again with '
+              'every row of the run', file=sys.stderr)
+        self.file.close()
+        paths.write_text(self.path, ''.join(self.lines[:-1]))
+        self.file = open(self.path, 'a')
       self.file.write(line)
       self.file.flush()
     for key, value in metrics.items():
