@@ -53,7 +53,7 @@ TRAIN_CASES = [
     (['--config={d}/syntax.py'], ['syntax error in', 'line 1']),
     (['--config={d}/raises.py'], ['get_config() raised RuntimeError: boom']),
     (['--config={d}/a_dict.py'], ['returned dict, not an ml_collections.ConfigDict']),
-    ([f'--config={ROOT}/configs/default.py:size=huge'], ["size='huge'", 'base, small, tiny']),
+    ([f'--config={ROOT}/configs/default.py:size=huge'], ["size='huge'", 'base, large, small, tiny, xl']),
     ([QUICK + ',bogus=1'], ["argument 'bogus'", 'valid: quick, size']),
     ([QUICK, '--config.model.d_model=abc'], ["model.d_model='abc'", 'valid: an integer']),
     ([QUICK, '--config.model.d_model=1e9'], ["model.d_model='1e9'", 'valid: an integer']),

@@ -61,7 +61,7 @@ def test_config_arguments_are_checked_and_parse_arg_is_restored():
   path = os.path.join(ROOT, 'configs', 'decoder_only.py')
   parse_arg = default.parse_arg
   with pytest.raises(cli_checks.ConfigError, match="size='huge' is not valid; valid values: base, "
-                     'small, tiny'):
+                     'large, small, tiny, xl'):
     cli_checks.load_config_file(f'{path}:size=huge')
   with pytest.raises(cli_checks.ConfigError,
                      match="argument 'bogus' is not one .* reads; valid: quick, size"):
