@@ -178,7 +178,13 @@ def _quiet():
       lg.setLevel(level)
 
 
-def _reason(e):
+def is_whole(saved, parts=('step', 'params', 'opt_state')):
+  """Whether `saved_shapes` holds every part of a state: damaged metadata can read as a partial
+  tree, and only a whole one can show that a checkpoint belongs to another model."""
+  return all(any(k == part or k.startswith(part + '/') for k in saved) for part in parts)
+
+
+def error_reason(e):
   """One short line for an Orbax/tensorstore error: the OS error where it names one."""
   text = str(e).strip()
   code = re.search(r"os_error_code='?(\d+)", text)
@@ -238,13 +244,9 @@ def restore_newest_good(mngr, state, workdir, move_aside=True):
       with _quiet():
         saved = saved_shapes(mngr, step)
     except Exception as e:  # pylint: disable=broad-except  # orbax/tensorstore raise many kinds
-      unreadable.append((step, _reason(e)))
+      unreadable.append((step, error_reason(e)))
     else:
-      # Damaged metadata can read as a partial tree: only a whole one (every part of the state
-      # present) can show that the checkpoint belongs to another model.
-      whole = all(any(k == part or k.startswith(part + '/') for k in saved)
-                  for part in ('step', 'params', 'opt_state'))
-      mismatch = shape_mismatch(saved, state) if whole else []
+      mismatch = shape_mismatch(saved, state) if is_whole(saved) else []
       if mismatch:
         raise IncompatibleResume(
             f'cannot resume {workdir}: its checkpoint step {step} holds arrays of other shapes '
@@ -256,7 +258,7 @@ def restore_newest_good(mngr, state, workdir, move_aside=True):
           restored, data_state = restore_state(mngr, state, step)
           window = restore_window(mngr, step)
       except Exception as e:  # pylint: disable=broad-except
-        unreadable.append((step, _reason(e)))
+        unreadable.append((step, error_reason(e)))
       else:
         # Only now, with a good one to go back to, are the newer unreadable ones moved aside.
         for bad, _ in unreadable if move_aside else ():
@@ -300,6 +302,6 @@ def save_failed(mngr, workdir, error):
     free = 'free space unknown'
   mngr.reload()
   good = mngr.latest_step()
-  return SaveFailed(f'train: saving a checkpoint in {directory} failed ({_reason(error)}; '
+  return SaveFailed(f'train: saving a checkpoint in {directory} failed ({error_reason(error)}; '
                     f'{free}); ' + (f'the last good checkpoint is step {good}' if good is not None
                                     else 'no checkpoint was saved') + '; stopping')

@@ -1,5 +1,7 @@
 """The training state: model, optimiser and schedule, built (and sharded) from a config."""
 
+import sys
+
 from etils import epath
 import jax
 import jax.numpy as jnp
@@ -149,6 +151,29 @@ class InitFromError(checkpointing.RunFailed):
   """`train.init_from` names no usable run; the message is one line (train.py prints it, exits 1)."""
 
 
+class _Absent(Exception):
+  """A parameter of the config is not in a checkpoint's metadata (damage, or another model)."""
+
+
+def _restore_params(mngr, state, step, want, source):
+  """The parameters (and buffers) of checkpoint `step`, checked against `want` {name: shape}."""
+  saved = checkpointing.saved_shapes(mngr, step)
+  for name in sorted(want):
+    if saved.get(name) != want[name]:
+      got = 'absent' if name not in saved else f'shape {saved[name]}'
+      message = (f'train.init_from={source!r}: parameter {name} is {got} in its checkpoint step '
+                 f'{step} but {want[name]} in this config; the model must match the source run')
+      raise (_Absent if name not in saved else InitFromError)(message)
+  target = {'params': state['params']}
+  if jax.tree.leaves(state['buffers']) and any(k.startswith('buffers/') for k in saved):
+    target['buffers'] = state['buffers']
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+  return mngr.restore(step, args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(
+          abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+          partial_restore=True)))['state']
+
+
 def init_from(state, source):
   """`state` with the parameters (and buffers) of the newest checkpoint of another run's workdir.
 
@@ -177,25 +202,32 @@ def init_from(state, source):
   if not saved_steps:
     raise InitFromError(f'train.init_from={source!r} holds no checkpoint ({ckpt}/<step> '
                         'missing): train that run first')
-  step = saved_steps[-1]
   mngr = ocp.CheckpointManager(ckpt, options=ocp.CheckpointManagerOptions(read_only=True))
-  saved = checkpointing.saved_shapes(mngr, step)
   want = {checkpointing._plain_path(p): tuple(np.shape(leaf))  # pylint: disable=protected-access
           for p, leaf in jax.tree_util.tree_flatten_with_path(
               {'params': state['params']})[0]}
-  for name in sorted(want):
-    if saved.get(name) != want[name]:
-      got = 'absent' if name not in saved else f'shape {saved[name]}'
-      raise InitFromError(
-          f'train.init_from={source!r}: parameter {name} is {got} in its checkpoint step {step} '
-          f'but {want[name]} in this config; the model must match the source run')
-  target = {'params': state['params']}
-  if jax.tree.leaves(state['buffers']) and any(k.startswith('buffers/') for k in saved):
-    target['buffers'] = state['buffers']
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-  restored = mngr.restore(step, args=ocp.args.Composite(
-      state=ocp.args.PyTreeRestore(
-          abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-          partial_restore=True)))['state']
+  unreadable, absent = [], None
+  for step in reversed(saved_steps):  # the newest readable one, as train.py and eval.py resume
+    try:
+      restored = _restore_params(mngr, state, step, want, source)
+    except InitFromError:
+      raise  # a parameter of another shape: the source is another model
+    except _Absent as e:
+      # Damaged metadata reads as a partial tree: an older step may be whole. If none is, the
+      # source lacks the parameter (another model) and the newest step's message says so.
+      absent = absent or str(e)
+      unreadable.append(f'{step} (parameters missing from its metadata)')
+    except Exception as e:  # pylint: disable=broad-except  # orbax/tensorstore raise many kinds
+      unreadable.append(f'{step} ({checkpointing.error_reason(e)})')
+    else:
+      break
+  else:
+    mngr.close()
+    raise InitFromError(f'train.init_from={source!r}: no checkpoint can give this config its '
+                        f'parameters (steps {"; ".join(unreadable)})' +
+                        (f'; the newest: {absent.split(": ", 1)[1]}' if absent else ''))
+  if unreadable:
+    print(f'train: init_from {source}: checkpoint step{"s" if len(unreadable) > 1 else ""} '
+          f'{"; ".join(unreadable)} unreadable; using step {step}', file=sys.stderr)
   mngr.close()
   return {**state, **restored}, step

@@ -120,3 +120,37 @@ def test_metrics_jsonl_deleted_mid_run_is_written_again(data_dir, tmp_path, unin
 
   loop.train_and_evaluate(small(data_dir, steps=6), str(tmp_path), hooks=(delete_at_3,))
   assert rows(tmp_path) == uninterrupted
+
+
+def test_init_from_a_run_whose_newest_checkpoint_is_damaged_takes_the_previous(data_dir, tmp_path,
+                                                                              capfd):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from data import pipeline  # pylint: disable=g-import-not-at-top
+  from training import state as state_lib  # pylint: disable=g-import-not-at-top
+  source = tmp_path / 'source'
+  loop.train_and_evaluate(small(data_dir), str(source))
+  config = small(data_dir)
+  vocab = pipeline.get_tokenizer(config.data).vocab_size
+  _, _, fresh = state_lib.create_state(config, vocab)
+  mngr = checkpointing.checkpoint_manager(str(source), config)
+  want, _ = checkpointing.restore_state(mngr, fresh, 2)
+  mngr.close()
+  for d, _, files in os.walk(source / 'checkpoints' / '4' / 'state'):
+    for f in files:
+      os.truncate(os.path.join(d, f), 0)
+  got, step = state_lib.init_from(fresh, str(source))
+  assert step == 2
+  assert 'checkpoint step 4 (' in capfd.readouterr().err
+  for a, b in zip(jax_leaves(got['params']), jax_leaves(want['params'])):
+    np.testing.assert_array_equal(a, b)
+  for step_dir in ('2',):
+    for d, _, files in os.walk(source / 'checkpoints' / step_dir / 'state'):
+      for f in files:
+        os.truncate(os.path.join(d, f), 0)
+  with pytest.raises(state_lib.InitFromError, match='no checkpoint can give this config its parameters'):
+    state_lib.init_from(fresh, str(source))
+
+
+def jax_leaves(tree):
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.tree.leaves(tree)
