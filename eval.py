@@ -9,6 +9,12 @@ import json
 import os
 import sys
 
+from training import host
+
+# Evaluation writes eval.json only when it completes: a signal at any moment is one line.
+host.exit_at_once_on_signals('eval', 'before it completed; eval.json is not written')
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 from absl import logging
@@ -19,7 +25,6 @@ from training import checkpointing
 from training import cli_checks
 from training import distributed
 from training import evaluation
-from training import host
 from training import paths
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'A train.py workdir (a local path or gs://).')

@@ -7,6 +7,11 @@ by the `training` library (`training.loop.train_and_evaluate`); this file holds 
 
 import sys
 
+from training import host
+
+host.exit_at_once_on_signals('train')  # before the slow imports: a Ctrl-C now is one line
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 from absl import logging
@@ -16,7 +21,6 @@ from data import pipeline
 from training import checkpointing
 from training import cli_checks
 from training import distributed
-from training import host
 from training import loop
 from training import memory
 from training import validation

@@ -1,6 +1,5 @@
 """Fixtures shared across test modules, and the simulated devices of the sharding tests."""
 
-import glob
 import os
 
 # Eight CPU devices for the mesh, ring-attention and sharded-training tests (before jax is
@@ -12,7 +11,9 @@ if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '
 # The test extra installs libtpu (the aot tier compiles for TPU topologies). On a host without an
 # accelerator the tests' own programs run on the CPU without libtpu's start-up probe (about 1 s and
 # 5 error lines per process, subprocesses included); a GPU or TPU host keeps its backend.
-if not any(glob.glob(p) for p in ('/dev/nvidia[0-9]*', '/dev/accel[0-9]*', '/dev/vfio/[0-9]*')):
+from training import host  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+if not host.accelerator_devices():
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -1,11 +1,27 @@
 """Host tuning before JAX starts: glibc malloc settings for XLA:CPU's per-step temporaries."""
 
 import ctypes
+import glob
 import importlib.metadata
 import importlib.util
 import os
+import signal
 
 from absl import flags
+
+
+def exit_at_once_on_signals(program, note='before training began; nothing was saved'):
+  """Until the training loop installs its own handlers (which save a checkpoint, then stop),
+  SIGINT and SIGTERM end the process at once with one line and status 128 + the signal's number:
+  nothing is saved yet, so nothing is lost, and no interpreter shutdown runs while XLA compiles
+  (a KeyboardInterrupt traceback, once a segfault). Call it first thing."""
+  def stop(signum, frame):
+    del frame
+    os.write(2, f'{program}: stopped by {signal.Signals(signum).name} {note}; rerun the same '
+                'command\n'.encode())
+    os._exit(128 + signum)  # pylint: disable=protected-access
+  for signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(signum, stop)
 
 
 def define_host_malloc_flag():
@@ -37,12 +53,24 @@ def tune_host_malloc():
   return all(done)
 
 
+# Device nodes of an accelerator: NVIDIA GPUs, TPU v4/v5p (accel), TPU v5e/v6e (vfio).
+ACCELERATOR_DEVICES = ('/dev/nvidia[0-9]*', '/dev/accel[0-9]*', '/dev/vfio/[0-9]*')
+
+
+def accelerator_devices():
+  """Whether this host has a GPU or TPU device node (looked up without starting JAX)."""
+  return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES)
+
+
 def accelerator_plugin_installed():
-  """Whether a GPU/TPU backend for JAX is installed (looked up without starting JAX)."""
+  """Whether JAX will run on a GPU/TPU here: a backend for one is installed (looked up without
+  starting JAX) and the host has its device. libtpu alone (the test extra installs it to compile
+  for TPUs) does not make a CPU host an accelerator host."""
   if os.environ.get('JAX_PLATFORMS', '').strip().lower() == 'cpu':
     return False
   plugins = importlib.metadata.entry_points(group='jax_plugins')
-  return bool(plugins) or importlib.util.find_spec('libtpu') is not None
+  installed = bool(plugins) or importlib.util.find_spec('libtpu') is not None
+  return installed and accelerator_devices()
 
 
 def host_malloc_wanted(flag):

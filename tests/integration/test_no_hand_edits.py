@@ -154,3 +154,27 @@ def test_init_from_a_run_whose_newest_checkpoint_is_damaged_takes_the_previous(d
 def jax_leaves(tree):
   import jax  # pylint: disable=g-import-not-at-top
   return jax.tree.leaves(tree)
+
+
+@pytest.mark.parametrize('delay', [0.3, 1.5, 4.0])
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(data_dir, tmp_path, uninterrupted,
+                                                         delay):
+  """At 0.3 s the imports run, at 1.5 s JAX starts, at 4 s the state compiles (or the loop,
+  installed by then, saves and stops): each ends in one line with status 130."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  args = [sys.executable, 'train.py', '--config=configs/decoder_only.py:quick',
+          f'--workdir={tmp_path}', f'--config.data.data_dir={data_dir}', '--config.train.steps=6',
+          '--config.train.checkpoint_every=2', '--config.train.log_every=1',
+          '--config.train.eval_every=2', '--config.train.warmup_steps=0',
+          '--config.train.schedule=constant']
+  proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  time.sleep(delay)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err[-2000:]
+  assert 'Traceback' not in err, err[-2000:]
+  assert err.strip().splitlines()[-1].startswith('train: stopped by SIGINT'), err[-2000:]
+  assert train_cli(tmp_path, data_dir, 6).returncode == 0  # the same command resumes
+  assert rows(tmp_path) == uninterrupted
