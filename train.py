@@ -10,6 +10,7 @@ import sys
 from training import host
 
 host.exit_at_once_on_signals('train')  # before the slow imports: a Ctrl-C now is one line
+host.cpu_when_no_accelerator()  # before JAX starts
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app

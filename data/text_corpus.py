@@ -91,11 +91,15 @@ def _read_text(path: str, name: str) -> str:
   except OSError as e:
     raise DataError(f'{name}={path} cannot be read ({e.strerror or e})') from None
   try:
-    return raw.decode('utf-8')
+    text = raw.decode('utf-8-sig')  # a byte-order mark (some Windows editors) is not text
   except UnicodeDecodeError as e:
     line = raw[:e.start].count(b'\n') + 1
     raise DataError(f'{name}={path} line {line}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset '
                     f'{e.start}); valid: UTF-8 text') from None
+  if '\r' in text.rstrip('\r') and '\n' not in text:  # several lines, none ended by LF
+    raise DataError(f'{name}={path} ends its lines with CR alone (old Mac line endings); valid: '
+                    'LF or CRLF line endings (e.g. convert it with: tr "\\r" "\\n")')
+  return text
 
 
 def _lines(text: str):

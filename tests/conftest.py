@@ -9,12 +9,11 @@ if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '
                              ' --xla_force_host_platform_device_count=8').strip()
 
 # The test extra installs libtpu (the aot tier compiles for TPU topologies). On a host without an
-# accelerator the tests' own programs run on the CPU without libtpu's start-up probe (about 1 s and
-# 5 error lines per process, subprocesses included); a GPU or TPU host keeps its backend.
+# accelerator the tests' own programs, subprocesses included, run on the CPU without libtpu's
+# start-up probe (5 lines of errors each); a GPU or TPU host keeps its backend.
 from training import host  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-if not host.accelerator_devices():
-  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+host.cpu_when_no_accelerator()
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 

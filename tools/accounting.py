@@ -208,6 +208,10 @@ def define_flags():
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if FLAGS.vocab_size < 0:
+    print(f'config error: --vocab_size={FLAGS.vocab_size} must be positive (0 = the configured '
+          "task's tokenizer)", file=sys.stderr)
+    sys.exit(2)
   config = validation.resolve(FLAGS.config.unlock())
   try:
     validation.validate(config)

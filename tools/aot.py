@@ -17,7 +17,6 @@ v5e has 16") or fails to compile; 2 for a config, mesh or topology error (one li
 """
 
 import json
-import os
 import re
 import sys
 import time

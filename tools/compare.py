@@ -22,10 +22,8 @@ Flags (on the raw train loss of each run, documented in the table's footnote):
   the first logged train loss.
 """
 
-import functools
 import json
 import math
-import re
 import sys
 
 from absl import app
@@ -33,87 +31,19 @@ from absl import flags
 import numpy as np
 
 from training import paths as paths_lib  # local or gs:// (the arguments are `paths` here)
-from training import writers
 from tools import extrapolation_compare
 from tools import plot_style
 from tools import plots
 from tools.plot_style import band, smooth  # pylint: disable=g-importing-member  (compare.band)
+# Reading runs (tools/runs.py); find_runs, load_run and differing_fields are used as compare.NAME.
+from tools.runs import (  # pylint: disable=g-importing-member
+    differing_fields, find_runs, load_run, total_steps)
 
 SPIKE_FACTOR = 2.0  # diverged: train loss > this x the running minimum ...
 SPIKE_AFTER = 0.10  # ... after this share of the steps
 PLATEAU_AT = 0.25  # plateaued: final loss compared with the loss at this share of the steps ...
 PLATEAU_TOLERANCE = 0.05  # ... improved by less than this share ...
 PLATEAU_LEVEL = 0.9  # ... and above this x the unigram entropy
-IGNORED_FIELDS = ('train.seed', 'data.data_dir')  # differences that do not make a new group
-
-
-def is_workdir(path):
-  return paths_lib.exists(paths_lib.join(path, 'metrics.jsonl'))
-
-
-def find_runs(paths):
-  """Workdirs from a list of workdirs and sweep directories (sorted within a sweep)."""
-  runs = []
-  for path in paths:
-    if is_workdir(path):
-      runs.append(path)
-    elif paths_lib.isdir(path):
-      runs.extend(paths_lib.join(path, d) for d in paths_lib.listdir(path)
-                  if is_workdir(paths_lib.join(path, d)))
-    else:
-      raise FileNotFoundError(f'compare: {path} is neither a workdir nor a directory')
-  if not runs:
-    raise FileNotFoundError(f'compare: no metrics.jsonl in {", ".join(paths)}')
-  return runs
-
-
-def flatten(d, prefix=''):
-  """{'model': {'d_model': 64}} -> {'model.d_model': 64} (config.json comparisons)."""
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(flatten(v, f'{prefix}{k}.'))
-    else:
-      out[f'{prefix}{k}'] = v
-  return out
-
-
-@functools.lru_cache(maxsize=1)
-def _default_fields():
-  from configs import default  # pylint: disable=g-import-not-at-top
-  return flatten(json.loads(default.get_config().to_json_best_effort()))
-
-
-def _read_json(path):
-  return paths_lib.read_json(path) if paths_lib.exists(path) else {}
-
-
-def load_run(workdir):
-  """{'workdir', 'config' (flat dotted dict), 'train'/'valid' (steps, losses arrays), 'rows',
-  'info' (run_info.json), 'init_grad' (init_grad_norms.json or {})}."""
-  rows = writers.read_metrics(paths_lib.join(workdir, 'metrics.jsonl'))
-  config = flatten(_read_json(paths_lib.join(workdir, 'config.json')))
-  if config:  # fields attnlab gained after the run was written hold their defaults
-    config = {**_default_fields(), **config}
-  if config.get('train.init_from'):  # a sweep's fine-tunes start from their own seed's source
-    config['train.init_from'] = re.sub(r',seed=\d+$', '', config['train.init_from'].rstrip('/'))
-  run = {'workdir': workdir, 'name': paths_lib.basename(workdir), 'rows': rows,
-         'config': config,
-         'info': _read_json(paths_lib.join(workdir, 'run_info.json')),
-         'init_grad': _read_json(paths_lib.join(workdir, 'init_grad_norms.json'))}
-  for split in ('train', 'valid'):
-    points = sorted((r['step'], r['loss']) for r in rows if r.get('split') == split)
-    run[split] = (np.array([p[0] for p in points], np.int64),
-                  np.array([p[1] for p in points], np.float64))
-  return run
-
-
-def total_steps(run):
-  """The run's configured steps (config.json), else its last logged step."""
-  steps = run['config'].get('train.steps')
-  if steps:
-    return int(steps)
-  return int(run['train'][0][-1]) if len(run['train'][0]) else 0
 
 
 def divergence(steps, losses, total):
@@ -145,15 +75,8 @@ def steps_to_target(steps, losses, target):
   return int(steps[hit[0]]) if len(hit) else None
 
 
-def differing_fields(runs):
-  """The config fields (sorted) whose values differ between runs, seeds and data_dir aside."""
-  keys = sorted(set().union(*(r['config'] for r in runs)) - set(IGNORED_FIELDS))
-  return [k for k in keys if len({json.dumps(r['config'].get(k), sort_keys=True)
-                                  for r in runs}) > 1]
-
-
 def group_runs(runs):
-  """[(label, [runs])]: runs whose configs differ only in IGNORED_FIELDS share a group.
+  """[(label, [runs])]: runs whose configs differ only in tools.runs.IGNORED_FIELDS share a group.
 
   The label lists the fields that differ between groups (`norm_position=post,warmup_steps=0`,
   section prefixes dropped where unambiguous); a single group is labelled by its directory. It is
@@ -199,6 +122,8 @@ def summarize(groups, target_loss=None, target_split='valid'):
   """Per group: the table's numbers and flags. Returns a list of dicts (one per group)."""
   if target_split not in ('train', 'valid'):
     raise ValueError(f'--target_split: {target_split!r} unknown; valid: train, valid')
+  if target_loss is not None and not math.isfinite(target_loss):
+    raise ValueError(f'--target_loss={target_loss} must be a finite loss, e.g. 2.0')
   out = []
   for label, runs in groups:
     row = {'label': label, 'seeds': len(runs), 'final_train': [], 'final_valid': [],

@@ -23,8 +23,13 @@ def smooth(losses, spec):
   if not value:
     kind, value = 'ema', kind
   x = np.asarray(losses, np.float64)
+  try:
+    number = float(value) if kind == 'ema' else int(value)
+  except ValueError:
+    raise ValueError(f'--smooth={spec!r} is not valid; valid: ema:B (0 <= B < 1, or a bare B), '
+                     'ma:K (an integer K >= 1), none') from None
   if kind == 'ema':
-    beta = float(value)
+    beta = number
     if not 0.0 <= beta < 1.0:
       raise ValueError(f'--smooth: the EMA coefficient {beta} must be in [0, 1)')
     out, acc, weight = np.empty_like(x), 0.0, 0.0
@@ -33,7 +38,7 @@ def smooth(losses, spec):
       out[i] = acc / weight
     return out
   if kind == 'ma':
-    k = int(value)
+    k = number
     if k < 1:
       raise ValueError(f'--smooth: the moving-average window {k} must be >= 1')
     c = np.concatenate([[0.0], np.cumsum(x)])

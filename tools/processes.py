@@ -1,13 +1,58 @@
 """The sweep runner's cell processes, and the SIGINT/SIGTERM it forwards to them."""
 
 import contextlib
+import ctypes
+import fcntl
 import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # cells run from here
+
+
+WAIT_SECS = 600  # how long a cell waits for a run of an earlier runner to release its workdir
+
+
+def _die_with_runner():
+  """In the cell, before exec: SIGTERM when the runner's thread that started it dies, however it
+  dies (SIGKILL included), so the cell saves a checkpoint and stops instead of running on,
+  orphaned (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+  except (OSError, AttributeError):
+    pass
+
+
+def wait_for_workdir(argv, log, timeout=WAIT_SECS):
+  """Waits while another process holds the lock of the local `--workdir` in `argv` (a cell of an
+  earlier runner, still saving after that runner was killed), saying so once in `log` and on
+  stderr; after `timeout` the cell starts anyway and train.py refuses in one line."""
+  workdir = next((a.split('=', 1)[1] for a in argv if a.startswith('--workdir=')), None)
+  if workdir is None or '://' in workdir or not os.path.exists(os.path.join(workdir, 'lock')):
+    return
+  deadline, said = time.monotonic() + timeout, False
+  while time.monotonic() < deadline:
+    with open(os.path.join(workdir, 'lock'), 'a+') as f:
+      try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return
+      except OSError:
+        f.seek(0)
+        parts = f.read().split()  # 'PID HOST' (training.lock)
+        holder = f'PID {parts[0]} on {parts[1]}' if len(parts) >= 2 else 'another process'
+    if not said:
+      line = f'sweep: {workdir} is still held by {holder} (a run of an earlier sweep); waiting\n'
+      log.write(line)
+      log.flush()
+      sys.stderr.write(line)
+      said = True
+    time.sleep(1.0)
 
 
 class Children:
@@ -40,8 +85,9 @@ class Children:
     with open(log_path, 'a') as log:
       log.write(f'\n$ {shlex.join(argv)}\n')
       log.flush()
+      wait_for_workdir(argv, log)
       proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                              start_new_session=True)
+                              start_new_session=True, preexec_fn=_die_with_runner)
       self.procs.add(proc)
       if self.signum:  # the signal came between the check above and Popen: pass it on too
         proc.send_signal(self.signum)

@@ -15,7 +15,6 @@ hold the Triton kernels.
 
 import collections
 import functools
-import math
 import os
 import pathlib
 import re

@@ -248,11 +248,14 @@ def restore_newest_good(mngr, state, workdir, move_aside=True):
     else:
       mismatch = shape_mismatch(saved, state) if is_whole(saved) else []
       if mismatch:
+        shown = f'{"; ".join(mismatch[:3])}' + (
+            f'; and {len(mismatch) - 3} more' if len(mismatch) > 3 else '')
         raise IncompatibleResume(
             f'cannot resume {workdir}: its checkpoint step {step} holds arrays of other shapes '
-            f'than this config ({"; ".join(mismatch[:3])}'
-            f'{f"; and {len(mismatch) - 3} more" if len(mismatch) > 3 else ""}); use a new '
-            '--workdir or the config it was trained with')
+            f'than this config ({shown}); use a new --workdir or the config it was trained with'
+            if move_aside else  # evaluation: the config is the run's own config.json
+            f'cannot evaluate {workdir}: its checkpoint step {step} holds arrays of other shapes '
+            f'than its config.json says ({shown}); was config.json replaced?')
       try:
         with _quiet():
           restored, data_state = restore_state(mngr, state, step)

@@ -53,13 +53,22 @@ def tune_host_malloc():
   return all(done)
 
 
-# Device nodes of an accelerator: NVIDIA GPUs, TPU v4/v5p (accel), TPU v5e/v6e (vfio).
-ACCELERATOR_DEVICES = ('/dev/nvidia[0-9]*', '/dev/accel[0-9]*', '/dev/vfio/[0-9]*')
+# Device nodes of an accelerator: NVIDIA GPUs, AMD GPUs (kfd), TPU v4/v5p (accel), TPU v5e/v6e
+# (vfio).
+ACCELERATOR_DEVICES = ('/dev/nvidia[0-9]*', '/dev/kfd', '/dev/accel[0-9]*', '/dev/vfio/[0-9]*')
 
 
 def accelerator_devices():
   """Whether this host has a GPU or TPU device node (looked up without starting JAX)."""
   return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES)
+
+
+def cpu_when_no_accelerator():
+  """On a host without an accelerator device, JAX_PLATFORMS=cpu unless it is set: an installed
+  libtpu (the test extra's, for ahead-of-time compiles) would otherwise probe for a TPU at every
+  start and print five lines of errors. Call it before JAX starts."""
+  if 'JAX_PLATFORMS' not in os.environ and not accelerator_devices():
+    os.environ['JAX_PLATFORMS'] = 'cpu'
 
 
 def accelerator_plugin_installed():

@@ -349,5 +349,9 @@ def _train(config, workdir, hooks, lead):
       mngr.close()
     except Exception:  # pylint: disable=broad-except  # reported by confirm_saved, or superseded
       pass
-    writer.close()
+    try:
+      writer.close()  # flushes TensorBoard's events: a full disk fails here too
+    except OSError as e:
+      print(f'train: closing the logs in {workdir} failed ({e.strerror or e}); metrics.jsonl '
+            'holds every row written before', file=sys.stderr)
   return last

@@ -79,6 +79,10 @@ def validate(config):
     raise ConfigError(f'model.num_kv_heads={m.num_kv_heads} must divide model.num_heads='
                       f'{m.num_heads}; valid values: {", ".join(map(str, divisors))}')
   _check_registry('position', positions.POSITIONS, m, d)
+  if m.get('rope_scaling', 'none') != 'none' and m.position != 'rope':
+    raise ConfigError(f'model.rope_scaling={m.rope_scaling!r} scales RoPE, which '
+                      f"model.position={m.position!r} does not use; valid here: 'none' (or "
+                      "model.position='rope')")
   _validate_random_positions(config)
   _validate_init_from(config)
   _check_registry('norm', norms.NORMS, m, d)
@@ -136,6 +140,8 @@ def validate(config):
   if not isinstance(t.skip_nonfinite, bool):
     raise ConfigError(f'train.skip_nonfinite={t.skip_nonfinite!r} must be True or False')
   _choice('train.schedule', t.schedule, SCHEDULES)
+  if not isinstance(t.seed, int) or isinstance(t.seed, bool) or not 0 <= t.seed < 2 ** 32:
+    raise ConfigError(f'train.seed={t.seed!r} must be an integer in [0, 2**32)')
   accum = t.get('grad_accum_steps', 1)
   if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1 or t.batch_size % accum:
     raise ConfigError(f'train.grad_accum_steps={accum!r} must be a positive integer dividing '
@@ -159,6 +165,12 @@ def validate(config):
   _choice('data.task', d.task, pipeline.TASKS)
   if d.task in text_corpus.TASKS:
     _validate_text_data(config)
+  else:
+    given = sorted(k for k, v in (d.get('files', None) or {}).items() if v)
+    if given:
+      raise ConfigError(f'data.files.{given[0]}={d.files[given[0]]!r} is read only by '
+                        f"data.task='text_pairs' or 'text_lm' (data.task={d.task!r} is the toy "
+                        "task); valid here: '' (or set data.task)")
   _validate_mesh(config)
 
 

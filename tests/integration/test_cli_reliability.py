@@ -196,6 +196,15 @@ def test_sweep_bad_inputs_are_one_line_exit_2(tmp_path, bad_files):
             f'--sweep_dir={tmp_path}', '--parallel=x')
   assert_one_line(out, 2, '--parallel=x is not valid', 'valid: an integer')
   assert os.listdir(tmp_path) == []
+  (tmp_path / 'a_file').write_text('x')
+  out = cli('-m', 'tools.sweep', '--sweep=configs/ablations/ffn_norm.py',
+            f'--sweep_dir={tmp_path}/a_file')
+  assert_one_line(out, 2, 'a_file is a file; valid: a directory')
+
+
+def test_accounting_refuses_a_negative_vocabulary():
+  out = cli('-m', 'tools.accounting', '--config=configs/decoder_only.py', '--vocab_size=-1')
+  assert_one_line(out, 2, '--vocab_size=-1 must be positive')
 
 
 LONG_SWEEP = '''

@@ -107,21 +107,28 @@ def test_a_failed_save_stops_with_one_line_and_exit_1(data_dir, tmp_path):
   def limit():
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
-  out = subprocess.run(
-      [sys.executable, 'train.py', '--config=configs/decoder_only.py:quick',
-       f'--workdir={tmp_path}', f'--config.data.data_dir={data_dir}', '--config.train.steps=12',
-       '--config.train.checkpoint_every=4', '--config.train.eval_every=100'],
-      cwd=ROOT, capture_output=True, text=True, preexec_fn=limit, timeout=300)
+  args = [sys.executable, 'train.py', '--config=configs/decoder_only.py:quick',
+          f'--config.data.data_dir={data_dir}', '--config.train.steps=12',
+          '--config.train.checkpoint_every=4', '--config.train.eval_every=100']
+  out = subprocess.run(args + [f'--workdir={tmp_path / "cut"}'], cwd=ROOT, capture_output=True,
+                       text=True, preexec_fn=limit, timeout=300)
   assert out.returncode == 1, out.stderr[-2000:]
   line = [l for l in out.stderr.splitlines() if l.startswith('train: saving a checkpoint')]
   assert len(line) == 1 and 'File too large' in line[0] and 'free' in line[0], out.stderr[-2000:]
   assert 'no checkpoint was saved' in line[0]
-  # Orbax's own report of the failed write (its traceback from the save thread) is dropped; what
-  # remains are tensorstore callbacks finding Orbax's event loop closed (README, Reliability).
+  # Orbax's own report of the failed write is dropped, and the exit does not wait for its threads:
+  # no traceback, no shutdown noise after the line.
   assert 'Error writing' not in out.stderr.replace(line[0], '')
-  traces = out.stderr.split('Traceback (most recent call last):')[1:]
-  assert all('RuntimeError: Event loop is closed' in t for t in traces), out.stderr[-3000:]
-  assert max(r['step'] for r in metric_rows(tmp_path)) <= 8  # it did not train on to the end
+  assert 'Traceback' not in out.stderr and 'meta_path' not in out.stderr, out.stderr[-3000:]
+  assert max(r['step'] for r in metric_rows(tmp_path / 'cut')) <= 8  # it did not train on
+  # Room again: the same command ends as the uninterrupted run.
+  assert subprocess.run(args + [f'--workdir={tmp_path / "cut"}'], cwd=ROOT,
+                        capture_output=True, timeout=300).returncode == 0
+  assert subprocess.run(args + [f'--workdir={tmp_path / "full"}'], cwd=ROOT,
+                        capture_output=True, timeout=300).returncode == 0
+  keys = ('step', 'split', 'loss', 'accuracy', 'grad_norm')
+  rows = lambda w: [tuple(r.get(k) for k in keys) for r in metric_rows(tmp_path / w)]  # noqa: E731
+  assert rows('cut') == rows('full')
 
 
 def test_eval_falls_back_from_a_damaged_newest_checkpoint(data_dir, tmp_path):

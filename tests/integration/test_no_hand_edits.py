@@ -178,3 +178,45 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(data_dir, tmp_path, uni
   assert err.strip().splitlines()[-1].startswith('train: stopped by SIGINT'), err[-2000:]
   assert train_cli(tmp_path, data_dir, 6).returncode == 0  # the same command resumes
   assert rows(tmp_path) == uninterrupted
+
+
+def test_a_killed_sweep_runner_takes_its_cells_with_it(data_dir, tmp_path):
+  """SIGKILL to the runner: its cell gets SIGTERM (it saves and stops) instead of running on,
+  orphaned, and the same sweep command, rerun at once, finishes the cell."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  spec = tmp_path / 'one_cell.py'
+  spec.write_text(
+      'from configs import decoder_only\n'
+      'def get_config(arg=None):\n'
+      '  config = decoder_only.get_config("quick")\n'
+      f'  config.data.data_dir = {str(data_dir)!r}\n'
+      '  config.train.update(steps=400, checkpoint_every=50, log_every=10, eval_every=1000)\n'
+      '  return config\n'
+      'def get_sweep():\n'
+      '  return {}\n')
+  sweep_dir = tmp_path / 'sweep'
+  command = [sys.executable, '-m', 'tools.sweep', f'--sweep={spec}', f'--sweep_dir={sweep_dir}']
+  runner = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+  metrics = sweep_dir / 'seed=0' / 'metrics.jsonl'
+  deadline = time.monotonic() + 180
+  while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+    time.sleep(0.5)
+  assert metrics.exists(), 'the cell never logged a row'
+  cell_pid = int((sweep_dir / 'seed=0' / 'lock').read_text().split()[0])
+  runner.send_signal(signal.SIGKILL)
+  runner.wait()
+  deadline = time.monotonic() + 120
+  while time.monotonic() < deadline:
+    try:
+      os.kill(cell_pid, 0)
+    except ProcessLookupError:
+      break
+    time.sleep(0.5)
+  else:
+    os.kill(cell_pid, signal.SIGKILL)
+    pytest.fail('the cell ran on after its runner was killed')
+  out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert max(r['step'] for r in writers.read_metrics(str(metrics))) == 400

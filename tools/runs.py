@@ -1,0 +1,93 @@
+"""train.py runs as tools read them: workdirs found, each run's record loaded, configs compared."""
+
+import functools
+import json
+import re
+
+import numpy as np
+
+from training import paths as paths_lib  # local or gs://
+from training import writers
+
+IGNORED_FIELDS = ('train.seed', 'data.data_dir')  # differences that do not make a new group
+
+
+def is_workdir(path):
+  return paths_lib.exists(paths_lib.join(path, 'metrics.jsonl'))
+
+
+def find_runs(paths):
+  """Workdirs from a list of workdirs and sweep directories (sorted within a sweep)."""
+  runs = []
+  for path in paths:
+    if is_workdir(path):
+      runs.append(path)
+    elif paths_lib.isdir(path):
+      runs.extend(paths_lib.join(path, d) for d in paths_lib.listdir(path)
+                  if is_workdir(paths_lib.join(path, d)))
+    else:
+      raise FileNotFoundError(f'compare: {path} is neither a workdir nor a directory')
+  if not runs:
+    raise FileNotFoundError(f'compare: no metrics.jsonl in {", ".join(paths)}')
+  return runs
+
+
+def flatten(d, prefix=''):
+  """{'model': {'d_model': 64}} -> {'model.d_model': 64} (config.json comparisons)."""
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(flatten(v, f'{prefix}{k}.'))
+    else:
+      out[f'{prefix}{k}'] = v
+  return out
+
+
+@functools.lru_cache(maxsize=1)
+def _default_fields():
+  from configs import default  # pylint: disable=g-import-not-at-top
+  return flatten(json.loads(default.get_config().to_json_best_effort()))
+
+
+def _read_json(path):
+  if not paths_lib.exists(path):
+    return {}
+  try:
+    return paths_lib.read_json(path)
+  except ValueError as e:  # json.JSONDecodeError
+    raise ValueError(f'compare: {path} is not valid JSON ({e}); repair or remove it') from None
+
+
+def load_run(workdir):
+  """{'workdir', 'config' (flat dotted dict), 'train'/'valid' (steps, losses arrays), 'rows',
+  'info' (run_info.json), 'init_grad' (init_grad_norms.json or {})}."""
+  rows = writers.read_metrics(paths_lib.join(workdir, 'metrics.jsonl'))
+  config = flatten(_read_json(paths_lib.join(workdir, 'config.json')))
+  if config:  # fields attnlab gained after the run was written hold their defaults
+    config = {**_default_fields(), **config}
+  if config.get('train.init_from'):  # a sweep's fine-tunes start from their own seed's source
+    config['train.init_from'] = re.sub(r',seed=\d+$', '', config['train.init_from'].rstrip('/'))
+  run = {'workdir': workdir, 'name': paths_lib.basename(workdir), 'rows': rows,
+         'config': config,
+         'info': _read_json(paths_lib.join(workdir, 'run_info.json')),
+         'init_grad': _read_json(paths_lib.join(workdir, 'init_grad_norms.json'))}
+  for split in ('train', 'valid'):
+    points = sorted((r['step'], r['loss']) for r in rows if r.get('split') == split)
+    run[split] = (np.array([p[0] for p in points], np.int64),
+                  np.array([p[1] for p in points], np.float64))
+  return run
+
+
+def total_steps(run):
+  """The run's configured steps (config.json), else its last logged step."""
+  steps = run['config'].get('train.steps')
+  if steps:
+    return int(steps)
+  return int(run['train'][0][-1]) if len(run['train'][0]) else 0
+
+
+def differing_fields(runs):
+  """The config fields (sorted) whose values differ between runs, seeds and data_dir aside."""
+  keys = sorted(set().union(*(r['config'] for r in runs)) - set(IGNORED_FIELDS))
+  return [k for k in keys if len({json.dumps(r['config'].get(k), sort_keys=True)
+                                  for r in runs}) > 1]

@@ -1,0 +1,219 @@
+"""A sweep file (configs/ablations/*.py) as named cells: expansion, names, configs and commands.
+
+The file format is documented in tools/sweep.py, the runner that launches the cells.
+"""
+
+import hashlib
+import importlib.util
+import inspect
+import itertools
+import os
+import re
+import sys
+
+from training import paths
+from training import validation
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SWEEP_KEYS = ('grid', 'cells', 'seeds', 'eval_flags', 'eval_variants')
+_UNSAFE = re.compile(r'[^A-Za-z0-9._=,+-]')
+MAX_NAME = 200  # characters; longer names are cut and end in a hash of the full name
+
+
+class SweepError(ValueError):
+  """A sweep file that cannot be expanded; the message names the problem."""
+
+
+def split_spec(spec):
+  """'configs/ablations/x.py:quick' -> ('configs/ablations/x.py', 'quick')."""
+  path, _, arg = spec.partition(':')
+  return path, arg or None
+
+
+def load_sweep_module(path):
+  """Imports a sweep file by path (the repository root must be importable, as for train.py)."""
+  if not os.path.exists(path):
+    raise SweepError(f'sweep file {path} does not exist')
+  if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+  name = 'sweep_' + re.sub(r'\W', '_', os.path.splitext(os.path.basename(path))[0])
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except SyntaxError as e:
+    raise SweepError(f'sweep file {path} line {e.lineno}: syntax error: {e.msg}') from None
+  except Exception as e:  # pylint: disable=broad-except
+    raise SweepError(f'sweep file {path}: importing it raised {type(e).__name__}: {e}') from None
+  for fn in ('get_config', 'get_sweep'):
+    if not callable(getattr(module, fn, None)):
+      raise SweepError(f'{path} must define {fn}()')
+  return module
+
+
+def get_sweep(module, arg=None):
+  """`module.get_sweep(arg)`, or `get_sweep()` for files whose grid does not depend on the arg."""
+  try:
+    params = inspect.signature(module.get_sweep).parameters
+  except (TypeError, ValueError):
+    params = {}
+  try:
+    sweep = module.get_sweep(arg) if params else module.get_sweep()
+  except Exception as e:  # pylint: disable=broad-except
+    raise SweepError(f'get_sweep() of {module.__file__} raised {type(e).__name__}: {e}') from None
+  if not isinstance(sweep, dict):
+    raise SweepError(f'get_sweep() of {module.__file__} returned {type(sweep).__name__}; valid: a '
+                     f'dict with keys among {", ".join(SWEEP_KEYS)}')
+  return sweep
+
+
+def format_value(value):
+  """The text of an override value, for a cell name and for `--config.FIELD=VALUE`."""
+  if isinstance(value, bool):
+    return str(value).lower()
+  if isinstance(value, float):
+    return repr(value)  # shortest round-trip text: 0.002, 1e-05
+  return str(value)
+
+
+def cell_name(overrides, seed):
+  """'field=value,...,seed=N' with fields sorted; filesystem-safe, at most MAX_NAME characters."""
+  items = [f'{k}={format_value(v)}' for k, v in sorted(overrides.items())] + [f'seed={seed}']
+  name = _UNSAFE.sub('_', ','.join(items))
+  if len(name) > MAX_NAME:
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    name = f'{name[:MAX_NAME - 11]}~{digest}'
+  return name
+
+
+def parse_seeds(texts):
+  """--seeds as integers (SweepError naming the first one that is not)."""
+  out = []
+  for text in texts:
+    try:
+      out.append(int(text))
+    except (TypeError, ValueError):
+      raise SweepError(f'--seeds={",".join(map(str, texts))}: {text!r} is not an integer; valid: '
+                       'comma-separated integers, e.g. 0,1,2') from None
+  return out
+
+
+def expand(sweep, seeds=None):
+  """Sweep dict -> list of cells {'name', 'overrides', 'seed'} (cells x grid x seeds, in order).
+
+  Args:
+    sweep: the dict `get_sweep()` returns.
+    seeds: overrides the sweep's seeds (e.g. from `--seeds`).
+
+  Raises:
+    SweepError: on unknown keys, a `train.seed` override, or two cells with the same name.
+  """
+  unknown = set(sweep) - set(SWEEP_KEYS)
+  if unknown:
+    raise SweepError(f'unknown sweep keys {sorted(unknown)}; valid: {", ".join(SWEEP_KEYS)}')
+  grid = sweep.get('grid') or {}
+  for field, values in grid.items():
+    if not isinstance(values, (list, tuple)) or not values:
+      raise SweepError(f'grid[{field!r}] must be a non-empty list of values')
+  product = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
+  base_cells = sweep.get('cells') or [{}]
+  if not isinstance(base_cells, (list, tuple)) or not all(isinstance(c, dict) for c in base_cells):
+    bad = next((c for c in base_cells if not isinstance(c, dict)), base_cells)
+    raise SweepError(f"'cells' must be a list of dicts of overrides ({{'field': value}}); got "
+                     f'{bad!r}')
+  for selector in sweep.get('eval_variants') or {}:
+    parts = [p for p in str(selector).split(',') if p.strip()]
+    if not parts or any('=' not in p for p in parts):
+      raise SweepError(f"eval_variants selector {selector!r} must be 'field=value[,field=value]'")
+  seeds = list(sweep.get('seeds') or [0]) if seeds is None else parse_seeds(seeds)
+  cells, seen = [], {}
+  for cell in base_cells:
+    for point in product:
+      overlap = set(cell) & set(point)
+      if overlap:
+        raise SweepError(f'fields {sorted(overlap)} are both in a cell and in the grid')
+      overrides = {**cell, **point}
+      if 'train.seed' in overrides:
+        raise SweepError("set seeds with the sweep's 'seeds' (or --seeds), not 'train.seed'")
+      for seed in seeds:
+        seeded, after = _resolve_sources(overrides, seed, seen)
+        name = cell_name(seeded, seed)
+        if name in seen:
+          raise SweepError(f'two cells are both named {name}')
+        seen[name] = True
+        cells.append({'name': name, 'overrides': seeded, 'seed': seed, 'after': after})
+  return cells
+
+
+def _resolve_sources(overrides, seed, seen):
+  """(overrides with train.init_from={'cell': {...}} replaced by that earlier cell's name, the name)."""
+  out, after = dict(overrides), None
+  for field, value in overrides.items():
+    if isinstance(value, dict):
+      after = cell_name(value.get('cell', {}), seed) if field == 'train.init_from' else None
+      if after not in seen or set(value) != {'cell'}:
+        raise SweepError(f"{field}={value!r}: valid dict values: train.init_from={{'cell': "
+                         "{overrides of a cell listed before this one}}")
+      out[field] = after.rsplit(',seed=', 1)[0]  # the same seed by construction: name it once
+  return out, after
+
+
+def cell_config(module, arg, cell):
+  """The resolved, validated config of a cell (raises SweepError naming the field)."""
+  try:
+    config = module.get_config(arg)
+  except Exception as e:  # pylint: disable=broad-except
+    raise SweepError(f'get_config({arg!r}) of {module.__file__} raised {type(e).__name__}: '
+                     f'{e}') from None
+  for field, value in list(cell['overrides'].items()) + [('train.seed', cell['seed'])]:
+    *parents, leaf = field.split('.')
+    node = config
+    try:
+      for p in parents:
+        node = node[p]
+      if leaf not in node:
+        raise KeyError(leaf)
+      node[leaf] = value
+    except (KeyError, AttributeError):
+      raise SweepError(f'cell {cell["name"]}: no config field {field!r}') from None
+    except TypeError as e:
+      raise SweepError(f'cell {cell["name"]}: {field}={value!r}: {e}') from None
+  config = validation.resolve(config)
+  try:
+    validation.validate(config)
+  except validation.ConfigError as e:
+    raise SweepError(f'cell {cell["name"]}: {e}') from None
+  return config
+
+
+def train_command(spec, sweep_dir, cell, python='python', train_py='train.py'):
+  """The train.py argv of a cell."""
+  return ([python, train_py, f'--config={spec}', f'--workdir={paths.join(sweep_dir, cell["name"])}']
+          + [f'--config.{k}={os.path.join(sweep_dir, cell["after"])}' if k == 'train.init_from'
+             and cell.get('after') else f'--config.{k}={format_value(v)}'
+             for k, v in cell['overrides'].items()]
+          + [f'--config.train.seed={cell["seed"]}'])
+
+
+def _selected(selector, cell):
+  """Whether `field=value[,field=value]` matches the cell's overrides (and seed)."""
+  items = {**{k: format_value(v) for k, v in cell['overrides'].items()}, 'seed': str(cell['seed'])}
+  for part in filter(None, selector.split(',')):
+    field, _, value = part.partition('=')
+    if items.get(field.strip()) != value.strip():
+      return False
+  return True
+
+
+def eval_commands(sweep, sweep_dir, cell, python='python', eval_py='eval.py'):
+  """[(suffix, argv)] of a cell's eval.py runs: one per variant, then '' for eval_flags (last:
+  the runner renames each variant's eval.json to eval_<suffix>.json; eval.json stays the plain)."""
+  workdir, base, runs = paths.join(sweep_dir, cell['name']), list(sweep.get('eval_flags') or []), []
+  for selector, variants in (sweep.get('eval_variants') or {}).items():
+    if _selected(selector, cell):
+      for flag in variants:
+        runs.append((_UNSAFE.sub('_', flag.lstrip('-')),
+                     [python, eval_py, f'--workdir={workdir}'] + base + [flag]))
+  if 'eval_flags' in sweep:
+    runs.append(('', [python, eval_py, f'--workdir={workdir}'] + base))
+  return runs
