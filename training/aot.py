@@ -14,6 +14,7 @@ hold the Triton kernels.
 """
 
 import collections
+import contextlib
 import functools
 import os
 import pathlib
@@ -64,16 +65,29 @@ def quiet_libtpu():
     # set, it also makes jax register the CUDA plugin's compile-only topologies
     jax.config.update('jax_platforms', os.environ['JAX_PLATFORMS'])
   os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')  # no metadata server to ask
-  # Without these libtpu looks for a TPU of its own and logs that it found none; they name no
-  # target (the topology passed to get_topology_desc does).
-  os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5p-8')
-  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
   # Compile-only: several processes (a test run's workers, a sweep) may hold libtpu at once.
   os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
   # GPU targets: XLA would otherwise time candidate kernels on a GPU this host does not have.
   if '--xla_gpu_autotune_level' not in os.environ.get('XLA_FLAGS', ''):
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                                ' --xla_gpu_autotune_level=0').strip()
+
+
+@contextlib.contextmanager
+def _libtpu_host_env():
+  """While libtpu starts: without these it looks for a TPU of its own and logs that it found none.
+  They name no target (the topology passed to get_topology_desc does), and they are removed
+  again: TPU_WORKER_HOSTNAMES in a process's environment means a TPU pod to train.py's cluster
+  detection (training.distributed), which every subprocess would inherit."""
+  env = {'TPU_ACCELERATOR_TYPE': 'v5p-8', 'TPU_WORKER_HOSTNAMES': 'localhost'}
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update({k: v for k, v in env.items() if saved[k] is None})
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
 
 
 def topology_devices(name):
@@ -94,7 +108,8 @@ def topology_devices(name):
     raise AotError('libtpu is not installed; install it into this virtualenv with: '
                    f'.venv/bin/pip install "jax[tpu]=={jax.__version__}"') from None
   try:
-    return topologies.get_topology_desc(topology_name=name, platform='tpu').devices
+    with _libtpu_host_env():
+      return topologies.get_topology_desc(topology_name=name, platform='tpu').devices
   except Exception as e:  # libtpu raises XlaRuntimeError / ValueError with long texts
     first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
     if 'INVALID_ARGUMENT' not in first:

@@ -281,6 +281,7 @@ def _train(config, workdir, hooks, lead):
   profiler = Profiler(t.get('profile_steps', ''), workdir)
   batches = prefetched(it, lambda b: distributed.place_batch(b, mesh, rules, it.first_row,
                                                              t.batch_size))
+  failing = True  # until the loop ends normally
   try:
     for step in range(start + 1, t.steps + 1):
       batch, data_position, device_batch = next(batches)
@@ -340,6 +341,7 @@ def _train(config, workdir, hooks, lead):
         checkpointing.confirm_saved(mngr, workdir)
         raise Stopped(stop, step)
     checkpointing.confirm_saved(mngr, workdir)  # the last save's outcome: a failure exits 1
+    failing = False
   finally:
     profiler.stop(state)
     signals.restore()
@@ -352,6 +354,7 @@ def _train(config, workdir, hooks, lead):
     try:
       writer.close()  # flushes TensorBoard's events: a full disk fails here too
     except OSError as e:
-      print(f'train: closing the logs in {workdir} failed ({e.strerror or e}); metrics.jsonl '
-            'holds every row written before', file=sys.stderr)
+      if not failing:  # after a failed save, say, that failure's one line says it all
+        print(f'train: closing the logs in {workdir} failed ({e.strerror or e}); metrics.jsonl '
+              'holds every row written before', file=sys.stderr)
   return last

@@ -87,6 +87,13 @@ def test_pallas_steps_compile_for_a_tpu_pod(arch, mesh, devices):
     assert r['flops'] > 0
 
 
+def test_compiling_leaves_no_tpu_cluster_variables_behind(devices):
+  """libtpu's start-up settings would make every later train.py subprocess join a TPU pod."""
+  del devices
+  assert 'TPU_WORKER_HOSTNAMES' not in os.environ
+  assert 'TPU_ACCELERATOR_TYPE' not in os.environ
+
+
 def test_pallas_without_shard_map_does_not_compile_on_a_mesh(devices, monkeypatch):
   """The reason the kernels run under shard_map: GSPMD refuses to partition a Mosaic call."""
   monkeypatch.setitem(attention.IMPLEMENTATIONS, 'pallas', attention_pallas.attention)

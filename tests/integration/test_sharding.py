@@ -21,6 +21,18 @@ from training import loop
 MESHES = [(8, 1, 1, 1), (2, 2, 2, 1), (1, 8, 1, 1), (1, 1, 1, 8)]
 
 
+def assert_same_run(losses, one_device):
+  """A sharded run's 20 losses against the one-device run's.
+
+  A mesh sums in another order than one device; AdamW's normalised updates then amplify those
+  float32 differences step after step, at a rate that depends on the CPU's vector code: on an
+  AVX-512 Xeon the first 10 steps agree to 1e-5 and step 17 differs by 1.6e-5 (on the AMD EPYC
+  hosts this test was written on, all 20 agreed to 1e-5). So: the first 10 steps to 1e-5, all 20
+  to 1e-4 (a wrong sharding is off by far more from the first step on)."""
+  np.testing.assert_allclose(losses[:10], one_device[:10], rtol=1e-5)
+  np.testing.assert_allclose(losses, one_device, rtol=1e-4)
+
+
 
 def run(data_dir, workdir, mesh=(1, 1, 1, 1), **model):
   config = quick_config(data_dir, steps=20, log_every=1, eval_every=100, checkpoint_every=100)
@@ -73,13 +85,13 @@ def test_sharded_training_equals_one_device(data_dir, tmp_path, one_device, mesh
   assert len(jax.devices()) == 8
   losses = run(data_dir, tmp_path, mesh)
   assert len(losses) == 20 and losses[-1] < losses[0]
-  np.testing.assert_allclose(losses, one_device, rtol=1e-5)
+  assert_same_run(losses, one_device)
 
 
 def test_ring_attention_training_equals_one_device(data_dir, tmp_path, one_device):
   """Context parallelism: 4 sequence shards x 2 data shards, K/V blocks travelling the ring."""
   losses = run(data_dir, tmp_path, (2, 1, 1, 4), attention_impl='ring')
-  np.testing.assert_allclose(losses, one_device, rtol=1e-5)
+  assert_same_run(losses, one_device)
 
 
 def test_two_processes_of_four_devices_equal_one_device(data_dir, tmp_path, one_device):
@@ -104,7 +116,7 @@ def test_two_processes_of_four_devices_equal_one_device(data_dir, tmp_path, one_
   assert all(f'resumed from step {step}' in o for o in outputs)
   losses = np.asarray([r['loss'] for r in metric_rows(tmp_path)])
   assert len(losses) == 20  # one writer
-  np.testing.assert_allclose(losses, one_device, rtol=1e-5)
+  assert_same_run(losses, one_device)
   assert os.path.isdir(tmp_path / 'checkpoints' / '20')
 
 
