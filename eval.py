@@ -120,11 +120,14 @@ def main(argv):
     host.tune_host_malloc()
   try:
     cli_checks.check_workdir(_WORKDIR.value, 'a train.py workdir')
+    paths.check_store_reachable(_WORKDIR.value, '--workdir')
     distributed.init_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                                  flags.FLAGS.process_id, flags.FLAGS.multihost)
     lengths = check_flags()
   except cli_checks.ConfigError as e:
     cli_checks.fail('eval', e)
+  except paths.StoreUnreachable as e:
+    cli_checks.fail('eval', e, status=1)
   splits = _SPLIT.value
   try:
     result, run = evaluation.evaluate_run(

@@ -24,6 +24,7 @@ from training import cli_checks
 from training import distributed
 from training import loop
 from training import memory
+from training import paths
 from training import validation
 
 FLAGS = flags.FLAGS
@@ -78,6 +79,8 @@ def main(argv):
       memory.check_training_memory(config, vocab_size, limit)
   except memory.OutOfMemory as e:
     cli_checks.fail('train', e)
+  except paths.StoreUnreachable as e:
+    cli_checks.fail('train', e, status=1)
   except pipeline.DataError as e:  # your own data: a bad file (named, with the line) or vocab_size
     cli_checks.fail('data error', e)
   except validation.ConfigError as e:

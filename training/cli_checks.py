@@ -243,6 +243,10 @@ def check_train_run(config, workdir):
   except (AttributeError, KeyError) as e:  # a config file that left out a field default.py has
     raise ConfigError(f'the config lacks a field ({type(e).__name__}: {e}); valid: every field of '
                       'configs/default.py') from None
+  for what, path in (('--workdir', workdir), ('data.data_dir', config.data.data_dir),
+                     ('train.init_from', config.train.get('init_from', ''))):
+    if path:
+      paths.check_store_reachable(path, what)
   validation.check_writable('workdir', workdir)
   for name in ('checkpoints',):  # the directories the run writes into
     path = paths.join(workdir, name)

@@ -168,6 +168,15 @@ class ObjectLock:
     if self.thread is not None:
       self.thread.join()
     try:
-      self.bucket.delete_blob(self.name, if_generation_match=self.generation)
+      if exc and exc[0] is not None:  # failing (the store unreachable, say): one try, no retries
+        self.bucket.delete_blob(self.name, if_generation_match=self.generation, timeout=10,
+                                retry=None)
+      else:
+        self.bucket.delete_blob(self.name, if_generation_match=self.generation)
     except (exceptions.NotFound, exceptions.PreconditionFailed):
       pass  # taken over (the heartbeat said so), or already gone
+    except Exception:  # pylint: disable=broad-except
+      if not exc or exc[0] is None:
+        raise
+      # Left behind: the rerun on this host takes it over (its PID is dead), any other after
+      # STALE_SECS; the failure already propagating says what went wrong.

@@ -140,6 +140,18 @@ class Profiler:
       self.active = False
 
 
+def store_lost(error, good, workdir):
+  """The one-line RunFailed of an object store that stopped answering mid-run (after the storage
+  clients' own retries: gcsfs tries a request 6 times over about 35 s); `good` is the newest
+  checkpoint step whose save was confirmed (None: none)."""
+  host, port = paths.store_endpoint()
+  reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+  return checkpointing.RunFailed(
+      f'train: the object store {host}:{port} of {workdir} stopped answering ({type(error).__name__}'
+      f': {reason}); the last good checkpoint is step {good if good is not None else "none"}; '
+      'rerun the same command once it is back')
+
+
 def jit_train_step(config, graphdef, tx, state, mesh, leaf_groups):
   """The jitted `steps.train_step` of `config.train` (state donated): the state keeps its layout
   (`state`'s shardings, concrete or abstract) step after step, the metrics come back replicated.
@@ -264,9 +276,12 @@ def _train(config, workdir, hooks, lead):
           ' (train.skip_nonfinite=True skips such steps instead)')
     return w
 
+  saves = {'good': start or None, 'pending': None}  # the newest confirmed step, the one in flight
+
   def save(step, window):
     w = check_finite(window)
     checkpointing.confirm_saved(mngr, workdir)  # the previous save's outcome, before the next
+    saves['good'] = saves['pending'] or saves['good']
     # Process 0 writes the data position: every shard's, gathered from the processes reading them.
     data_state = pipeline.ShardedIterator.merge_states(distributed.allgather_json(data_position))
     writer.flush()  # object storage: the rows up to this checkpoint are durable before it
@@ -276,6 +291,7 @@ def _train(config, workdir, hooks, lead):
           window=ocp.args.JsonSave({k: w[k].item() for k in WINDOW_KEYS})))
     except Exception as e:  # pylint: disable=broad-except  # orbax/tensorstore raise many kinds
       raise checkpointing.save_failed(mngr, workdir, e) from None
+    saves['pending'] = step
 
   signals = StopSignals()
   profiler = Profiler(t.get('profile_steps', ''), workdir)
@@ -342,6 +358,10 @@ def _train(config, workdir, hooks, lead):
         raise Stopped(stop, step)
     checkpointing.confirm_saved(mngr, workdir)  # the last save's outcome: a failure exits 1
     failing = False
+  except Exception as e:  # pylint: disable=broad-except
+    if not (paths.is_remote(workdir) and paths.is_storage_error(e)):
+      raise
+    raise store_lost(e, saves['good'], workdir) from None
   finally:
     profiler.stop(state)
     signals.restore()
@@ -353,7 +373,7 @@ def _train(config, workdir, hooks, lead):
       pass
     try:
       writer.close()  # flushes TensorBoard's events: a full disk fails here too
-    except OSError as e:
+    except Exception as e:  # pylint: disable=broad-except  # OSError, or the store's own errors
       if not failing:  # after a failed save, say, that failure's one line says it all
         print(f'train: closing the logs in {workdir} failed ({e.strerror or e}); metrics.jsonl '
               'holds every row written before', file=sys.stderr)

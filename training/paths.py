@@ -13,9 +13,59 @@ helper that looks drops the cached listings of the path and its parents first.
 """
 
 import json
+import logging
 import os
+import socket
+import urllib.parse
 
 from etils import epath
+
+
+# gcsfs logs each request that ran out of retries with its traceback; the run reports the failure
+# itself, in one line (training.loop.store_lost).
+logging.getLogger('gcsfs').setLevel(logging.CRITICAL)
+
+# How long the start-up check waits for the object store to accept a connection.
+STORE_CONNECT_SECS = 10
+
+
+class StoreUnreachable(OSError):
+  """The object store of a gs:// path cannot be reached (one line: the store and the reason)."""
+
+
+def store_endpoint():
+  """(host, port) of the GCS endpoint the clients use: STORAGE_EMULATOR_HOST, else Google's."""
+  url = urllib.parse.urlparse(os.environ.get('STORAGE_EMULATOR_HOST') or
+                              'https://storage.googleapis.com')
+  return url.hostname or 'storage.googleapis.com', url.port or (443 if url.scheme == 'https'
+                                                                else 80)
+
+
+def check_store_reachable(path, what):
+  """For a gs:// `path`: a StoreUnreachable within STORE_CONNECT_SECS when its store accepts no
+  connection (DNS failure, refused, no route), instead of the clients' minutes of retries."""
+  if not is_remote(path):
+    return
+  host, port = store_endpoint()
+  try:
+    socket.create_connection((host, port), timeout=STORE_CONNECT_SECS).close()
+  except OSError as e:
+    reason = e.strerror or type(e).__name__
+    raise StoreUnreachable(f'{what}={path}: the object store {host}:{port} cannot be reached '
+                           f'({reason}); check the network (or STORAGE_EMULATOR_HOST) and rerun'
+                           ) from None
+
+
+def is_storage_error(error):
+  """Whether an exception comes from reaching the object store (connection, DNS, retries spent)."""
+  for e in (error, error.__cause__, error.__context__):
+    if e is None:
+      continue
+    module = type(e).__module__ or ''
+    if module.startswith(('aiohttp', 'gcsfs', 'google.api_core', 'google.auth')) or isinstance(
+        e, (ConnectionError, socket.gaierror, TimeoutError)):
+      return True
+  return False
 
 
 def is_remote(path):
