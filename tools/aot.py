@@ -13,7 +13,8 @@ beside models.accounting's, the collectives and the custom calls (Mosaic kernels
 `tpu_custom_call`). `--json` prints one JSON object as the last line.
 
 Exit status: 0 when everything compiles and fits; 1 when it does not fit ("needs X GiB per chip,
-v5e has 16") or fails to compile; 2 for a config, mesh or topology error (one line each).
+v5e has 16"; "needs at least X" where libtpu's compiler refuses, counting the temporaries alone) or
+fails to compile; 2 for a config, mesh or topology error (one line each).
 """
 
 import json
