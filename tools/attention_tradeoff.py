@@ -25,6 +25,7 @@ import re
 
 import numpy as np
 
+from tools import group_styles
 from tools import plot_style
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,6 +111,15 @@ def _spread(values, fmt, scale=1.0):
   return f'{fmt.format(v.mean())} [{fmt.format(v.min())}, {fmt.format(v.max())}]'
 
 
+def _seconds(secs, measured):
+  """A table cell of a fwd+bwd time: measured, extrapolated (marked so) or 'n/a'."""
+  if secs is None:
+    return 'n/a'
+  if measured:
+    return f'{secs:.2f}'
+  return f'~{secs:.0f} (T² extrapolated)'
+
+
 def _mib(n):
   return f'{n / 2 ** 30:.2f} GiB' if n >= 2 ** 30 else f'{n / 2 ** 20:.0f} MiB'
 
@@ -142,10 +152,7 @@ def table(rows, costs):
     if entry['diverged']:  # the finished seeds' quality, and how many stopped
       stopped = f'{entry["diverged"]} of {seeds} seeds diverged (non-finite gradient)'
       cells[2] = f'{cells[2]}; {stopped}' if entry['val_loss'] else stopped
-    for t in TABLE_LENGTHS:
-      secs, measured = time_at(costs, kernel, t)
-      cells.append('n/a' if secs is None else f'{secs:.2f}' if measured
-                   else f'~{secs:.0f} (T² extrapolated)')
+    cells += [_seconds(*time_at(costs, kernel, t)) for t in TABLE_LENGTHS]
     for t in TABLE_LENGTHS:
       row = costs.get((kernel, t))
       cells.append('n/a' if row is None else _mib(row['temp_bytes']))
@@ -171,7 +178,7 @@ def draw(rows, length, out):
           continue
         if entry['diverged']:
           label += f' ({entry["diverged"]} of {len(v) + entry["diverged"]} seeds diverged)'
-        color = plot_style.PALETTE[i % len(plot_style.PALETTE)]
+        color = group_styles.PALETTE[i % len(group_styles.PALETTE)]
         ax.errorbar([secs], [v.mean()], yerr=[[v.mean() - v.min()], [v.max() - v.mean()]],
                     fmt='o', color=color, mfc=color if measured else 'white', ms=7, capsize=3,
                     label=label + ('' if measured else ' (time T² extrapolated)'))

@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from training import paths as paths_lib
+from tools import curves as curves_lib
 from tools import plot_style
 from tools import plots
 
@@ -76,7 +77,7 @@ def row_label(label, name):
 
 
 def markdown_table(groups):
-  """The table over `tools.compare.group_runs` groups that have eval.json extrapolation rows
+  """The table over `tools.summary.group_runs` groups that have eval.json extrapolation rows
   ('' when none has), one row per cell and evaluation variant; then `extension_table`."""
   keys = ['loss_L'] + [f'r{k}' for k in RATIOS] + [f'target_{k}L' for k in TARGET_AT]
   head = (['cell', 'seeds', 'loss at L'] + [f'r{k}' for k in RATIOS]
@@ -87,14 +88,16 @@ def markdown_table(groups):
       metrics = [run_metrics(load_eval(r['workdir'], name)) for r in runs]
       metrics = [m for m in metrics if m['loss_L'] is not None]
       if metrics:
-        lines.append('| ' + ' | '.join([row_label(label, name), str(len(metrics))] + [
-            _stat([m[k] for m in metrics]) for k in keys]) + ' |')
+        cells = [row_label(label, name), str(len(metrics))]
+        cells += [_stat([m[k] for m in metrics]) for k in keys]
+        lines.append('| ' + ' | '.join(cells) + ' |')
   if len(lines) == 2:
     return ''
-  table = '\n'.join(lines + ['', f'Mean [min, max] across seeds; {MODE} windows; r_k = loss at '
-                             'kL / loss at L; target loss: on target tokens only.'])
+  lines += ['', f'Mean [min, max] across seeds; {MODE} windows; r_k = loss at kL / loss at L; '
+            'target loss: on target tokens only.']
+  table = '\n'.join(lines)
   extension = extension_table(groups)
-  return table + (f'\n\n{extension}' if extension else '')
+  return f'{table}\n\n{extension}' if extension else table
 
 
 def _loss_at(result, length):
@@ -177,7 +180,7 @@ def figure(groups, band_kind='minmax'):
       if not runs:
         continue
       x = np.arange(len(runs[0])) * k + (k - 1) / 2
-      steps, mean, lo, hi = plot_style.band([(x, r) for r in runs], band_kind)
+      steps, mean, lo, hi = curves_lib.band([(x, r) for r in runs], band_kind)
       color = plt.cm.tab10(i % 10)
       ax.plot(steps, mean, color=color, lw=1.2, label=f'{label} ({len(runs)})')
       if len(runs) > 1 and band_kind != 'none':

@@ -13,6 +13,7 @@ IGNORED_FIELDS = ('train.seed', 'data.data_dir')  # differences that do not make
 
 
 def is_workdir(path):
+  """Whether `path` holds a run (its metrics.jsonl)."""
   return paths_lib.exists(paths_lib.join(path, 'metrics.jsonl'))
 
 
@@ -23,8 +24,8 @@ def find_runs(paths):
     if is_workdir(path):
       runs.append(path)
     elif paths_lib.isdir(path):
-      runs.extend(paths_lib.join(path, d) for d in paths_lib.listdir(path)
-                  if is_workdir(paths_lib.join(path, d)))
+      cells = [paths_lib.join(path, name) for name in paths_lib.listdir(path)]
+      runs.extend(cell for cell in cells if is_workdir(cell))
     else:
       raise FileNotFoundError(f'compare: {path} is neither a workdir nor a directory')
   if not runs:
@@ -50,6 +51,7 @@ def _default_fields():
 
 
 def _read_json(path):
+  """The JSON file at `path`, {} when there is none; a damaged one is named in one line."""
   if not paths_lib.exists(path):
     return {}
   try:
@@ -58,24 +60,38 @@ def _read_json(path):
     raise ValueError(f'compare: {path} is not valid JSON ({e}); repair or remove it') from None
 
 
-def load_run(workdir):
-  """{'workdir', 'config' (flat dotted dict), 'train'/'valid' (steps, losses arrays), 'rows',
-  'info' (run_info.json), 'init_grad' (init_grad_norms.json or {})}."""
-  rows = writers.read_metrics(paths_lib.join(workdir, 'metrics.jsonl'))
+def _read_config(workdir):
+  """The run's config.json as a flat dotted dict ({} without one)."""
   config = flatten(_read_json(paths_lib.join(workdir, 'config.json')))
   if config:  # fields attnlab gained after the run was written hold their defaults
     config = {**_default_fields(), **config}
   if config.get('train.init_from'):  # a sweep's fine-tunes start from their own seed's source
     config['train.init_from'] = re.sub(r',seed=\d+$', '', config['train.init_from'].rstrip('/'))
-  run = {'workdir': workdir, 'name': paths_lib.basename(workdir), 'rows': rows,
-         'config': config,
-         'info': _read_json(paths_lib.join(workdir, 'run_info.json')),
-         'init_grad': _read_json(paths_lib.join(workdir, 'init_grad_norms.json'))}
-  for split in ('train', 'valid'):
-    points = sorted((r['step'], r['loss']) for r in rows if r.get('split') == split)
-    run[split] = (np.array([p[0] for p in points], np.int64),
-                  np.array([p[1] for p in points], np.float64))
-  return run
+  return config
+
+
+def _curve(rows, split):
+  """(steps, losses) arrays of one split's rows, sorted by step."""
+  points = sorted((r['step'], r['loss']) for r in rows if r.get('split') == split)
+  steps = np.array([step for step, _ in points], np.int64)
+  losses = np.array([loss for _, loss in points], np.float64)
+  return steps, losses
+
+
+def load_run(workdir):
+  """{'workdir', 'config' (flat dotted dict), 'train'/'valid' (steps, losses arrays), 'rows',
+  'info' (run_info.json), 'init_grad' (init_grad_norms.json or {})}."""
+  rows = writers.read_metrics(paths_lib.join(workdir, 'metrics.jsonl'))
+  return {
+      'workdir': workdir,
+      'name': paths_lib.basename(workdir),
+      'rows': rows,
+      'config': _read_config(workdir),
+      'info': _read_json(paths_lib.join(workdir, 'run_info.json')),
+      'init_grad': _read_json(paths_lib.join(workdir, 'init_grad_norms.json')),
+      'train': _curve(rows, 'train'),
+      'valid': _curve(rows, 'valid'),
+  }
 
 
 def total_steps(run):
@@ -83,11 +99,16 @@ def total_steps(run):
   steps = run['config'].get('train.steps')
   if steps:
     return int(steps)
-  return int(run['train'][0][-1]) if len(run['train'][0]) else 0
+  logged = run['train'][0]
+  return int(logged[-1]) if len(logged) else 0
+
+
+def _distinct_values(runs, field):
+  """The values `field` takes across runs, as JSON text (config values may be unhashable lists)."""
+  return {json.dumps(r['config'].get(field), sort_keys=True) for r in runs}
 
 
 def differing_fields(runs):
   """The config fields (sorted) whose values differ between runs, seeds and data_dir aside."""
   keys = sorted(set().union(*(r['config'] for r in runs)) - set(IGNORED_FIELDS))
-  return [k for k in keys if len({json.dumps(r['config'].get(k), sort_keys=True)
-                                  for r in runs}) > 1]
+  return [k for k in keys if len(_distinct_values(runs, k)) > 1]

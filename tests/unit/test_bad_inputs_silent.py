@@ -7,9 +7,10 @@ import pytest
 
 from configs import default
 from data import text_corpus
-from tools import compare
-from tools import plot_style
-from tools import sweep
+from tools import curves as curves_lib
+from tools import runs as runs_lib
+from tools import summary as summary_lib
+from tools import sweep_spec
 from training import validation
 
 
@@ -62,18 +63,18 @@ def test_cr_only_line_endings_are_named(tmp_path):
      "eval_variants selector 'model.position' must be 'field=value"),
 ])
 def test_sweep_shapes_that_matched_nothing_are_refused(sweep_dict, message):
-  with pytest.raises(sweep.SweepError, match=message):
-    sweep.expand(sweep_dict)
+  with pytest.raises(sweep_spec.SweepError, match=message):
+    sweep_spec.expand(sweep_dict)
 
 
 def test_compare_names_its_bad_flags_and_files(tmp_path):
   with pytest.raises(ValueError, match='--target_loss=nan must be a finite loss'):
-    compare.summarize([], target_loss=float('nan'))
+    summary_lib.summarize([], target_loss=float('nan'))
   with pytest.raises(ValueError, match="--smooth='bogus' is not valid; valid: ema:B"):
-    plot_style.smooth([1.0, 2.0], 'bogus')
+    curves_lib.smooth([1.0, 2.0], 'bogus')
   run = tmp_path / 'run'
   run.mkdir()
   (run / 'metrics.jsonl').write_text(json.dumps({'step': 1, 'split': 'train', 'loss': 1.0}) + '\n')
   (run / 'config.json').write_text('{"model": ')
   with pytest.raises(ValueError, match=r'config.json is not valid JSON'):
-    compare.load_run(str(run))
+    runs_lib.load_run(str(run))

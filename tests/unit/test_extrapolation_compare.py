@@ -8,8 +8,14 @@ import numpy as np
 
 from tools import compare
 from tools import extrapolation_compare
+from tools import runs as runs_lib
+from tools import summary as summary_lib
 
 L = 8
+
+
+def _load(root):
+  return [runs_lib.load_run(w) for w in runs_lib.find_runs([str(root)])]
 
 
 def _workdir(root, position, seed, scale):
@@ -38,7 +44,7 @@ def test_table_is_mean_min_max_of_the_seeds_ratios_and_target_losses(tmp_path):
   for seed, scale in enumerate((1.0, 2.0, 3.0)):
     _workdir(tmp_path, 'rope', seed, scale)
   _workdir(tmp_path, 'alibi', 0, 1.0)
-  groups = compare.group_runs([compare.load_run(w) for w in compare.find_runs([str(tmp_path)])])
+  groups = summary_lib.group_runs(_load(tmp_path))
   table = extrapolation_compare.markdown_table(groups).splitlines()
   assert table[0] == ('| cell | seeds | loss at L | r2 | r4 | r8 | target loss 4L | '
                       'target loss 8L |')
@@ -54,7 +60,7 @@ def test_per_position_picture_has_a_seed_band_per_cell_and_panel(tmp_path):
   for seed, scale in enumerate((1.0, 2.0, 3.0)):
     _workdir(tmp_path, 'rope', seed, scale)
   _workdir(tmp_path, 'alibi', 0, 1.0)
-  groups = compare.group_runs([compare.load_run(w) for w in compare.find_runs([str(tmp_path)])])
+  groups = summary_lib.group_runs(_load(tmp_path))
   fig, axes = extrapolation_compare.figure(groups)
   assert len(axes[0]) == 4  # windows of L, 2L, 4L, 8L
   for ax in axes[0]:
@@ -80,7 +86,7 @@ def test_fine_tunes_of_each_seed_s_own_source_form_one_group(tmp_path):
     config['train']['init_from'] = f'/sweep/data.max_length=64,seed={seed}'
     with open(os.path.join(path, 'config.json'), 'w') as f:
       json.dump(config, f)
-  groups = compare.group_runs([compare.load_run(w) for w in compare.find_runs([str(tmp_path)])])
+  groups = summary_lib.group_runs(_load(tmp_path))
   assert len(groups) == 1 and len(groups[0][1]) == 2
 
 
@@ -119,7 +125,7 @@ def test_variants_get_rows_and_fine_tunes_are_compared_with_their_own_seed_s_bas
       json.dump({'extrapolation': [
           {'multiple': m, 'length': int(32 * m), 'mode': 'non_overlapping', 'loss': loss}
           for m, loss in ((0.25, 0.5 * scale), (1.0, 1.5 * scale))]}, f)
-  groups = compare.group_runs([compare.load_run(w) for w in compare.find_runs([str(tmp_path)])])
+  groups = summary_lib.group_runs(_load(tmp_path))
   table = extrapolation_compare.markdown_table(groups).splitlines()
   rows = {l.split(' | ')[0][2:]: l.split(' | ') for l in table if l.startswith('| max_length')}
   base, variant = rows['max_length=8,init_from='], rows['max_length=8,init_from= '

@@ -1,6 +1,7 @@
-"""The pictures: short legend labels, colour and line-style assignment and bands
-(tools/plot_style.py), the comparison's legend placement (tools/compare.py), the extrapolation and
-attention pictures (tools/plots.py). No processes, no training: synthetic runs and arrays."""
+"""The pictures: short legend labels (tools/legend.py), colour and line-style assignment
+(tools/group_styles.py) and bands (tools/curves.py), the comparison's legend placement
+(tools/compare_figure.py), the extrapolation and attention pictures (tools/plots.py). No processes,
+no training: synthetic runs and arrays."""
 
 import json
 import os
@@ -11,8 +12,14 @@ import numpy as np
 import pytest
 
 from tools import compare
+from tools import compare_figure
+from tools import curves as curves_lib
+from tools import group_styles
+from tools import legend
 from tools import plot_style
 from tools import plots
+from tools import runs as runs_lib
+from tools import summary as summary_lib
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -34,21 +41,21 @@ def study_configs():
 # --- labels ---------------------------------------------------------------------------------------
 
 def test_values_read_short():
-  assert [plot_style._num(v) for v in (0.001, 0.0025, 5e-4, 0.05, 0.5, 6, 1e-5)] == [
+  assert [legend._num(v) for v in (0.001, 0.0025, 5e-4, 0.05, 0.5, 6, 1e-5)] == [
       '1e-3', '2.5e-3', '5e-4', '0.05', '0.5', '6', '1e-5']
-  assert [plot_style._count(v) for v in (500, 1000, 1500, 20000, 1234, 2_000_000)] == [
+  assert [legend._count(v) for v in (500, 1000, 1500, 20000, 1234, 2_000_000)] == [
       '500', '1k', '1.5k', '20k', '1234', '2M']
-  assert plot_style.abbreviate('model.num_layers', 12) == '12L'
-  assert plot_style.abbreviate('train.learning_rate', 0.001) == 'lr 1e-3'
-  assert plot_style.abbreviate('train.warmup_steps', 0) == 'no warmup'
-  assert plot_style.abbreviate('train.warmup_steps', 100) == 'warmup 100'
-  assert plot_style.abbreviate('train.steps', 1000) == '1k steps'
-  assert plot_style.abbreviate('model.norm_position', 'post') == 'post'
+  assert legend.abbreviate('model.num_layers', 12) == '12L'
+  assert legend.abbreviate('train.learning_rate', 0.001) == 'lr 1e-3'
+  assert legend.abbreviate('train.warmup_steps', 0) == 'no warmup'
+  assert legend.abbreviate('train.warmup_steps', 100) == 'warmup 100'
+  assert legend.abbreviate('train.steps', 1000) == '1k steps'
+  assert legend.abbreviate('model.norm_position', 'post') == 'post'
   # Fields without an abbreviation keep their last name; booleans read as a word or its negation.
-  assert plot_style.abbreviate('model.rope_scaling_factor', 4.0) == 'rope_scaling_factor=4'
-  assert plot_style.abbreviate('model.rope_scaling', 'none') == 'rope_scaling=none'
-  assert plot_style.abbreviate('model.scan_layers', True) == 'scan_layers'
-  assert plot_style.abbreviate('model.scan_layers', False) == 'no scan_layers'
+  assert legend.abbreviate('model.rope_scaling_factor', 4.0) == 'rope_scaling_factor=4'
+  assert legend.abbreviate('model.rope_scaling', 'none') == 'rope_scaling=none'
+  assert legend.abbreviate('model.scan_layers', True) == 'scan_layers'
+  assert legend.abbreviate('model.scan_layers', False) == 'no scan_layers'
 
 
 def test_labels_name_only_the_fields_that_differ():
@@ -59,10 +66,10 @@ def test_labels_name_only_the_fields_that_differ():
              for seed, (norm, layers, lr, warmup) in enumerate([('post', 12, 1e-3, 0),
                                                                 ('pre', 12, 1e-3, 0),
                                                                 ('post', 6, 2e-3, 100)])]
-  fields = compare.differing_fields([{'config': c} for c in configs])
+  fields = runs_lib.differing_fields([{'config': c} for c in configs])
   assert fields == ['model.norm_position', 'model.num_layers', 'train.learning_rate',
                     'train.warmup_steps']
-  labels, note = plot_style.legend_labels(configs, fields, [['plateau'], [], ['diverged 1/3']])
+  labels, note = legend.legend_labels(configs, fields, [['plateau'], [], ['diverged 1/3']])
   assert labels == ['post · 12L · lr 1e-3 · no warmup · plateau', 'pre · 12L · lr 1e-3 · no warmup',
                     'post · 6L · lr 2e-3 · warmup 100 · diverged 1/3']
   assert note == ''
@@ -76,26 +83,26 @@ def test_long_labels_leave_out_each_fields_most_common_value():
   flags = [['plateau 2/3'] if c['model.norm_position'] == 'post' and c['train.steps'] == 500 and
            c['train.learning_rate'] == 2e-3 else ['plateau'] if c['model.num_layers'] == 12 and
            c['model.norm_position'] == 'post' else [] for c in configs]
-  full, _ = plot_style.legend_labels(configs, STUDY_FIELDS, max_len=1000)
-  assert max(map(len, full)) == 44 > plot_style.MAX_LABEL
-  labels, note = plot_style.legend_labels(configs, STUDY_FIELDS, flags,
-                                       keep=('model.norm_position', 'model.num_layers'))
+  full, _ = legend.legend_labels(configs, STUDY_FIELDS, max_len=1000)
+  assert max(map(len, full)) == 44 > legend.MAX_LABEL
+  labels, note = legend.legend_labels(configs, STUDY_FIELDS, flags,
+                                      keep=('model.norm_position', 'model.num_layers'))
   assert note == 'unless noted: lr 2e-3 · 500 steps · no warmup'
   assert labels == ['post · 6L · plateau 2/3', 'pre · 6L',
                     'post · 6L · 1k steps · warmup 100', 'pre · 6L · 1k steps · warmup 100',
                     'pre · 6L · 1k steps',
                     'post · 12L · lr 1e-3 · plateau', 'pre · 12L · lr 1e-3',
                     'post · 6L · lr 1e-3', 'pre · 6L · lr 1e-3']
-  assert max(map(len, labels)) <= plot_style.MAX_LABEL and len(set(labels)) == len(labels)
+  assert max(map(len, labels)) <= legend.MAX_LABEL and len(set(labels)) == len(labels)
   # A kept field stays even at its common value; a value held by one group only is never dropped.
-  labels, note = plot_style.legend_labels(configs[:2] + configs[5:6], STUDY_FIELDS, max_len=10,
-                                       keep=('model.norm_position',))
+  labels, note = legend.legend_labels(configs[:2] + configs[5:6], STUDY_FIELDS, max_len=10,
+                                      keep=('model.norm_position',))
   assert note == 'unless noted: 6L · lr 2e-3 · 500 steps · no warmup'
   assert labels == ['post', 'pre', 'post · 12L · lr 1e-3']
   # Nothing kept: the group at every common value is named by them, not left blank.
   flags = [['plateau'], [], []]
-  labels, note = plot_style.legend_labels(configs[:2] + configs[5:6], STUDY_FIELDS, flags,
-                                          max_len=10)
+  labels, note = legend.legend_labels(configs[:2] + configs[5:6], STUDY_FIELDS, flags,
+                                      max_len=10)
   assert note == 'unless noted: post · 6L · lr 2e-3 · 500 steps · no warmup'
   assert labels == ['post · 6L · lr 2e-3 · 500 steps · no warmup · plateau', 'pre',
                     '12L · lr 1e-3']
@@ -107,33 +114,33 @@ def test_default_colour_goes_to_the_fewest_values_then_the_most_contrasts():
   configs = study_configs()
   # Every study field has two values; norm_position is the one whose values pair up the cells
   # (4 pairs differ in it alone, vs 2 for num_layers and learning_rate, 1 for steps and warmup).
-  assert plot_style.rank_fields(configs, STUDY_FIELDS)[0] == 'model.norm_position'
-  color, style = plot_style.choose_style_fields(configs, STUDY_FIELDS)
+  assert group_styles.rank_fields(configs, STUDY_FIELDS)[0] == 'model.norm_position'
+  color, style = group_styles.choose_style_fields(configs, STUDY_FIELDS)
   assert color == 'model.norm_position' and style in STUDY_FIELDS and style != color
   # Fewer values win over contrasts: 3 attention variants x 2 norms -> colour by norm.
   grid = [{'model.attention': a, 'model.norm': n} for a in ('dense', 'linformer', 'performer')
           for n in ('layernorm', 'rmsnorm')]
   fields = ['model.attention', 'model.norm']
-  assert plot_style.choose_style_fields(grid, fields) == ('model.norm', 'model.attention')
+  assert group_styles.choose_style_fields(grid, fields) == ('model.norm', 'model.attention')
   # Colour alone tells the groups apart: no line style.
   ffns = [{'model.ffn': f} for f in ('relu', 'gelu', 'swiglu')]
-  assert plot_style.choose_style_fields(ffns, ['model.ffn']) == ('model.ffn', None)
+  assert group_styles.choose_style_fields(ffns, ['model.ffn']) == ('model.ffn', None)
   # Named fields: dotted or last part; none; an unknown or constant field is refused with the list.
-  assert plot_style.choose_style_fields(configs, STUDY_FIELDS, 'num_layers', 'none') == (
+  assert group_styles.choose_style_fields(configs, STUDY_FIELDS, 'num_layers', 'none') == (
       'model.num_layers', None)
-  assert plot_style.choose_style_fields(configs, STUDY_FIELDS, 'none', 'model.norm_position') == (
+  assert group_styles.choose_style_fields(configs, STUDY_FIELDS, 'none', 'model.norm_position') == (
       None, 'model.norm_position')
   with pytest.raises(ValueError, match='fields that differ: model.norm_position, model.num_layers'):
-    plot_style.choose_style_fields(configs, STUDY_FIELDS, 'model.d_model')
+    group_styles.choose_style_fields(configs, STUDY_FIELDS, 'model.d_model')
   many = [{'train.learning_rate': lr} for lr in (1e-4, 2e-4, 5e-4, 1e-3, 2e-3)]
   with pytest.raises(ValueError, match='5 values'):
-    plot_style.choose_style_fields(many, ['train.learning_rate'], 'none', 'learning_rate')
+    group_styles.choose_style_fields(many, ['train.learning_rate'], 'none', 'learning_rate')
 
 
 def test_hue_by_colour_field_style_by_style_field_shade_by_the_rest():
   configs = study_configs()
-  styles = plot_style.assign_styles(configs, STUDY_FIELDS, 'model.norm_position',
-                                    'model.num_layers')
+  styles = group_styles.assign_styles(configs, STUDY_FIELDS, 'model.norm_position',
+                                      'model.num_layers')
   for c, s in zip(configs, styles):
     assert s['hue'] == {'post': 0, 'pre': 1}[c['model.norm_position']]
     assert s['linestyle'] == {6: '-', 12: '--'}[c['model.num_layers']]
@@ -146,11 +153,11 @@ def test_hue_by_colour_field_style_by_style_field_shade_by_the_rest():
       assert (sa['shade'] == sb['shade']) == (rest(a) == rest(b))
   darkest = [s for s in styles if s['shade'] == 0 and s['hue'] == 0][0]
   lightest = [s for s in styles if s['shade'] == 3 and s['hue'] == 0][0]
-  assert sum(darkest['color']) < sum(matplotlib.colors.to_rgb(plot_style.PALETTE[0])) < sum(
+  assert sum(darkest['color']) < sum(matplotlib.colors.to_rgb(group_styles.PALETTE[0])) < sum(
       lightest['color'])
   # Without a colour field each group has its own base hue, all solid.
-  plain = plot_style.assign_styles(configs[:3], STUDY_FIELDS)
-  palette = [matplotlib.colors.to_rgb(c) for c in plot_style.PALETTE[:3]]
+  plain = group_styles.assign_styles(configs[:3], STUDY_FIELDS)
+  palette = [matplotlib.colors.to_rgb(c) for c in group_styles.PALETTE[:3]]
   assert [s['color'] for s in plain] == palette
   assert {s['linestyle'] for s in plain} == {'-'}
 
@@ -158,14 +165,14 @@ def test_hue_by_colour_field_style_by_style_field_shade_by_the_rest():
 def test_band_kinds():
   a = (np.array([10, 20]), np.array([1.0, 2.0]))
   b = (np.array([10, 20]), np.array([3.0, 6.0]))
-  _, mean, lo, hi = plot_style.band([a, b], 'std')
+  _, mean, lo, hi = curves_lib.band([a, b], 'std')
   np.testing.assert_allclose(mean, [2.0, 4.0])
   np.testing.assert_allclose(lo, [1.0, 2.0])
   np.testing.assert_allclose(hi, [3.0, 6.0])
-  _, mean, lo, hi = plot_style.band([a, b], 'none')
+  _, mean, lo, hi = curves_lib.band([a, b], 'none')
   np.testing.assert_allclose(lo, mean) and np.testing.assert_allclose(hi, mean)
   with pytest.raises(ValueError, match='minmax, std, none'):
-    plot_style.band([a], 'iqr')
+    curves_lib.band([a], 'iqr')
 
 
 # --- the comparison figure ------------------------------------------------------------------------
@@ -211,11 +218,11 @@ def overlaps(a, b):
 @pytest.mark.parametrize('with_init', [True, False])
 def test_one_legend_outside_every_panel(tmp_path, with_init):
   write_study(str(tmp_path), with_init)
-  runs = [compare.load_run(w) for w in compare.find_runs([str(tmp_path)])]
-  groups = compare.group_runs(runs)
-  summary = compare.summarize(groups)
-  fig, labels = compare.figure(groups, summary, logy=True, color_by='model.norm_position',
-                               style_by='model.num_layers')
+  runs = [runs_lib.load_run(w) for w in runs_lib.find_runs([str(tmp_path)])]
+  groups = summary_lib.group_runs(runs)
+  summary = summary_lib.summarize(groups)
+  fig, labels = compare_figure.figure(groups, summary, logy=True,
+                                      color_by='model.norm_position', style_by='model.num_layers')
   fig.canvas.draw()
   renderer = fig.canvas.get_renderer()
   panels = [ax for ax in fig.axes if ax.axison]
@@ -228,7 +235,7 @@ def test_one_legend_outside_every_panel(tmp_path, with_init):
     assert not overlaps(box, ax.get_tightbbox(renderer)), ax.get_title()  # nor their tick labels
   assert 0 <= box.x0 and box.x1 <= fig.bbox.x1 and 0 <= box.y0 and box.y1 <= fig.bbox.y1
   texts = [t.get_text() for t in legends[0].get_texts()]
-  assert sorted(texts) == sorted(labels) and max(map(len, texts)) <= plot_style.MAX_LABEL
+  assert sorted(texts) == sorted(labels) and max(map(len, texts)) <= legend.MAX_LABEL
   assert 'post · 12L · lr 1e-3 · plateau' in texts
   assert legends[0].get_title().get_text() == (
       'mean of 2 seeds, band: min to max\nunless noted: lr 2e-3 · 500 steps · no warmup')

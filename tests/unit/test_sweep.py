@@ -1,5 +1,6 @@
-"""Sweeps (tools/sweep.py) and comparisons (tools/compare.py): expansion, names, skip/resume,
---dry_run, and the comparison's band, divergence, plateau and steps-to-target on synthetic runs."""
+"""Sweep files (tools/sweep_spec.py) and comparisons (tools/compare.py): expansion, names, and the
+comparison's band (tools/curves.py), divergence, plateau and steps-to-target (tools/summary.py) on
+synthetic runs."""
 
 from tests.helpers import ROOT, write_run
 import glob
@@ -10,47 +11,49 @@ import numpy as np
 import pytest
 
 from tools import compare
-from tools import sweep
+from tools import curves as curves_lib
+from tools import summary as summary_lib
+from tools import sweep_spec
 from training import validation
 
 ABLATIONS = sorted(glob.glob(os.path.join(ROOT, 'configs', 'ablations', '[!_]*.py')))
 
 
 def test_grid_times_seeds_gives_sorted_stable_names():
-  cells = sweep.expand({'grid': {'train.warmup_steps': [0, 100], 'model.norm_position': ['pre',
-                                                                                        'post']},
-                        'seeds': [0, 1]})
+  cells = sweep_spec.expand({'grid': {'train.warmup_steps': [0, 100],
+                                      'model.norm_position': ['pre', 'post']},
+                             'seeds': [0, 1]})
   assert len(cells) == 8
   assert cells[0]['name'] == 'model.norm_position=pre,train.warmup_steps=0,seed=0'
   assert cells[1]['name'] == 'model.norm_position=pre,train.warmup_steps=0,seed=1'
   assert cells[-1]['name'] == 'model.norm_position=post,train.warmup_steps=100,seed=1'
   assert cells[0]['overrides'] == {'train.warmup_steps': 0, 'model.norm_position': 'pre'}
   # The same grid written in another order names its cells the same way.
-  again = sweep.expand({'grid': {'model.norm_position': ['pre', 'post'],
-                                 'train.warmup_steps': [0, 100]}, 'seeds': [0, 1]})
+  again = sweep_spec.expand({'grid': {'model.norm_position': ['pre', 'post'],
+                                      'train.warmup_steps': [0, 100]}, 'seeds': [0, 1]})
   assert sorted(c['name'] for c in again) == sorted(c['name'] for c in cells)
   # --seeds overrides the file's seeds.
-  assert [c['seed'] for c in sweep.expand({'seeds': [0, 1]}, seeds=['3'])] == [3]
-  assert sweep.expand({})[0]['name'] == 'seed=0'
+  assert [c['seed'] for c in sweep_spec.expand({'seeds': [0, 1]}, seeds=['3'])] == [3]
+  assert sweep_spec.expand({})[0]['name'] == 'seed=0'
 
 
 def test_explicit_cells_crossed_with_grid_and_value_formatting():
-  cells = sweep.expand({'cells': [{'train.learning_rate': 1e-3}, {'train.learning_rate': 2e-3,
-                                                                  'model.use_bias': True}],
-                        'grid': {'model.norm_position': ['pre', 'post']}})
+  cells = sweep_spec.expand({'cells': [{'train.learning_rate': 1e-3},
+                                       {'train.learning_rate': 2e-3, 'model.use_bias': True}],
+                             'grid': {'model.norm_position': ['pre', 'post']}})
   assert [c['name'] for c in cells] == [
       'model.norm_position=pre,train.learning_rate=0.001,seed=0',
       'model.norm_position=post,train.learning_rate=0.001,seed=0',
       'model.norm_position=pre,model.use_bias=true,train.learning_rate=0.002,seed=0',
       'model.norm_position=post,model.use_bias=true,train.learning_rate=0.002,seed=0']
-  assert sweep.format_value(1e-5) == '1e-05' and sweep.format_value(False) == 'false'
+  assert sweep_spec.format_value(1e-5) == '1e-05' and sweep_spec.format_value(False) == 'false'
 
 
 def test_names_are_filesystem_safe_and_bounded():
-  name = sweep.cell_name({'data.data_dir': '/a b/c', 'x': 'y' * 300}, 0)
-  assert '/' not in name and ' ' not in name and len(name) <= sweep.MAX_NAME
-  assert name == sweep.cell_name({'x': 'y' * 300, 'data.data_dir': '/a b/c'}, 0)
-  assert name != sweep.cell_name({'data.data_dir': '/a b/c', 'x': 'y' * 301}, 0)
+  name = sweep_spec.cell_name({'data.data_dir': '/a b/c', 'x': 'y' * 300}, 0)
+  assert '/' not in name and ' ' not in name and len(name) <= sweep_spec.MAX_NAME
+  assert name == sweep_spec.cell_name({'x': 'y' * 300, 'data.data_dir': '/a b/c'}, 0)
+  assert name != sweep_spec.cell_name({'data.data_dir': '/a b/c', 'x': 'y' * 301}, 0)
 
 
 @pytest.mark.parametrize('bad, message', [
@@ -61,18 +64,18 @@ def test_names_are_filesystem_safe_and_bounded():
     ({'grid': {'model.norm': []}}, 'non-empty'),
 ])
 def test_bad_sweeps_are_rejected(bad, message):
-  with pytest.raises(sweep.SweepError, match=message):
-    sweep.expand(bad)
+  with pytest.raises(sweep_spec.SweepError, match=message):
+    sweep_spec.expand(bad)
 
 
 @pytest.mark.parametrize('path', ABLATIONS, ids=os.path.basename)
 def test_every_ablation_file_expands_into_valid_configs(path):
-  module = sweep.load_sweep_module(path)
+  module = sweep_spec.load_sweep_module(path)
   for arg in (None, 'quick'):
-    cells = sweep.expand(sweep.get_sweep(module, arg))
+    cells = sweep_spec.expand(sweep_spec.get_sweep(module, arg))
     assert cells
     for cell in cells:
-      config = sweep.cell_config(module, arg, cell)
+      config = sweep_spec.cell_config(module, arg, cell)
       assert config.train.seed == cell['seed']
       for field, value in cell['overrides'].items():
         section, name = field.split('.')
@@ -80,9 +83,9 @@ def test_every_ablation_file_expands_into_valid_configs(path):
 
 
 def test_postln_vs_preln_has_the_cells_of_the_study():
-  module = sweep.load_sweep_module(os.path.join(ROOT, 'configs', 'ablations',
-                                                'postln_vs_preln.py'))
-  cells = sweep.expand(sweep.get_sweep(module))
+  module = sweep_spec.load_sweep_module(os.path.join(ROOT, 'configs', 'ablations',
+                                                     'postln_vs_preln.py'))
+  cells = sweep_spec.expand(sweep_spec.get_sweep(module))
   keys = {(c['overrides']['model.num_layers'], c['overrides']['train.learning_rate'],
            c['overrides']['train.steps'], c['overrides']['train.warmup_steps'],
            c['overrides']['model.norm_position']) for c in cells}
@@ -91,7 +94,7 @@ def test_postln_vs_preln_has_the_cells_of_the_study():
                   (6, 2e-3, 1000, 0, 'pre'), (12, 1e-3, 500, 0, 'post'),
                   (12, 1e-3, 500, 0, 'pre'), (6, 1e-3, 500, 0, 'post'), (6, 1e-3, 500, 0, 'pre')}
   assert len(cells) == 27  # three seeds
-  c = sweep.cell_config(module, None, cells[0])
+  c = sweep_spec.cell_config(module, None, cells[0])
   assert (c.data.packing, c.train.loss_on, c.model.arch) == ('stream', 'all', 'decoder_only')
   assert (c.model.d_model, c.model.num_heads, c.train.b2, c.train.batch_size) == (64, 4, 0.999, 32)
   assert (c.data.max_length, c.train.schedule, c.train.grad_clip_norm) == (64, 'constant', 0.0)
@@ -100,21 +103,21 @@ def test_postln_vs_preln_has_the_cells_of_the_study():
 def test_attention_sweep_names_every_registered_variant():
   """configs/ imports no layers: the sweep lists the variants as strings, this keeps it complete."""
   from layers import attention_variants  # pylint: disable=g-import-not-at-top
-  module = sweep.load_sweep_module(os.path.join(ROOT, 'configs', 'ablations',
-                                                'attention_variants.py'))
-  cells = sweep.expand(sweep.get_sweep(module))
+  module = sweep_spec.load_sweep_module(os.path.join(ROOT, 'configs', 'ablations',
+                                                     'attention_variants.py'))
+  cells = sweep_spec.expand(sweep_spec.get_sweep(module))
   assert sorted({c['overrides']['model.attention'] for c in cells}) == sorted(
       attention_variants.VARIANTS)
   assert len(cells) == 3 * len(attention_variants.VARIANTS)  # three seeds
   for c in cells:  # every cell is a valid config (Linformer's decoder is dense)
-    validation.validate(validation.resolve(sweep.cell_config(module, None, c)))
+    validation.validate(validation.resolve(sweep_spec.cell_config(module, None, c)))
 
 
 def test_band_is_mean_min_max_across_seeds():
   a = (np.array([10, 20, 30]), np.array([3.0, 2.0, 1.0]))
   b = (np.array([10, 20, 30]), np.array([5.0, 4.0, np.nan]))
   c = (np.array([10, 20]), np.array([4.0, 3.0]))
-  steps, mean, lo, hi = compare.band([a, b, c])
+  steps, mean, lo, hi = curves_lib.band([a, b, c])
   np.testing.assert_array_equal(steps, [10, 20, 30])
   np.testing.assert_allclose(mean, [4.0, 3.0, 1.0])
   np.testing.assert_allclose(lo, [3.0, 2.0, 1.0])
@@ -124,38 +127,39 @@ def test_band_is_mean_min_max_across_seeds():
 def test_divergence_rule():
   steps = np.arange(10, 101, 10)
   smooth = np.linspace(5, 2, 10)
-  assert compare.divergence(steps, smooth, 100) is None
+  assert summary_lib.divergence(steps, smooth, 100) is None
   spike = smooth.copy()
   spike[6] = 2.1 * smooth[:6].min()
-  assert compare.divergence(steps, spike, 100) == 70
+  assert summary_lib.divergence(steps, spike, 100) == 70
   nan = smooth.copy()
   nan[4] = float('nan')
-  assert compare.divergence(steps, nan, 100) == 50
+  assert summary_lib.divergence(steps, nan, 100) == 50
   early = np.array([1.0, 3.0, 1.0, 0.9])  # a spike within the first 10% of the steps is allowed
-  assert compare.divergence(np.array([1, 5, 50, 100]), early, 100) is None
+  assert summary_lib.divergence(np.array([1, 5, 50, 100]), early, 100) is None
 
 
 def test_plateau_rule():
   steps = np.arange(10, 101, 10)
   stuck = np.array([6.0, 5.0, 3.5, 3.46, 3.45, 3.45, 3.44, 3.43, 3.42, 3.41])  # 25%: step 30
-  assert compare.plateaued(steps, stuck, 100, level=3.3)  # 3.41 >= 0.95 * 3.5 and > 0.9 * 3.3
-  assert not compare.plateaued(steps, stuck, 100, level=4.0)  # converged below the unigram level
+  assert summary_lib.plateaued(steps, stuck, 100, level=3.3)  # 3.41 >= 0.95 * 3.5 and > 0.9 * 3.3
+  # Converged below the unigram level:
+  assert not summary_lib.plateaued(steps, stuck, 100, level=4.0)
   falling = np.linspace(6, 1, 10)
-  assert not compare.plateaued(steps, falling, 100, level=3.3)
+  assert not summary_lib.plateaued(steps, falling, 100, level=3.3)
   # Without the entropy the level is half the first loss (3.0 here): 3.41 > 0.9 * 3.33.
-  assert compare.plateaued(steps, stuck, 100, level=None)
+  assert summary_lib.plateaued(steps, stuck, 100, level=None)
 
 
 def test_steps_to_target_and_smoothing():
   steps, losses = np.array([10, 20, 30, 40]), np.array([4.0, 3.1, 2.9, 3.0])
-  assert compare.steps_to_target(steps, losses, 3.0) == 30
-  assert compare.steps_to_target(steps, losses, 1.0) is None
-  np.testing.assert_allclose(compare.smooth(np.full(5, 2.0), 'ema:0.9'), 2.0)  # debiased
-  np.testing.assert_allclose(compare.smooth(np.array([1.0, 3.0, 5.0, 7.0]), 'ma:2'),
+  assert summary_lib.steps_to_target(steps, losses, 3.0) == 30
+  assert summary_lib.steps_to_target(steps, losses, 1.0) is None
+  np.testing.assert_allclose(curves_lib.smooth(np.full(5, 2.0), 'ema:0.9'), 2.0)  # debiased
+  np.testing.assert_allclose(curves_lib.smooth(np.array([1.0, 3.0, 5.0, 7.0]), 'ma:2'),
                              [1.0, 2.0, 4.0, 6.0])
-  np.testing.assert_allclose(compare.smooth(np.array([0.0, 1.0]), '0.5'), [0.0, 2.0 / 3.0])
+  np.testing.assert_allclose(curves_lib.smooth(np.array([0.0, 1.0]), '0.5'), [0.0, 2.0 / 3.0])
   with pytest.raises(ValueError, match='valid forms'):
-    compare.smooth(np.ones(2), 'gauss:3')
+    curves_lib.smooth(np.ones(2), 'gauss:3')
 
 
 def test_compare_groups_seeds_flags_and_tabulates(tmp_path):
