@@ -99,7 +99,8 @@ def parse_seeds(texts):
 
 
 def expand(sweep, seeds=None):
-  """Sweep dict -> list of cells {'name', 'overrides', 'seed'} (cells x grid x seeds, in order).
+  """Sweep dict -> list of cells {'name', 'overrides', 'seed', 'after'} (cells x grid x seeds, in
+  order); 'after' names the cell whose parameters train.init_from starts from, or is None.
 
   Args:
     sweep: the dict `get_sweep()` returns.
@@ -108,27 +109,13 @@ def expand(sweep, seeds=None):
   Raises:
     SweepError: on unknown keys, a `train.seed` override, or two cells with the same name.
   """
-  unknown = set(sweep) - set(SWEEP_KEYS)
-  if unknown:
-    raise SweepError(f'unknown sweep keys {sorted(unknown)}; valid: {", ".join(SWEEP_KEYS)}')
+  _check_shape(sweep)
   grid = sweep.get('grid') or {}
-  for field, values in grid.items():
-    if not isinstance(values, (list, tuple)) or not values:
-      raise SweepError(f'grid[{field!r}] must be a non-empty list of values')
-  product = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
-  base_cells = sweep.get('cells') or [{}]
-  if not isinstance(base_cells, (list, tuple)) or not all(isinstance(c, dict) for c in base_cells):
-    bad = next((c for c in base_cells if not isinstance(c, dict)), base_cells)
-    raise SweepError(f"'cells' must be a list of dicts of overrides ({{'field': value}}); got "
-                     f'{bad!r}')
-  for selector in sweep.get('eval_variants') or {}:
-    parts = [p for p in str(selector).split(',') if p.strip()]
-    if not parts or any('=' not in p for p in parts):
-      raise SweepError(f"eval_variants selector {selector!r} must be 'field=value[,field=value]'")
+  points = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
   seeds = list(sweep.get('seeds') or [0]) if seeds is None else parse_seeds(seeds)
   cells, seen = [], {}
-  for cell in base_cells:
-    for point in product:
+  for cell in sweep.get('cells') or [{}]:
+    for point in points:
       overlap = set(cell) & set(point)
       if overlap:
         raise SweepError(f'fields {sorted(overlap)} are both in a cell and in the grid')
@@ -145,11 +132,33 @@ def expand(sweep, seeds=None):
   return cells
 
 
+def _check_shape(sweep):
+  """Raises SweepError on unknown keys, an empty grid field, cells that are not dicts, or an
+  eval_variants selector that is not `field=value[,field=value]`."""
+  unknown = set(sweep) - set(SWEEP_KEYS)
+  if unknown:
+    raise SweepError(f'unknown sweep keys {sorted(unknown)}; valid: {", ".join(SWEEP_KEYS)}')
+  for field, values in (sweep.get('grid') or {}).items():
+    if not isinstance(values, (list, tuple)) or not values:
+      raise SweepError(f'grid[{field!r}] must be a non-empty list of values')
+  cells = sweep.get('cells') or [{}]
+  if not isinstance(cells, (list, tuple)) or not all(isinstance(c, dict) for c in cells):
+    bad = next((c for c in cells if not isinstance(c, dict)), cells)
+    raise SweepError(f"'cells' must be a list of dicts of overrides ({{'field': value}}); got "
+                     f'{bad!r}')
+  for selector in sweep.get('eval_variants') or {}:
+    parts = [p for p in str(selector).split(',') if p.strip()]
+    if not parts or any('=' not in p for p in parts):
+      raise SweepError(f"eval_variants selector {selector!r} must be 'field=value[,field=value]'")
+
+
 def _resolve_sources(overrides, seed, seen):
-  """(overrides with train.init_from={'cell': {...}} replaced by that earlier cell's name, the name)."""
+  """(overrides with train.init_from={'cell': {...}} replaced by that earlier cell's name without
+  its seed, the earlier cell's full name or None)."""
   out, after = dict(overrides), None
   for field, value in overrides.items():
     if isinstance(value, dict):
+      # Only train.init_from takes a dict, and only {'cell': overrides of an earlier cell}.
       after = cell_name(value.get('cell', {}), seed) if field == 'train.init_from' else None
       if after not in seen or set(value) != {'cell'}:
         raise SweepError(f"{field}={value!r}: valid dict values: train.init_from={{'cell': "
@@ -188,16 +197,21 @@ def cell_config(module, arg, cell):
 
 def train_command(spec, sweep_dir, cell, python='python', train_py='train.py'):
   """The train.py argv of a cell."""
-  return ([python, train_py, f'--config={spec}', f'--workdir={paths.join(sweep_dir, cell["name"])}']
-          + [f'--config.{k}={os.path.join(sweep_dir, cell["after"])}' if k == 'train.init_from'
-             and cell.get('after') else f'--config.{k}={format_value(v)}'
-             for k, v in cell['overrides'].items()]
-          + [f'--config.train.seed={cell["seed"]}'])
+  workdir = paths.join(sweep_dir, cell['name'])
+  argv = [python, train_py, f'--config={spec}', f'--workdir={workdir}']
+  for field, value in cell['overrides'].items():
+    if field == 'train.init_from' and cell.get('after'):
+      text = os.path.join(sweep_dir, cell['after'])  # the source cell's workdir
+    else:
+      text = format_value(value)
+    argv.append(f'--config.{field}={text}')
+  return argv + [f'--config.train.seed={cell["seed"]}']
 
 
 def _selected(selector, cell):
   """Whether `field=value[,field=value]` matches the cell's overrides (and seed)."""
-  items = {**{k: format_value(v) for k, v in cell['overrides'].items()}, 'seed': str(cell['seed'])}
+  items = {k: format_value(v) for k, v in cell['overrides'].items()}
+  items['seed'] = str(cell['seed'])
   for part in filter(None, selector.split(',')):
     field, _, value = part.partition('=')
     if items.get(field.strip()) != value.strip():
@@ -208,12 +222,12 @@ def _selected(selector, cell):
 def eval_commands(sweep, sweep_dir, cell, python='python', eval_py='eval.py'):
   """[(suffix, argv)] of a cell's eval.py runs: one per variant, then '' for eval_flags (last:
   the runner renames each variant's eval.json to eval_<suffix>.json; eval.json stays the plain)."""
-  workdir, base, runs = paths.join(sweep_dir, cell['name']), list(sweep.get('eval_flags') or []), []
+  workdir = paths.join(sweep_dir, cell['name'])
+  base = [python, eval_py, f'--workdir={workdir}'] + list(sweep.get('eval_flags') or [])
+  runs = []
   for selector, variants in (sweep.get('eval_variants') or {}).items():
     if _selected(selector, cell):
-      for flag in variants:
-        runs.append((_UNSAFE.sub('_', flag.lstrip('-')),
-                     [python, eval_py, f'--workdir={workdir}'] + base + [flag]))
+      runs += [(_UNSAFE.sub('_', flag.lstrip('-')), base + [flag]) for flag in variants]
   if 'eval_flags' in sweep:
-    runs.append(('', [python, eval_py, f'--workdir={workdir}'] + base))
+    runs.append(('', base))
   return runs

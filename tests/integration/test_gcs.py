@@ -80,7 +80,7 @@ def test_train_stop_resume_from_a_damaged_newest_checkpoint_and_eval_on_gs(gcs, 
 
 def test_a_two_cell_sweep_and_its_comparison_on_gs(gcs, tmp_path):
   from tools import compare  # pylint: disable=g-import-not-at-top
-  from tools import sweep  # pylint: disable=g-import-not-at-top
+  from tools import sweep_runner  # pylint: disable=g-import-not-at-top
   spec = tmp_path / 'gs_sweep.py'
   spec.write_text(f'''
 from configs import decoder_only
@@ -98,7 +98,7 @@ def get_sweep():
 ''')
   sweep_dir = 'gs://bucket/sweep'
   out = io.StringIO()
-  results = sweep.run_sweep(str(spec), sweep_dir, parallel=2, out=out)
+  results = sweep_runner.run_sweep(str(spec), sweep_dir, parallel=2, out=out)
   assert sorted(results.values()) == ['done', 'done'], out.getvalue()
   cells = paths.listdir(sweep_dir)
   assert len(cells) == 2, cells

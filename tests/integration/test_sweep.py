@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from tools import sweep
+from tools import sweep_runner
+from tools import sweep_spec
 
 
 TINY_SWEEP = '''
@@ -37,12 +38,12 @@ def write_sweep(tmp_path, grid):
 def test_a_bad_cell_fails_before_anything_runs(tmp_path):
   spec = write_sweep(tmp_path, "{'grid': {'model.norm_position': ['pre', 'middle']}}")
   launched = []
-  with pytest.raises(sweep.SweepError, match='model.norm_position'):
-    sweep.run_sweep(spec, str(tmp_path / 'sw'), launch=lambda *a: launched.append(a) or 0)
+  with pytest.raises(sweep_spec.SweepError, match='model.norm_position'):
+    sweep_runner.run_sweep(spec, str(tmp_path / 'sw'), launch=lambda *a: launched.append(a) or 0)
   assert not launched
   spec = write_sweep(tmp_path, "{'grid': {'model.no_such_field': [1]}}")
-  with pytest.raises(sweep.SweepError, match='no config field'):
-    sweep.run_sweep(spec, str(tmp_path / 'sw'), dry_run=True)
+  with pytest.raises(sweep_spec.SweepError, match='no config field'):
+    sweep_runner.run_sweep(spec, str(tmp_path / 'sw'), dry_run=True)
 
 
 def test_dry_run_prints_one_train_command_per_cell_and_the_eval_commands(tmp_path):
@@ -51,7 +52,7 @@ def test_dry_run_prints_one_train_command_per_cell_and_the_eval_commands(tmp_pat
   cwd = os.getcwd()
   os.chdir(ROOT)
   try:
-    results = sweep.run_sweep(spec, 'SW', dry_run=True, out=out)
+    results = sweep_runner.run_sweep(spec, 'SW', dry_run=True, out=out)
   finally:
     os.chdir(cwd)
   lines = out.getvalue().splitlines()
@@ -82,7 +83,8 @@ def test_finished_cells_are_skipped_interrupted_ones_resumed(tmp_path, parallel)
   spec = write_sweep(tmp_path, "{'grid': {'model.norm': ['layernorm', 'rmsnorm'], "
                                "'model.norm_position': ['pre', 'post']}}")
   sw = tmp_path / 'sw'
-  names = [c['name'] for c in sweep.expand(sweep.get_sweep(sweep.load_sweep_module(spec)))]
+  cells = sweep_spec.expand(sweep_spec.get_sweep(sweep_spec.load_sweep_module(spec)))
+  names = [c['name'] for c in cells]
   done, partial, diverged, new = names
   _fake_workdir(sw / done, [10, 20], [5.0, 4.0])
   _fake_workdir(sw / partial, [10], [5.0])
@@ -97,7 +99,7 @@ def test_finished_cells_are_skipped_interrupted_ones_resumed(tmp_path, parallel)
     return 0
 
   out = io.StringIO()
-  results = sweep.run_sweep(spec, str(sw), parallel=parallel, launch=launch, out=out)
+  results = sweep_runner.run_sweep(spec, str(sw), parallel=parallel, launch=launch, out=out)
   assert results == {done: 'skipped', partial: 'done', diverged: 'diverged', new: 'done'}
   assert sorted(os.path.basename(a[3].split('=', 1)[1]) for a, _ in launched) == sorted(
       [partial, new])
@@ -113,7 +115,8 @@ def test_finished_cells_are_skipped_interrupted_ones_resumed(tmp_path, parallel)
   assert all(('intra_op_parallelism_threads=1' in t) == (parallel > 1) for t in threads)
   # A second run has nothing left to do.
   launched.clear()
-  results = sweep.run_sweep(spec, str(sw), parallel=parallel, launch=launch, out=io.StringIO())
+  results = sweep_runner.run_sweep(spec, str(sw), parallel=parallel, launch=launch,
+                                   out=io.StringIO())
   assert not launched and set(results.values()) == {'skipped', 'diverged'}
 
 

@@ -15,7 +15,8 @@ from configs import decoder_only
 from configs import default
 from tests.helpers import ROOT
 from tools import processes
-from tools import sweep
+from tools import sweep_runner
+from tools import sweep_spec
 from training import cli_checks
 from training import memory
 from training import validation
@@ -223,20 +224,21 @@ def test_eval_json_must_be_writable(tmp_path):
 # --- Sweeps ----------------------------------------------------------------------------------
 
 def test_sweep_seeds_and_files_that_cannot_load(tmp_path):
-  with pytest.raises(sweep.SweepError, match="--seeds=a,b: 'a' is not an integer"):
-    sweep.expand({}, seeds=['a', 'b'])
-  assert [c['seed'] for c in sweep.expand({}, seeds=['3', '4'])] == [3, 4]
+  with pytest.raises(sweep_spec.SweepError, match="--seeds=a,b: 'a' is not an integer"):
+    sweep_spec.expand({}, seeds=['a', 'b'])
+  assert [c['seed'] for c in sweep_spec.expand({}, seeds=['3', '4'])] == [3, 4]
   path = tmp_path / 'broken.py'
   path.write_text('def get_sweep(:\n  pass\n')
-  with pytest.raises(sweep.SweepError, match=f'sweep file {path} line 1: syntax error'):
-    sweep.load_sweep_module(str(path))
+  with pytest.raises(sweep_spec.SweepError, match=f'sweep file {path} line 1: syntax error'):
+    sweep_spec.load_sweep_module(str(path))
   path.write_text('def get_config(arg=None):\n  raise ValueError("no")\n\n'
                   'def get_sweep():\n  return [1]\n')
-  module = sweep.load_sweep_module(str(path))
-  with pytest.raises(sweep.SweepError, match='returned list'):
-    sweep.get_sweep(module)
-  with pytest.raises(sweep.SweepError, match=r"get_config\(None\) of .* raised ValueError: no"):
-    sweep.cell_config(module, None, {'name': 'seed=0', 'overrides': {}, 'seed': 0})
+  module = sweep_spec.load_sweep_module(str(path))
+  with pytest.raises(sweep_spec.SweepError, match='returned list'):
+    sweep_spec.get_sweep(module)
+  with pytest.raises(sweep_spec.SweepError,
+                     match=r"get_config\(None\) of .* raised ValueError: no"):
+    sweep_spec.cell_config(module, None, {'name': 'seed=0', 'overrides': {}, 'seed': 0})
 
 
 SWEEP = '''
@@ -270,9 +272,9 @@ def test_a_signal_stops_the_running_cells_and_starts_no_other(tmp_path, parallel
     barrier.wait(timeout=30)
     return 128 + signal.SIGTERM
 
-  with pytest.raises(sweep.Stopped) as e:
-    sweep.run_sweep(str(spec), str(tmp_path / 'sw'), parallel=parallel, launch=launch,
-                    children=children, out=open(os.devnull, 'w'))
+  with pytest.raises(sweep_runner.Stopped) as e:
+    sweep_runner.run_sweep(str(spec), str(tmp_path / 'sw'), parallel=parallel, launch=launch,
+                           children=children, out=open(os.devnull, 'w'))
   assert e.value.signum == signal.SIGTERM and len(launched) == parallel
   results = list(e.value.results.values())
   assert sorted(results) == sorted(['stopped (rc 143)'] * parallel

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tools import sweep
+from tools import sweep_runner
+from tools import sweep_spec
 
 SWEEP = '''
 from configs import extrapolation
@@ -32,7 +33,7 @@ def _write(tmp_path, text=SWEEP):
 
 
 def test_a_fine_tune_names_its_source_cell_and_gets_its_workdir(tmp_path):
-  cells = sweep.expand(sweep.get_sweep(sweep.load_sweep_module(_write(tmp_path))))
+  cells = sweep_spec.expand(sweep_spec.get_sweep(sweep_spec.load_sweep_module(_write(tmp_path))))
   names = [c['name'] for c in cells]
   assert names[:2] == ['data.max_length=64,seed=0', 'data.max_length=64,seed=1']
   tunes = cells[2:]
@@ -42,7 +43,7 @@ def test_a_fine_tune_names_its_source_cell_and_gets_its_workdir(tmp_path):
   assert tunes[0]['overrides']['train.init_from'] == 'data.max_length=64'
   assert tunes[0]['name'] == ('data.max_length=128,model.rope_scaling=pi,model.rope_scaling_factor='
                               '2.0,train.init_from=data.max_length=64,seed=0')
-  argv = sweep.train_command('x.py', '/sw', tunes[0])
+  argv = sweep_spec.train_command('x.py', '/sw', tunes[0])
   assert f'--config.train.init_from=/sw/{tunes[0]["after"]}' in argv
   assert '--config.train.seed=0' in argv
 
@@ -57,8 +58,8 @@ def test_a_fine_tune_names_its_source_cell_and_gets_its_workdir(tmp_path):
      'valid dict values: train.init_from'),
 ])
 def test_bad_sources_are_refused(tmp_path, text, match):
-  with pytest.raises(sweep.SweepError, match=match):
-    sweep.expand(sweep.get_sweep(sweep.load_sweep_module(_write(tmp_path, text))))
+  with pytest.raises(sweep_spec.SweepError, match=match):
+    sweep_spec.expand(sweep_spec.get_sweep(sweep_spec.load_sweep_module(_write(tmp_path, text))))
 
 
 @pytest.mark.parametrize('fail_base', [False, True])
@@ -80,8 +81,8 @@ def test_fine_tunes_start_only_after_their_source_also_in_parallel(tmp_path, fai
     os.makedirs(os.path.join(workdir, 'checkpoints', '20'))  # as train.py finishing would
     return 0
 
-  results = sweep.run_sweep(spec, str(tmp_path / 'sw'), parallel=2, launch=launch,
-                            out=io.StringIO())
+  results = sweep_runner.run_sweep(spec, str(tmp_path / 'sw'), parallel=2, launch=launch,
+                                   out=io.StringIO())
   for seed in (0, 1):
     base = f'data.max_length=64,seed={seed}'
     tunes = [n for n in results if n.endswith(f'seed={seed}') and n != base]
@@ -115,7 +116,8 @@ def test_eval_json_is_the_plain_evaluation_and_each_variant_keeps_its_own(tmp_pa
       os.makedirs(os.path.join(workdir, 'checkpoints', '20'))
     return 0
 
-  sweep.run_sweep(spec, str(tmp_path / 'sw'), run_eval=True, launch=launch, out=io.StringIO())
+  sweep_runner.run_sweep(spec, str(tmp_path / 'sw'), run_eval=True, launch=launch,
+                         out=io.StringIO())
   base = tmp_path / 'sw' / 'data.max_length=64,seed=0'
   assert (base / 'eval.json').read_text() == '--lengths=1,2'
   assert (base / 'eval_rope_scaling=pi_2.json').read_text() == '--lengths=1,2 --rope_scaling=pi:2'
