@@ -78,64 +78,97 @@ def report(config, vocab_size):
   formula = accounting.formula_params(m, vocab_size, length)
   if counted != formula:  # an 'other' component (a parameter no rule names) also lands here
     raise RuntimeError(f'counted parameters {counted} disagree with the closed form {formula}')
+  out = _heading(m, vocab_size, length)
+  out += _parameters(m, counted)
+  out += _flops(m, vocab_size, length, config.train.batch_size)
+  out += _kv_cache(m, length)
+  out += _scores(m, length)
+  out += _per_device(config, model, vocab_size, sum(counted.values()))
+  return '\n'.join(out)
+
+
+def _heading(m, vocab_size, length):
+  h = m.d_model // m.num_heads
+  return [f'# Accounting: arch={m.arch}, L={m.num_layers} per stack, D={m.d_model}, '
+          f'N={m.num_heads}, K={m.num_kv_heads}, H={h}, F={m.d_ff}, V={vocab_size}, T={length}, '
+          f'ffn={m.ffn}, norm={m.norm}, position={m.position}, attention={m.attention}, '
+          f'use_bias={m.use_bias}']
+
+
+def _parameters(m, counted):
+  """The parameter table: each component counted, per layer, and its closed form."""
   stacks, cross = accounting.stack_layout(m.arch)
-  layers, d, h = m.num_layers * stacks, m.d_model, m.d_model // m.num_heads
-  total = sum(counted.values())
-  out = [f'# Accounting: arch={m.arch}, L={m.num_layers} per stack, D={d}, N={m.num_heads}, '
-         f'K={m.num_kv_heads}, H={h}, F={m.d_ff}, V={vocab_size}, T={length}, ffn={m.ffn}, '
-         f'norm={m.norm}, position={m.position}, attention={m.attention}, use_bias={m.use_bias}',
-         '', '## Parameters (counted on jax.eval_shape of models.build = closed form)', '']
-  gated = m.ffn in accounting.GATED_FFNS
+  layers = m.num_layers * stacks
   layer = (counted['attention'] + counted['ffn']) / layers  # self-attention + FFN
-  attn_form = ('4·D²' if m.num_kv_heads == m.num_heads else '2·D² + 2·D·K·H')
+  biases = ' + biases' if m.use_bias else ''
+  attn_form = '4·D²' if m.num_kv_heads == m.num_heads else '2·D² + 2·D·K·H'
+  shared = stacks == 1 or m.get('share_embeddings', True)
+  positions = {'learned': 'T_max·D per stack', 't5_bias': 'buckets·N per stack'}
+  linformer = ' + 2·k·T (E, F)' if m.attention == 'linformer' else ''
   rows = [
-      ('embedding', '', '', _n(counted['embedding']), 'V·D' + ('' if stacks == 1 or m.get(
-          'share_embeddings', True) else ' x2 (not shared)')),
-      ('positions', '', '', _n(counted['positions']),
-       {'learned': 'T_max·D per stack', 't5_bias': 'buckets·N per stack'}.get(m.position, '0')),
+      ('embedding', '', '', _n(counted['embedding']),
+       'V·D' + ('' if shared else ' x2 (not shared)')),
+      ('positions', '', '', _n(counted['positions']), positions.get(m.position, '0')),
       ('attention', _n(counted['attention'] / layers), layers, _n(counted['attention']),
-       attn_form + (' + biases' if m.use_bias else '') + (
-           ' + 2·k·T (E, F)' if m.attention == 'linformer' else '')),
+       attn_form + biases + linformer),
   ]
+  per_layer = _n(layer)
   if cross:
-    rows.append(('cross-attention', _n(counted['cross_attention'] / m.num_layers), m.num_layers,
-                 _n(counted['cross_attention']), attn_form + (' + biases' if m.use_bias else '')))
+    cross_layer = counted['cross_attention'] / m.num_layers
+    rows.append(('cross-attention', _n(cross_layer), m.num_layers,
+                 _n(counted['cross_attention']), attn_form + biases))
+    per_layer = f'enc {_n(layer)}, dec {_n(layer + cross_layer)}'
+  gated = m.ffn in accounting.GATED_FFNS
   rows += [
       ('FFN', _n(counted['ffn'] / layers), layers, _n(counted['ffn']),
-       ('3·D·F' if gated else '2·D·F') + (' + biases' if m.use_bias else '')),
+       ('3·D·F' if gated else '2·D·F') + biases),
       ('norms', '', '', _n(counted['norms']),
        ('2·D' if m.norm == 'layernorm' else 'D') + ' per norm'),
       ('output', '', '', '0', 'tied to the embedding'),
-      ('**total**', _n(layer) if not cross else
-       f'enc {_n(layer)}, dec {_n(layer + counted["cross_attention"] / m.num_layers)}', layers,
-       f'**{_n(total)}**', ''),
+      ('**total**', per_layer, layers, f'**{_n(sum(counted.values()))}**', ''),
   ]
-  out += _table(('component', 'per layer', 'layers', 'total', 'closed form'), rows)
-  out += ['', f'A layer (self-attention + FFN) holds {_n(layer)} = {layer / d ** 2:.2f}·D² '
-          f'parameters, {100 * counted["ffn"] / layers / layer:.1f}% of them in the FFN.']
+  ffn_share = 100 * counted['ffn'] / layers / layer
+  return (['', '## Parameters (counted on jax.eval_shape of models.build = closed form)', '']
+          + _table(('component', 'per layer', 'layers', 'total', 'closed form'), rows)
+          + ['', f'A layer (self-attention + FFN) holds {_n(layer)} = '
+             f'{layer / m.d_model ** 2:.2f}·D² parameters, {ffn_share:.1f}% of them in the FFN.'])
 
+
+def _flops(m, vocab_size, length, batch_size):
+  """FLOPs per token, inference and training, with the full and the kept attention scores."""
   fl = accounting.forward_flops(m, vocab_size, length)
   fwd_full = fl['matmul'] + fl['scores']
   fwd_causal = fl['matmul'] + fl['scores_causal']
-  out += ['', f'## FLOPs per token (T={length}; per row / T; training = 3 x forward: the backward '
-          'pass costs two matmuls per forward matmul)', '']
-  rows = [('matmuls (2 x weights touched, incl. D x V output)', _n(fl['matmul'] / length),
-           _n(3 * fl['matmul'] / length)),
-          ('attention scores, full T x S (as the xla kernel computes them)',
-           _n(fl['scores'] / length), _n(3 * fl['scores'] / length)),
-          ('attention scores, only the pairs the mask keeps (causal: about half)',
-           _n(fl['scores_causal'] / length),
-           _n(3 * fl['scores_causal'] / length)),
-          ('**total** (full scores)', _n(fwd_full / length), _n(3 * fwd_full / length)),
-          ('total (kept pairs only)', _n(fwd_causal / length), _n(3 * fwd_causal / length))]
+
+  def row(label, flops):  # per token: forward, and training = 3 x forward
+    return (label, _n(flops / length), _n(3 * flops / length))
+
+  rows = [row('matmuls (2 x weights touched, incl. D x V output)', fl['matmul']),
+          row('attention scores, full T x S (as the xla kernel computes them)', fl['scores']),
+          row('attention scores, only the pairs the mask keeps (causal: about half)',
+              fl['scores_causal']),
+          row('**total** (full scores)', fwd_full),
+          row('total (kept pairs only)', fwd_causal)]
+  out = ['', f'## FLOPs per token (T={length}; per row / T; training = 3 x forward: the backward '
+         'pass costs two matmuls per forward matmul)', '']
   out += _table(('', 'inference (forward)', 'training'), rows)
-  out += ['', f'Per step (batch {config.train.batch_size} x {length} tokens): '
-          f'{3 * fwd_full * config.train.batch_size:,.3g} training FLOPs.']
+  out += ['', f'Per step (batch {batch_size} x {length} tokens): '
+          f'{3 * fwd_full * batch_size:,.3g} training FLOPs.']
   if m.attention != 'dense':
     out.append(f'Scores are counted as exact dense attention; model.attention={m.attention!r} '
                'computes its own pattern, so its score FLOPs differ.')
+  return out
 
-  out += ['', '## KV cache (2 x layers x K x H x length x bytes)', '']
+
+def _kv_cache(m, length):
+  """The KV cache of this config (none for encoder-only) and of the textbook example."""
+  _, cross = accounting.stack_layout(m.arch)
+  h = m.d_model // m.num_heads
+
+  def row(label, elems):
+    return (label, _n(elems), human_bytes(4 * elems), human_bytes(2 * elems))
+
+  out = ['', '## KV cache (2 x layers x K x H x length x bytes)', '']
   rows = []
   if m.arch == 'encoder_only':
     out += ['Encoder-only: no autoregressive decoding, no KV cache.']
@@ -143,55 +176,63 @@ def report(config, vocab_size):
     elems = accounting.kv_cache_elements(m.num_layers, m.num_kv_heads, h, length)
     if cross:
       elems *= 2  # the cross-attention keys/values of the source (length T), cached once
-    rows.append((f'this config, one sequence of {length}' + (' (self + cross)' if cross else ''),
-                 _n(elems), human_bytes(4 * elems), human_bytes(2 * elems)))
+    label = f'this config, one sequence of {length}' + (' (self + cross)' if cross else '')
+    rows.append(row(label, elems))
   for name, kv in (('MHA', 32), ('GQA, 8 KV heads', 8), ('MQA', 1)):
     elems = accounting.kv_cache_elements(32, kv, 64, 2048)
-    rows.append((f'example: 32 layers, 32 heads, H 64, length 2048, {name}', _n(elems),
-                 human_bytes(4 * elems), human_bytes(2 * elems)))
+    rows.append(row(f'example: 32 layers, 32 heads, H 64, length 2048, {name}', elems))
   out += _table(('', 'elements', 'fp32', 'fp16/bf16'), rows)
   out += ['', 'The example is 2 x 32 layers x 32 heads x 64 x 2048 = 268,435,456 elements (the '
           '"268 MB" some texts print is that element count, not bytes); 8 KV heads keep a quarter '
           'of it, one KV head a 32nd.']
+  return out
 
-  out += ['', '## Attention scores (T x S per head; the softmax output doubles it)', '']
 
-  def score_row(label, length, heads=1):  # fp32, fp16, fp16 with the softmax output kept
+def _scores(m, length):
+  """The memory of the attention scores: one head and one layer of this config, and T = 8192."""
+  def row(label, length, heads=1):  # fp32, fp16, fp16 with the softmax output kept
     return (label, human_bytes(heads * accounting.score_bytes(length, 4)),
             human_bytes(heads * accounting.score_bytes(length, 2)),
             human_bytes(heads * accounting.score_bytes(length, 2, with_softmax=True)))
 
-  rows = [score_row(f'this config, T={length}: one head', length),
-          score_row(f'this config: one layer ({m.num_heads} heads)', length, m.num_heads),
-          score_row('example: one head, T=8192', 8192)]
-  out += _table(('', 'fp32', 'fp16', 'fp16 + softmax output'), rows)
+  rows = [row(f'this config, T={length}: one head', length),
+          row(f'this config: one layer ({m.num_heads} heads)', length, m.num_heads),
+          row('example: one head, T=8192', 8192)]
+  return (['', '## Attention scores (T x S per head; the softmax output doubles it)', '']
+          + _table(('', 'fp32', 'fp16', 'fp16 + softmax output'), rows))
 
+
+def _per_device(config, model, vocab_size, total):
+  """The training state and activations per device under config.mesh, and how the sharding
+  rules cut the parameters."""
+  m, length, batch_size = config.model, config.data.max_length, config.train.batch_size
   mesh_config = config.get('mesh', {})
   mesh = accounting.abstract_mesh(mesh_config)
-  shards = accounting.param_shards(model, mesh_config)
   p_dev = accounting.per_device_param_bytes(model, mesh_config)
-  act = accounting.activation_bytes(m, vocab_size, config.train.batch_size, length, mesh_config)
+  act = accounting.activation_bytes(m, vocab_size, batch_size, length, mesh_config)
   sizes = ' x '.join(f'{a}={mesh.shape[a]}' for a in sharding.MESH_AXES)
   plural = 's' if mesh.size > 1 else ''
-  out += ['', f'## Per device under the mesh {sizes} ({mesh.size} device{plural}; float32)', '']
-  rows = [('parameters', human_bytes(p_dev)), ('gradients (sharded like the parameters)', human_bytes(p_dev)),
+  rows = [('parameters', human_bytes(p_dev)),
+          ('gradients (sharded like the parameters)', human_bytes(p_dev)),
           ('AdamW moments mu, nu (2 x parameters)', human_bytes(2 * p_dev)),
           ('**state total**', f'**{human_bytes(4 * p_dev)}**'),
-          (f'activations, batch {config.train.batch_size} (estimate, see '
+          (f'activations, batch {batch_size} (estimate, see '
            'models.accounting.activation_bytes)', human_bytes(act)),
           ('**total**', f'**{human_bytes(4 * p_dev + act)}**')]
+  out = ['', f'## Per device under the mesh {sizes} ({mesh.size} device{plural}; float32)', '']
   out += _table(('', 'bytes per device'), rows)
-  by_factor = {}
-  for path, count, _, factor in shards:
+  out += ['', 'Parameters by the number of pieces the rules cut them into (the rest of the '
+          'mesh holds copies; the data axis always does):']
+  by_factor = {}  # pieces -> [parameter count, components]
+  for path, count, _, factor in accounting.param_shards(model, mesh_config):
     entry = by_factor.setdefault(factor, [0, set()])
     entry[0] += count
     entry[1].add(accounting.component_of(path))
-  out += ['', 'Parameters by the number of pieces the rules cut them into (the rest of the '
-          'mesh holds copies; the data axis always does):']
   for factor in sorted(by_factor, reverse=True):
-    count, comps = by_factor[factor]
-    out.append(f'- /{factor}: {_n(count)} ({100 * count / total:.1f}%): {", ".join(sorted(comps))}')
-  return '\n'.join(out)
+    count, components = by_factor[factor]
+    out.append(f'- /{factor}: {_n(count)} ({100 * count / total:.1f}%): '
+               f'{", ".join(sorted(components))}')
+  return out
 
 
 FLAGS = flags.FLAGS

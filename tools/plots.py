@@ -86,17 +86,22 @@ def attention_batch(config, example, tokenizer):
   Returns:
     (batch, query words, key words for 'self', key words for 'cross').
   """
-  words = lambda ids: [tokenizer.tokens[i] for i in ids]  # noqa: E731
+  def words(ids):
+    return [tokenizer.tokens[i] for i in ids]
+
+  def row(ids):
+    return np.asarray([ids], np.int32)  # [1, T]
+
   src, tgt = example['source_ids'], example['target_ids']
-  arr = lambda ids: np.asarray([ids], np.int32)  # noqa: E731
   if config.model.arch in ('encoder_decoder', 'rnn_seq2seq'):
-    src_in, tgt_in = src + [tokenizer.eos_id], [tokenizer.bos_id] + tgt
-    batch = {'src_inputs': arr(src_in), 'tgt_inputs': arr(tgt_in)}
+    src_in = src + [tokenizer.eos_id]
+    tgt_in = [tokenizer.bos_id] + tgt
+    batch = {'src_inputs': row(src_in), 'tgt_inputs': row(tgt_in)}
     return batch, words(tgt_in), words(tgt_in), words(src_in)
   seq = [tokenizer.bos_id] + src + [tokenizer.sep_id] + tgt + [tokenizer.eos_id]
   if config.model.arch == 'decoder_only':
-    seq = seq[:-1]
-  return {'inputs': arr(seq)}, words(seq), words(seq), None
+    seq = seq[:-1]  # teacher forcing: the inputs stop before the last target
+  return {'inputs': row(seq)}, words(seq), words(seq), None
 
 
 def attention_figure(weights, rows, cols, title, cell=0.24, max_width=12.0):
@@ -123,14 +128,15 @@ def attention_figure(weights, rows, cols, title, cell=0.24, max_width=12.0):
   heads = weights.shape[0]
   label_w = 0.07 * max(map(len, rows), default=1) + 0.3  # the query tokens left of each row
   label_h = 0.07 * max(map(len, cols), default=1) + 0.3  # the key tokens below each panel
-  panel_w, panel_h = cell * len(cols) + 0.2, cell * len(rows) + label_h + 0.3  # + title
+  panel_w = cell * len(cols) + 0.2
+  panel_h = cell * len(rows) + label_h + 0.3  # + the title
   ncols = max(1, min(heads, int((max_width - 1.2) // (panel_w + label_w))))
-  nrows = -(-heads // ncols)
+  nrows = -(-heads // ncols)  # ceil(heads / ncols)
+  figsize = (ncols * (panel_w + label_w) + 1.2, nrows * panel_h + 0.7)
   # One scale for every head: a head that attends weakly looks weak, not rescaled to full colour.
   norm = mcolors.Normalize(0.0, max(float(weights.max()), 1e-6))
   with plt.rc_context(plot_style.STYLE):
-    fig, axes = plt.subplots(nrows, ncols, squeeze=False, layout='constrained',
-                             figsize=(ncols * (panel_w + label_w) + 1.2, nrows * panel_h + 0.7))
+    fig, axes = plt.subplots(nrows, ncols, squeeze=False, layout='constrained', figsize=figsize)
     for h, ax in enumerate(axes.flat):
       if h >= heads:
         ax.axis('off')
@@ -138,12 +144,12 @@ def attention_figure(weights, rows, cols, title, cell=0.24, max_width=12.0):
       image = ax.imshow(weights[h], cmap='viridis', norm=norm, aspect='equal',
                         interpolation='nearest')
       ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=8)
-      ax.set_yticks(range(len(rows)), rows if h % ncols == 0 else [''] * len(rows),
-                    fontsize=8)
+      first_in_row = h % ncols == 0
+      ax.set_yticks(range(len(rows)), rows if first_in_row else [''] * len(rows), fontsize=8)
       ax.tick_params(length=0)
       ax.spines[:].set_visible(False)
       ax.set_title(f'head {h}', fontsize=9)
-      if h % ncols == 0:
+      if first_in_row:
         ax.set_ylabel('query')
       ax.set_xlabel('key')
     fig.colorbar(image, ax=axes, label='attention probability', fraction=0.04, pad=0.02)
@@ -167,16 +173,19 @@ def plot_attention_maps(workdir, config, model, examples, tokenizer, layer=-1):
   written = []
   for i, example in enumerate(examples):
     batch, q_words, self_words, cross_words = attention_batch(config, example, tokenizer)
-    maps = dict(model.attention_weights(batch)[layer])
-    panels = {kind: (np.asarray(w[0]), q_words, self_words if kind == 'self' else cross_words)
-              for kind, w in maps.items()}
+    maps = dict(model.attention_weights(batch)[layer])  # {kind: [1, N, T, S]}
+    panels = {}
+    for kind, weights in maps.items():
+      keys = self_words if kind == 'self' else cross_words
+      panels[kind] = (np.asarray(weights[0]), q_words, keys)
     if config.model.arch == 'decoder_only':
+      # Rows of the target tokens (from <sep>), columns of the source tokens (after <bos>).
       sep = q_words.index(tokenizer.tokens[tokenizer.sep_id])
-      panels['target_to_source'] = (np.asarray(maps['self'][0])[:, sep:, 1:sep],
-                                    q_words[sep:], q_words[1:sep])
-    for kind, (w, rows, cols) in panels.items():
-      fig = attention_figure(w, rows, cols,
-                             f'{config.model.arch}, layer {layer}, {kind}: {example["source"]}')
+      alignment = np.asarray(maps['self'][0])[:, sep:, 1:sep]  # [N, T - sep, sep - 1]
+      panels['target_to_source'] = (alignment, q_words[sep:], q_words[1:sep])
+    for kind, (weights, rows, cols) in panels.items():
+      title = f'{config.model.arch}, layer {layer}, {kind}: {example["source"]}'
+      fig = attention_figure(weights, rows, cols, title)
       path = paths.join(workdir, f'attention_{i}_{kind}.png')
       save_figure(fig, path)
       plt.close(fig)
