@@ -54,7 +54,7 @@ def _child(args):
   kwargs = {}
   if impl != 'xla' and args.block_q:
     kwargs = dict(block_q=args.block_q, block_k=args.block_k)
-  fn = attention.IMPLEMENTATIONS[impl]
+  fn = attention.KERNELS[impl].fn
   if kwargs:
     import functools  # pylint: disable=g-import-not-at-top
     fn = functools.partial(fn, **kwargs)

@@ -1,4 +1,4 @@
-"""Multi-head attention: the `dot_product_attention` contract, its implementations, and the NNX layer."""
+"""Multi-head attention: the NNX layer and its cached step; the kernels are in attention_kernels."""
 
 import math
 
@@ -6,113 +6,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from layers import attention_blockwise
-from layers import attention_pallas
-from layers import attention_ring
-from layers import attention_sharded
+from layers import attention_kernels
 from layers import attention_xla
+from layers import contract
 from layers import initializers
 from layers import masks
 from layers import options
 from layers import paged_attention
-from layers import positions as positions_lib
 from layers import sharding
 
+# Re-exported: the kernels' contract and table live in attention_kernels.
+KERNELS = attention_kernels.KERNELS
+dot_product_attention = attention_kernels.dot_product_attention
+kernels_taking = attention_kernels.kernels_taking
 
-def _cudnn(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
-           alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None):
-  """jax's fused cuDNN kernel (GPU only), the production reference for the flash kernels."""
-  if jax.default_backend() != 'gpu':
-    raise ValueError("implementation='cudnn' needs a GPU; valid here: xla, blockwise, pallas")
-  if alibi_slopes is not None:
-    t, s = query.shape[1], key.shape[1]
-    alibi = masks.alibi_bias(alibi_slopes, jnp.arange(t)[:, None], jnp.arange(s)[None])[None]
-    bias = alibi if bias is None else bias + alibi
-  return jax.nn.dot_product_attention(
-      query, key, value, bias=None if bias is None else bias.astype(query.dtype), mask=mask,
-      scale=scale, is_causal=is_causal, local_window_size=window,
-      query_seq_lengths=None, key_value_seq_lengths=None, implementation='cudnn')
-
-
-# Exact softmax attention kernels, keyed by `config.model.attention_impl`.
-IMPLEMENTATIONS = {
-    'xla': attention_xla.attention,
-    'blockwise': attention_blockwise.attention,
-    # Custom calls XLA cannot partition: per device under shard_map on a mesh (attention_sharded).
-    'pallas': attention_sharded.per_device(attention_pallas.attention),
-    'cudnn': attention_sharded.per_device(_cudnn),
-    'ring': attention_ring.ring_attention,  # needs a mesh with sequence > 1
-}
-# The kernels that hold the whole sequence on each device: refused with mesh.sequence > 1 (use ring).
-WHOLE_SEQUENCE_IMPLEMENTATIONS = ('pallas', 'cudnn')
-# The kernels that take `dropout_rate`/`dropout_seed` (model.attention_dropout > 0).
-DROPOUT_IMPLEMENTATIONS = ('xla', 'blockwise')
 # The projection options only `Attention.from_config` passes on (head_dim, attention_bias,
 # attention_dropout, kernel_init); a variant with its own `from_config` does not read them yet.
 PROJECTION_OPTIONS = ('head_dim', 'attention_bias', 'attention_dropout', 'kernel_init')
-
-
-def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                          local_window_size=None, alibi_slopes=None, segment_ids=None,
-                          implementation=None, position_bias=None, dropout_rate=0.0,
-                          dropout_rng=None):
-  """Scaled dot-product attention, mirroring `jax.nn.dot_product_attention`.
-
-  Args:
-    query: `[B, T, N, H]`.
-    key, value: `[B, S, K, H]` with N a multiple of K (K = N: MHA, K = 1: MQA, between: GQA).
-    bias: optional, broadcastable to `[B, N, T, S]`, added to the scaled scores.
-    mask: optional boolean, broadcastable to `[B, N, T, S]`, True where a key may be attended.
-    scale: score scale; None means 1/sqrt(H), which keeps Var(q·k) at 1 for unit-variance inputs.
-    is_causal: key j is visible from query i only if j <= i.
-    local_window_size: int w (|i - j| <= w) or (left, right), as in jax.nn.
-    alibi_slopes: optional `[N]`; adds -slope * |i - j| to head n's scores.
-    segment_ids: `[B, T]` (self-attention) or a pair (`[B, T]`, `[B, S]`); attention stays within
-      equal ids (packed sequences; give padding its own id).
-    implementation: None (= 'xla') or a key of `IMPLEMENTATIONS`.
-    position_bias: optional `layers.relative_bias.PositionBias` (FIRE, KERPLE), a learned bias of
-      the positions; only the xla and blockwise kernels evaluate it.
-    dropout_rate: attention dropout on the probabilities (xla and blockwise only; 0 = none).
-    dropout_rng: a jax key, needed when `dropout_rate` > 0; xla and blockwise drop the same
-      probabilities for the same key (attention_xla.dropout_keep).
-
-  Returns:
-    `[B, T, N, H]`; a query row with no visible key is zeros.
-  """
-  impl = 'xla' if implementation is None else implementation
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f'attention implementation {impl!r} unknown; valid: {sorted(IMPLEMENTATIONS)}')
-  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-    raise ValueError('query, key, value must be [B, T, N, H], [B, S, K, H], [B, S, K, H]')
-  if key.shape != value.shape[:3] + key.shape[3:] or key.shape[2] != value.shape[2]:
-    raise ValueError(f'key {key.shape} and value {value.shape} disagree on [B, S, K]')
-  n, k = query.shape[2], key.shape[2]
-  if n % k:
-    raise ValueError(f'query heads ({n}) must be a multiple of key/value heads ({k})')
-  if scale is None:
-    scale = 1.0 / math.sqrt(query.shape[-1])
-  extra = {}
-  if position_bias is not None:
-    if impl not in positions_lib.POSITION_BIAS_IMPLS:
-      raise ValueError(f'implementation={impl!r} cannot take a learned position bias (FIRE, '
-                       f'KERPLE); valid: {", ".join(positions_lib.POSITION_BIAS_IMPLS)}')
-    extra['position_bias'] = position_bias
-  if dropout_rate > 0:
-    if impl not in DROPOUT_IMPLEMENTATIONS:
-      raise ValueError(f'attention dropout is implemented by {", ".join(DROPOUT_IMPLEMENTATIONS)}'
-                       f', not {impl!r}')
-    extra.update(dropout_rate=float(dropout_rate),
-                 dropout_seed=attention_xla.dropout_seed(dropout_rng))
-  q_seg = kv_seg = None
-  if segment_ids is not None:
-    if isinstance(segment_ids, (tuple, list)):
-      q_seg, kv_seg = segment_ids
-    else:
-      q_seg = kv_seg = segment_ids
-  return IMPLEMENTATIONS[impl](
-      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-      window=masks.normalize_window(local_window_size), alibi_slopes=alibi_slopes,
-      q_segment_ids=q_seg, kv_segment_ids=kv_seg, **extra)
 
 
 class Attention(nnx.Module, options.Configurable):
@@ -132,24 +42,31 @@ class Attention(nnx.Module, options.Configurable):
       `local_window_size` applied (attention_xla.scores): `score_stats` gives the training
       diagnostics its max logit and entropy. False for the sparse patterns, kernels and low-rank
       projections, whose diagnostics are the activation RMS only.
-    takes_score_terms: position methods that add to the scores (ALiBi, T5 bias) can be used.
+    takes_score_terms: position methods that add to the scores (`layers.contract.ScoreTerms`:
+      ALiBi, T5 bias, FIRE, KERPLE, xPos's blocks) can be used.
+    uses_kernel: the layer's softmax runs through `dot_product_attention` with the kernel
+      `config.model.attention_impl` (the KERNELS table); False where the variant computes its
+      attention its own way and would ignore the setting.
     supports_causal: causal self-attention (decoders) is possible.
     supports_segments: packed segments (data.packing='segments') stay apart; False where only
       padding (segment 0) is hidden.
     scannable: the layers can be built by one trace for a scanned stack (model.scan_layers);
       False where each layer draws its own random pattern or features from a per-layer seed.
-    has_dense_decode: the dense KV-cache step of this class (`decode`) is this layer's cached
-      step; a variant with another pattern sets False and brings its own `decode` (or has none).
+    cached_decoding: which KV-cache step `decode` is: 'dense' (this class's, every cached slot
+      visible under causality and the window), 'own' (the variant overrides `decode` with its own
+      pattern or state), or None (no cached decoding: eval.py's translation and tools.aot's decode
+      program are refused at validation).
     has_paged_cache: `decode` reads a paged KV cache (`init_paged_cache`).
     options: the `config.model` fields `from_config` reads beyond the sizes.
   """
 
   has_scores = True
   takes_score_terms = True
+  uses_kernel = True
   supports_causal = True
   supports_segments = True
   scannable = True
-  has_dense_decode = True
+  cached_decoding = 'dense'
   has_paged_cache = True
   options = ('use_bias', 'attention_impl', 'unscaled')
   dropout_rate = 0.0  # attention dropout (set by __init__); a variant built otherwise has none
@@ -218,19 +135,15 @@ class Attention(nnx.Module, options.Configurable):
 
   @classmethod
   def check_config(cls, model_cfg, data_cfg):
-    """`model.unscaled`, and a position method that adds score terms only where they are taken.
+    """`model.unscaled` and the projection options a variant's own `from_config` would ignore.
 
-    Variants extend this (calling it first) with their own options.
+    Variants extend this (calling it first) with their own options. What the variant, its kernel
+    and the position method can take together is derived from their declarations by
+    training/validation.py.
     """
     del data_cfg
     m = model_cfg
     options.boolean('model.unscaled', m.unscaled)
-    rate = m.get('attention_dropout', 0.0)
-    if rate > 0 and m.attention_impl not in DROPOUT_IMPLEMENTATIONS:
-      raise options.ConfigError(
-          f'model.attention_dropout={rate!r} is not implemented by model.attention_impl='
-          f'{m.attention_impl!r}; valid values with attention dropout: '
-          f'{", ".join(DROPOUT_IMPLEMENTATIONS)} (or attention_dropout=0)')
     if cls.from_config.__func__ is not Attention.from_config.__func__:
       # A variant building itself through its own from_config (sparse, linear) does not pass the
       # projection options on: refuse them rather than ignore them.
@@ -241,28 +154,45 @@ class Attention(nnx.Module, options.Configurable):
           raise options.ConfigError(
               f'model.{name}={m[name]!r} is read by model.attention=\'dense\' only, not '
               f'{m.attention!r}; valid value here: {defaults[name]!r}')
-    if not cls.takes_score_terms and positions_lib.POSITIONS[m.position].score_terms:
-      valid = [k for k, p in positions_lib.POSITIONS.items() if not p.score_terms]
-      raise options.ConfigError(
-          f'model.position={m.position!r} adds a score term that model.attention={m.attention!r} '
-          f'does not take; valid values: {", ".join(sorted(valid))}')
-    if not cls.takes_score_terms and m.position == 'xpos' and m.get('xpos_block', 0):
-      # The blockwise causal form is a [T, S] mask, which these kernels have no scores to take.
-      raise options.ConfigError(
-          f'model.xpos_block={m.xpos_block!r} (a [T, S] mask) is not valid with model.attention='
-          f"{m.attention!r}; valid values here: 0 (or model.attention='dense')")
 
   def positions_without_scores(self, q, k, positions, position, is_causal):
-    """q, k after `position`'s rotation (RoPE); a method that adds a score term (ALiBi, T5 bias)
-    is a ValueError: for the variants whose kernels have no [T, S] scores to add it to."""
+    """q, k after `position`'s rotation (RoPE); a method that adds score terms is a ValueError:
+    for the variants whose kernels have no [T, S] scores to add them to (validation refuses the
+    pair first, from `takes_score_terms` and the method's `terms_for`)."""
     if position is None:
       return q, k
-    q, k, extra = position.in_attention(q, k, positions, positions, is_causal=is_causal)
-    if extra:
+    q, k, terms = position.in_attention(q, k, positions, positions, is_causal=is_causal)
+    if terms:
       raise ValueError(f'attention={getattr(self, "name", type(self).__name__)!r} does not take '
-                       f'score terms {sorted(extra)} (ALiBi, T5 bias); use rope, sinusoidal, '
-                       'learned or nope')
+                       f'score terms {list(terms.names())}; use rope, sinusoidal, learned or nope')
     return q, k
+
+  def normalise(self, logits, vis):
+    """`[B, N, T, S]` weights of the scaled scores `logits` at the visible keys `vis`
+    (`attention_xla.scores`): softmax, a row with no visible key zeros. A variant with another
+    normalisation (sigmoid) overrides this and declares `uses_kernel` False, since the kernels
+    fuse the softmax; `attend` and `weights` then use it."""
+    return attention_xla.probabilities(logits, vis)
+
+  def score_scale(self, head_dim):
+    """The score scale: `scale`, or 1/sqrt(H)."""
+    return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
+
+  def prepare(self, x, context=None, *, positions=None, context_positions=None, position=None,
+              is_causal=False):
+    """The preamble `__call__`, `score_stats` and `weights` share: q `[B, T, N, H]`, k and v
+    `[B, S, K, H]` after the position's rotation, and the `contract.ScoreTerms` it adds.
+
+    A variant that changes the projections overrides `project`; one that changes what positions
+    do overrides this.
+    """
+    q, k, v = self.project(x, context)
+    if context is None:
+      context_positions = positions if context_positions is None else context_positions
+    terms = contract.NONE
+    if position is not None:
+      q, k, terms = position.in_attention(q, k, positions, context_positions, is_causal=is_causal)
+    return q, k, v, terms
 
   def project(self, x, context=None):
     """q `[B, T, N, H]`, k and v `[B, S, K, H]`."""
@@ -293,15 +223,12 @@ class Attention(nnx.Module, options.Configurable):
     if not self.has_scores:
       raise NotImplementedError(f'{type(self).__name__} has no [T, S] score matrix (has_scores '
                                 'is False): its diagnostics are the activation RMS only')
-    q, k, _ = self.project(x)  # [B, T, N, H], [B, T, K, H]
-    kwargs = {}
-    if position is not None:
-      q, k, kwargs = position.in_attention(q, k, positions, positions, is_causal=is_causal)
-    scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    q, k, _, terms = self.prepare(x, positions=positions, position=position,
+                                  is_causal=is_causal)  # [B, T, N, H], [B, T, K, H]
     logits, vis = attention_xla.scores(
-        q, k, scale=scale, is_causal=is_causal,
+        q, k, scale=self.score_scale(q.shape[-1]), is_causal=is_causal,
         window=masks.normalize_window(self.local_window_size), q_segment_ids=segment_ids,
-        kv_segment_ids=segment_ids, **kwargs)  # [B, N, T, S]
+        kv_segment_ids=segment_ids, **terms.kwargs())  # [B, N, T, S]
     real = (jnp.ones(x.shape[:2], jnp.float32) if segment_ids is None
             else (segment_ids > 0).astype(jnp.float32))  # [B, T]
     return attention_xla.score_statistics(logits, vis, real)
@@ -322,22 +249,50 @@ class Attention(nnx.Module, options.Configurable):
     Returns:
       `[B, T, D]`.
     """
-    q, k, v = self.project(x, context)
+    q, k, v, terms = self.prepare(x, context, positions=positions,
+                                  context_positions=context_positions, position=position,
+                                  is_causal=is_causal)
     if context is None:
       context_segment_ids = segment_ids if context_segment_ids is None else context_segment_ids
-      context_positions = positions if context_positions is None else context_positions
     seg = None
     if segment_ids is not None:
       seg = (segment_ids, context_segment_ids)
-    kwargs = {}
-    if position is not None:
-      q, k, kwargs = position.in_attention(q, k, positions, context_positions, is_causal=is_causal)
-    if rngs is not None and self.dropout_rate > 0:
-      kwargs.update(dropout_rate=self.dropout_rate, dropout_rng=rngs.dropout())
-    out = dot_product_attention(q, k, v, segment_ids=seg, is_causal=is_causal, scale=self.scale,
-                                local_window_size=self.local_window_size,
-                                implementation=self.implementation, **kwargs)  # [B, T, N, H]
+    dropout_rng = rngs.dropout() if rngs is not None and self.dropout_rate > 0 else None
+    out = self.attend(q, k, v, terms, segment_ids=seg, is_causal=is_causal,
+                      window=self.local_window_size, implementation=self.implementation,
+                      dropout_rng=dropout_rng)  # [B, T, N, H]
     return self.out(out)  # [B, T, D]
+
+  def attend(self, q, k, v, terms, *, segment_ids=None, is_causal=False, window=None,
+             implementation='xla', dropout_rng=None):
+    """The attention of prepared q `[B, T, N, H]`, k, v `[B, S, K, H]` with `terms`: softmax
+    through the kernel `implementation`, or, for a variant that declares `uses_kernel` False,
+    its own `normalise` of the materialised scores. `__call__` and the cached step both end here.
+
+    Args:
+      segment_ids: None or (`[B, T]`, `[B, S]`) segment ids of queries and keys.
+      is_causal, window: see `dot_product_attention` (`local_window_size`).
+      dropout_rng: None (no dropout) or the key of this call's attention dropout.
+
+    Returns:
+      `[B, T, N, H]`.
+    """
+    rate = self.dropout_rate if dropout_rng is not None else 0.0
+    if not self.uses_kernel:
+      # The variant's own normalisation of the materialised [B, N, T, S] scores.
+      logits, vis = attention_xla.scores(
+          q, k, scale=self.score_scale(q.shape[-1]), is_causal=is_causal,
+          window=masks.normalize_window(window),
+          q_segment_ids=None if segment_ids is None else segment_ids[0],
+          kv_segment_ids=None if segment_ids is None else segment_ids[1], **terms.kwargs())
+      probs = self.normalise(logits, vis)  # [B, N, T, S]
+      if rate > 0:
+        probs = attention_xla.drop(probs, rate, attention_xla.dropout_seed(dropout_rng))
+      return attention_xla.combine(probs, v).astype(q.dtype)  # [B, T, N, H]
+    return dot_product_attention(q, k, v, segment_ids=segment_ids, is_causal=is_causal,
+                                 scale=self.scale, local_window_size=window,
+                                 implementation=implementation, dropout_rate=rate,
+                                 dropout_rng=dropout_rng, **terms.kwargs())
 
 
   # --- KV cache path (autoregressive decoding) -------------------------------------------------
@@ -380,8 +335,9 @@ class Attention(nnx.Module, options.Configurable):
     Returns:
       (`[B, 1, D]`, the updated cache).
     """
-    if not self.has_dense_decode:
-      # A variant with its own attention pattern needs its own cached step, not this dense one.
+    if self.cached_decoding != 'dense':
+      # A variant with its own attention pattern needs its own cached step, not this dense one
+      # (validation refuses decoding where `cached_decoding` is None).
       raise NotImplementedError(f'{type(self).__name__} has no KV-cache decode path; decode with '
                                 "model.attention='dense' (or add one to the variant)")
     window = masks.normalize_window(self.local_window_size)
@@ -404,16 +360,16 @@ class Attention(nnx.Module, options.Configurable):
     q, k, v = self.project(x)  # [B, 1, N, H], [B, 1, K, H], [B, 1, K, H]
     q_pos = index[:, None]  # [B, 1]
     k_pos = jnp.broadcast_to(jnp.arange(s_max, dtype=jnp.int32), (b, s_max))  # [B, S_max]
-    kwargs = {}
+    terms = contract.NONE
     if position is not None:
       # The new key is rotated (RoPE) at its own absolute position before it is stored.
       q_in = q
-      q, k, kwargs = position.in_attention(q, k, q_pos, q_pos, is_causal=True)
-      if 'bias' in kwargs or 'position_bias' in kwargs or 'mask' in kwargs:
+      q, k, terms = position.in_attention(q, k, q_pos, q_pos, is_causal=True)
+      if terms.bias is not None or terms.position_bias is not None or terms.mask is not None:
         # A score term over key positions (T5): recompute it against every cached slot; only the
-        # kwargs of this call are used, so a method that also rotates q/k is not applied twice.
+        # terms of this call are used, so a method that also rotates q/k is not applied twice.
         # (keys of the cache's length, zeros: a method that also rotates k (xPos) needs the shape)
-        _, _, kwargs = position.in_attention(
+        _, _, terms = position.in_attention(
             q_in, jnp.zeros((b, s_max) + k.shape[2:], k.dtype), q_pos, k_pos, is_causal=True)
     if paged:
       cache = paged_attention.write(cache, index, k[:, 0], v[:, 0])
@@ -423,14 +379,11 @@ class Attention(nnx.Module, options.Configurable):
       cache = {'k': cache['k'].at[rows, index].set(k[:, 0].astype(cache['k'].dtype)),
                'v': cache['v'].at[rows, index].set(v[:, 0].astype(cache['v'].dtype))}
       keys, values = cache['k'], cache['v']
-    bias = kwargs.pop('bias', None)
-    slopes = kwargs.pop('alibi_slopes', None)
-    position_bias = kwargs.pop('position_bias', None)
-    if position_bias is not None:  # FIRE, KERPLE at the absolute positions: [B, N, 1, S_max]
-      bias = position_bias.dense() if bias is None else bias + position_bias.dense()
-    position_mask = kwargs.pop('mask', None)  # xPos's blockwise causal mask, [B, 1, 1, S_max]
-    if kwargs:
-      raise ValueError(f'decode: unsupported in_attention kwargs {sorted(kwargs)}')
+    bias, slopes = terms.bias, terms.alibi_slopes
+    if terms.position_bias is not None:  # FIRE, KERPLE at the absolute positions: [B, N, 1, S_max]
+      dense = terms.position_bias.dense()
+      bias = dense if bias is None else bias + dense
+    position_mask = terms.mask  # xPos's blockwise causal mask, [B, 1, 1, S_max]
     if slopes is not None:
       # The kernels compute ALiBi from array indices (0 for the single query row here): use the
       # absolute positions instead.
@@ -441,9 +394,11 @@ class Attention(nnx.Module, options.Configurable):
     vis = visible(q_pos[:, :, None], k_pos[:, None, :])  # [B, 1, S_max]
     if position_mask is not None:
       vis = vis & position_mask[:, 0]
-    # One query row gains nothing from a flash kernel: the dense reference serves every config.
-    out = dot_product_attention(q, keys, values, bias=bias, mask=vis[:, None],
-                                scale=self.scale, implementation='xla')  # [B, 1, N, H]
+    # One query row gains nothing from a flash kernel: a kernel that does not declare `decodes`
+    # leaves the step to the dense reference.
+    impl = self.implementation if KERNELS[self.implementation].decodes else 'xla'
+    out = self.attend(q, keys, values, contract.ScoreTerms(bias=bias, mask=vis[:, None]),
+                      implementation=impl)  # [B, 1, N, H]
     return self.out(out), cache  # [B, 1, D]
 
   def decode_context(self, x, context_cache, context_mask=None):
@@ -454,22 +409,20 @@ class Attention(nnx.Module, options.Configurable):
     """
     q = self.query(x)  # [B, 1, N, H]
     mask = None if context_mask is None else context_mask[:, None, None, :]  # [B, 1, 1, S]
-    out = dot_product_attention(q, context_cache['k'], context_cache['v'], mask=mask,
-                                scale=self.scale, implementation='xla')  # [B, 1, N, H]
+    out = self.attend(q, context_cache['k'], context_cache['v'],
+                      contract.ScoreTerms(mask=mask))  # [B, 1, N, H]
     return self.out(out)
 
   def weights(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
               is_causal=False, positions=None, context_positions=None, position=None):
     """The `[B, N, T, S]` attention probabilities of `__call__` with the same arguments (plots)."""
-    q, k, _ = self.project(x, context)
+    q, k, _, terms = self.prepare(x, context, positions=positions,
+                                  context_positions=context_positions, position=position,
+                                  is_causal=is_causal)
     if context is None:
       context_segment_ids = segment_ids if context_segment_ids is None else context_segment_ids
-      context_positions = positions if context_positions is None else context_positions
-    kwargs = {}
-    if position is not None:
-      q, k, kwargs = position.in_attention(q, k, positions, context_positions, is_causal=is_causal)
-    scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return attention_xla.attention_weights(
-        q, k, scale=scale, is_causal=is_causal,
-        window=masks.normalize_window(self.local_window_size),
-        q_segment_ids=segment_ids, kv_segment_ids=context_segment_ids, **kwargs)
+    logits, vis = attention_xla.scores(
+        q.astype(jnp.float32), k.astype(jnp.float32), scale=self.score_scale(q.shape[-1]),
+        is_causal=is_causal, window=masks.normalize_window(self.local_window_size),
+        q_segment_ids=segment_ids, kv_segment_ids=context_segment_ids, **terms.kwargs())
+    return self.normalise(logits, vis)  # [B, N, T, S]

@@ -127,20 +127,33 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
   Returns:
     `[B, T, N, H]` in the query's dtype; rows with no visible key are zeros.
   """
-  b, t, n, _ = query.shape
-  s, k = key.shape[1], key.shape[2]
   logits, vis = scores(query, key, bias, mask, scale=scale, is_causal=is_causal, window=window,
                        alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
                        kv_segment_ids=kv_segment_ids,
                        position_bias=position_bias)  # [B, N, T, S]
   probs = probabilities(logits, vis)  # [B, N, T, S]
   if dropout_rate > 0:
-    keys = tuple(w[:, :, None, None] for w in head_keys(dropout_seed, b, n))  # [B, N, 1, 1]
-    keep = dropout_keep(keys, dropout_rate, jnp.arange(t)[:, None], jnp.arange(s)[None])
-    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)  # [B, N, T, S]
+    probs = drop(probs, dropout_rate, dropout_seed)
+  return combine(probs, value).astype(query.dtype)
+
+
+def drop(probs, rate, seed):
+  """Attention dropout on `[B, N, T, S]` probabilities: each dropped with `rate`, the kept ones
+  scaled by 1 / (1 - rate); the same `seed` drops the same entries in every kernel."""
+  b, n, t, s = probs.shape
+  keys = tuple(w[:, :, None, None] for w in head_keys(seed, b, n))  # [B, N, 1, 1]
+  keep = dropout_keep(keys, rate, jnp.arange(t)[:, None], jnp.arange(s)[None])
+  return jnp.where(keep, probs / (1.0 - rate), 0.0)  # [B, N, T, S]
+
+
+def combine(probs, value):
+  """`[B, T, N, H]` float32: the values `[B, S, K, H]` weighted by `[B, N, T, S]` probabilities
+  (query head n reads key/value head n // G)."""
+  b, n, t, s = probs.shape
+  k = value.shape[2]
   probs = probs.reshape(b, k, n // k, t, s)  # [B, K, G, T, S]
   out = jnp.einsum('BKGTS,BSKH->BTKGH', probs, value.astype(jnp.float32))  # [B, T, K, G, H]
-  return out.reshape(b, t, n, value.shape[-1]).astype(query.dtype)
+  return out.reshape(b, t, n, value.shape[-1])
 
 
 def attention_weights(query, key, bias=None, mask=None, *, scale, is_causal=False, window=None,

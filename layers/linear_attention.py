@@ -164,8 +164,9 @@ class _Kernel(attention_lib.Attention):
   # `decode` of its own.
   has_scores = False
   takes_score_terms = False
+  uses_kernel = False  # its own attention computation: model.attention_impl does not apply
   supports_segments = False
-  has_dense_decode = False
+  cached_decoding = 'own'  # `decode` below: running sums of the key features
   has_paged_cache = False
 
   def features(self, q, k):
@@ -363,9 +364,10 @@ class LinformerAttention(attention_lib.Attention):
   # causal form) and only padding is hidden; no cached step.
   has_scores = False
   takes_score_terms = False
+  uses_kernel = False  # its own attention computation: model.attention_impl does not apply
   supports_causal = False
   supports_segments = False
-  has_dense_decode = False
+  cached_decoding = None  # its projection mixes every position: no causal form to cache
   has_paged_cache = False
   options = attention_lib.Attention.options + ('linformer_k', 'linformer_length')
 
@@ -430,4 +432,5 @@ class LinformerAttention(attention_lib.Attention):
     return attention_xla.attention_weights(q, kp, scale=scale)
 
   def decode(self, x, cache, index, *, position=None):
+    del x, cache, index, position  # validation refuses decoding first (cached_decoding is None)
     raise NotImplementedError("KV-cache decoding is not possible for attention='linformer'")

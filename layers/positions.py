@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layers import contract
 from layers import options
 from layers import relative_bias
 from layers import rope
@@ -26,11 +27,18 @@ class Position(nnx.Module, options.Configurable):
   The base of the position methods registered in POSITIONS (rope.RoPE has the same interface).
 
   Attributes:
-    score_terms: `in_attention` adds a term to the `[T, S]` scores (ALiBi's slopes, T5's bias),
-      which only attention with such scores takes (`Attention.takes_score_terms`).
+    terms: the `layers.contract.ScoreTerms` fields `in_attention` may set (ALiBi's slopes, T5's
+      bias, ...): only attention with `[T, S]` scores takes them, and each kernel only those it
+      declares (`layers.contract.Kernel.terms`). `terms_for` refines it by the config.
   """
 
-  score_terms = False
+  terms = ()
+
+  @classmethod
+  def terms_for(cls, model_cfg):
+    """The ScoreTerms fields this method sets under `config.model` (default: `terms`)."""
+    del model_cfg
+    return cls.terms
 
   @classmethod
   def from_config(cls, cfg, max_length, *, rngs):
@@ -43,8 +51,15 @@ class Position(nnx.Module, options.Configurable):
     return x
 
   def in_attention(self, q, k, q_pos, k_pos, *, is_causal):
+    """q, k (rotated by methods that rotate) and the `contract.ScoreTerms` this method adds.
+
+    Args:
+      q: `[B, T, N, H]`; k: `[B, S, K, H]`.
+      q_pos, k_pos: `[B|1, T]` / `[B|1, S]` int positions, or None for 0..T-1.
+      is_causal: decoder self-attention.
+    """
     del q_pos, k_pos, is_causal
-    return q, k, {}
+    return q, k, contract.NONE
 
   def check_length(self, length):
     """Raises ValueError if sequences of `length` tokens cannot be represented."""
@@ -135,7 +150,7 @@ class ALiBi(Position):
   masked anyway). It is the paper's causal form in decoders and the symmetric form in encoders.
   """
 
-  score_terms = True
+  terms = ('alibi_slopes',)
 
   def __init__(self, num_heads):
     self.num_heads = num_heads
@@ -147,7 +162,8 @@ class ALiBi(Position):
 
   def in_attention(self, q, k, q_pos, k_pos, *, is_causal):
     del q_pos, k_pos, is_causal
-    return q, k, {'alibi_slopes': jnp.asarray(alibi_slopes(self.num_heads), jnp.float32)}
+    return q, k, contract.ScoreTerms(
+        alibi_slopes=jnp.asarray(alibi_slopes(self.num_heads), jnp.float32))
 
 
 def t5_relative_position_bucket(relative_position, *, bidirectional, num_buckets=32,
@@ -186,7 +202,7 @@ def t5_relative_position_bucket(relative_position, *, bidirectional, num_buckets
 class T5Bias(Position):
   """A learned scalar per (relative-position bucket, head) added to the scores (Raffel et al.)."""
 
-  score_terms = True
+  terms = ('bias',)
   options = ('t5_num_buckets', 't5_max_distance')
 
   def __init__(self, num_heads, d_model, *, num_buckets=32, max_distance=128, rngs):
@@ -221,7 +237,7 @@ class T5Bias(Position):
                                           num_buckets=self.num_buckets,
                                           max_distance=self.max_distance)  # [B, T, S]
     bias = self.table(buckets).transpose(0, 3, 1, 2)  # [B, N, T, S]
-    return q, k, {'bias': bias}
+    return q, k, contract.ScoreTerms(bias=bias)
 
 
 # The methods that read absolute position ids, which `model.random_positions_max` randomizes.
@@ -250,29 +266,13 @@ def random_positions(key, positions, max_position):
   return jnp.take_along_axis(table, positions.astype(jnp.int32), axis=1)  # [B, T]
 
 
-# Kernels that evaluate a `relative_bias.PositionBias` (FIRE, KERPLE); the others have no way to take
-# a learned function of the positions (pallas/cudnn take a dense bias, ring only its own terms).
-POSITION_BIAS_IMPLS = ('xla', 'blockwise')
-
-
 class LearnedBias(Position):
   """A learned bias function of the positions (FIRE, KERPLE): `in_attention` returns it unevaluated
   as a `relative_bias.PositionBias` for the kernel to compute on its tiles (subclasses set `fn`)."""
 
-  score_terms = True
+  terms = ('position_bias',)
   name = None  # the POSITIONS key, for messages
   fn = None  # a function of `layers.relative_bias`
-
-  @classmethod
-  def check_config(cls, model_cfg, data_cfg):
-    """Only the kernels that evaluate a PositionBias (xla, blockwise) can take it."""
-    del data_cfg
-    impl = model_cfg.attention_impl
-    if impl not in POSITION_BIAS_IMPLS:
-      raise options.ConfigError(
-          f'model.position={cls.name!r} is a learned bias of the positions that '
-          f'model.attention_impl={impl!r} cannot take; valid values: '
-          f'{", ".join(sorted(POSITION_BIAS_IMPLS))}')
 
   def bias_params(self):
     """The pytree of arrays `fn` reads."""
@@ -284,8 +284,8 @@ class LearnedBias(Position):
       q_pos = jnp.arange(q.shape[1])[None]  # [1, T]
     if k_pos is None:
       k_pos = jnp.arange(k.shape[1])[None]  # [1, S]
-    return q, k, {'position_bias': relative_bias.PositionBias(
-        type(self).fn, self.bias_params(), q_pos, k_pos)}
+    return q, k, contract.ScoreTerms(position_bias=relative_bias.PositionBias(
+        type(self).fn, self.bias_params(), q_pos, k_pos))
 
 
 def _uniform(rngs, shape, bound):
@@ -358,7 +358,7 @@ class KERPLE(LearnedBias):
 
 
 # Position methods, keyed by `config.model.position`; each has `from_config(config.model,
-# max_length, rngs=)`, the checks of layers.options.Configurable and `score_terms`.
+# max_length, rngs=)`, the checks of layers.options.Configurable and `terms`.
 POSITIONS = {
     'nope': Position,
     'sinusoidal': Sinusoidal,

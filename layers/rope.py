@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layers import contract
 from layers import options
 
 # Context-window scalings, keyed by `config.model.rope_scaling` (and eval.py's `--rope_scaling`).
@@ -124,8 +125,14 @@ class RoPE(nnx.Module, options.Configurable):
   The position method 'rope' of `layers.positions.POSITIONS` (the interface of its `Position`).
   """
 
-  score_terms = False  # it rotates q and k; the scores get no term
+  terms = ()  # it rotates q and k; the scores get no term
   options = ('rope_base', 'rope_fraction', 'rope_scaling', 'rope_scaling_factor')
+
+  @classmethod
+  def terms_for(cls, model_cfg):
+    """The `layers.contract.ScoreTerms` fields set under `config.model` (RoPE: none)."""
+    del model_cfg
+    return cls.terms
 
   def __init__(self, head_dim, *, fraction=1.0, base=10000.0, scaling='none', factor=1.0,
                original_max_length=None):
@@ -201,7 +208,8 @@ class RoPE(nnx.Module, options.Configurable):
       k_pos = jnp.arange(k.shape[1])[None]  # [1, S]
     inv_freq = jnp.asarray(self.inv_freq(), jnp.float32)  # [d/2]
     scale = attention_factor(self.scaling, self.factor)
-    return apply_rope(q, q_pos, inv_freq, scale), apply_rope(k, k_pos, inv_freq, scale), {}
+    return (apply_rope(q, q_pos, inv_freq, scale), apply_rope(k, k_pos, inv_freq, scale),
+            contract.NONE)
 
 
 # xPos's constants (Sun et al. 2022; torchscale's XPOS): zeta_i = (i / (d/2) + 0.4) / 1.4.
@@ -275,25 +283,21 @@ class XPos(RoPE):
                                 'causal attention; w = blockwise causal with blocks of w)')
 
   @classmethod
-  def check_config(cls, model_cfg, data_cfg):
-    """RoPE's checks; the blockwise causal mask is a `[T, S]` mask, which ring attention refuses."""
-    super().check_config(model_cfg, data_cfg)
-    if model_cfg.get('xpos_block', 0) and model_cfg.attention_impl == 'ring':
-      raise options.ConfigError("model.xpos_block > 0 (a [T, S] mask) cannot run with "
-                                "model.attention_impl='ring'; valid values: xla, blockwise, pallas, "
-                                'cudnn (or model.xpos_block=0)')
+  def terms_for(cls, model_cfg):
+    """A `[T, S]` mask with `model.xpos_block` > 0 (the blockwise causal form), else none."""
+    return ('mask',) if model_cfg.get('xpos_block', 0) else ()
 
   def in_attention(self, q, k, q_pos, k_pos, *, is_causal):
     if q_pos is None:
       q_pos = jnp.arange(q.shape[1])[None]  # [1, T]
     if k_pos is None:
       k_pos = jnp.arange(k.shape[1])[None]  # [1, S]
-    q, k, extra = super().in_attention(q, k, q_pos, k_pos, is_causal=is_causal)
+    q, k, terms = super().in_attention(q, k, q_pos, k_pos, is_causal=is_causal)
     zeta = jnp.asarray(xpos_zeta(self.rotary_dims), jnp.float32)  # [d/2]
     if self.block and is_causal:
-      extra = {**extra, 'mask': blockwise_causal_mask(q_pos, k_pos, self.block)}
+      terms = contract.ScoreTerms(mask=blockwise_causal_mask(q_pos, k_pos, self.block))
     return (apply_xpos_scale(q, q_pos, zeta, self.scale_base, self.centre, 1.0),
-            apply_xpos_scale(k, k_pos, zeta, self.scale_base, self.centre, -1.0), extra)
+            apply_xpos_scale(k, k_pos, zeta, self.scale_base, self.centre, -1.0), terms)
 
 
 def blockwise_causal_mask(q_pos, k_pos, block):

@@ -167,7 +167,8 @@ class _Sparse(attention_lib.Attention):
   # which sizes the pattern from a contiguous cache.
   has_scores = False
   takes_score_terms = False
-  has_dense_decode = False
+  uses_kernel = False  # its own attention computation: model.attention_impl does not apply
+  cached_decoding = 'own'  # `decode` below: the pattern's rows of the dense cached step
   has_paged_cache = False
 
   def pattern(self, t, is_causal):

@@ -18,6 +18,7 @@ from flax import nnx
 import models
 from layers import block
 from layers import initializers
+from layers import positions
 from layers import sharding
 
 COMPONENTS = ('embedding', 'positions', 'attention', 'cross_attention', 'ffn', 'norms', 'output')
@@ -87,7 +88,6 @@ def formula_params(cfg, vocab_size, max_length):
   """
   stacks, cross = stack_layout(cfg.arch)
   d, layers = cfg.d_model, cfg.num_layers * stacks
-  per_stack_position = {'learned': max_length * d, 't5_bias': cfg.t5_num_buckets * cfg.num_heads}
   sublayers = 2 * layers + (cfg.num_layers if cross else 0)  # self, ffn (+ cross)
   per_sublayer = {'sandwich': 2, 'rezero': 0}.get(cfg.norm_position, 1)  # norms per sublayer
   final_norms = stacks if block.FINAL_NORM[cfg.norm_position] else 0
@@ -96,7 +96,7 @@ def formula_params(cfg, vocab_size, max_length):
   attention_bias, ffn_bias = initializers.attention_bias(cfg), initializers.ffn_bias(cfg)
   return {
       'embedding': vocab_size * d * (1 if shared else 2),
-      'positions': per_stack_position.get(cfg.position, 0) * stacks,
+      'positions': position_params(cfg, max_length) * stacks,
       'attention': self_attention_params(cfg) * layers,
       'cross_attention': (attention_params(d, cfg.num_heads, cfg.num_kv_heads,
                                            use_bias=attention_bias,
@@ -106,6 +106,21 @@ def formula_params(cfg, vocab_size, max_length):
       'norms': norm_params(d, cfg.norm) * (sublayers * per_sublayer + final_norms) + gates,
       'output': 0 if cfg.get('tie_output', True) else d * vocab_size + vocab_size,
   }
+
+
+def position_closed_form(cfg, max_length):
+  """One stack's position parameters in closed form, where the method has one (else None):
+  the cross-check of `position_params`."""
+  return {'learned': max_length * cfg.d_model, 't5_bias': cfg.t5_num_buckets * cfg.num_heads,
+          'nope': 0, 'sinusoidal': 0, 'rope': 0, 'alibi': 0, 'xpos': 0}.get(cfg.position)
+
+
+def position_params(cfg, max_length):
+  """One stack's position parameters, counted on the shapes the method builds (`nnx.eval_shape`
+  of `layers.positions.make`, nothing allocated): any registered method, FIRE's MLP and KERPLE's
+  per-head pairs included, with no closed form to keep in step."""
+  method = nnx.eval_shape(lambda: positions.make(cfg, max_length, rngs=nnx.Rngs(0)))
+  return sum(math.prod(var.get_value().shape) for _, var in _leaves(nnx.state(method, nnx.Param)))
 
 
 def kv_cache_elements(num_layers, num_kv_heads, head_dim, length):

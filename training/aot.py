@@ -30,6 +30,7 @@ from training import diagnostics
 from training import loop
 from training import state as state_lib
 from training import steps
+from training import validation_attention
 
 GiB = 2 ** 30
 # The chips by the `device_kind` their compile-only devices report: (generation, HBM bytes per
@@ -224,8 +225,8 @@ def compile_config(config, devices, *, vocab_size, special_ids=None,
     special_ids: `models.SpecialIds` (encoder_only masks by them; they are constants of the
       program, so any tokenizer's serve to compile it).
     programs: which of 'train' (the loop's jitted `train_step`, state donated), 'eval'
-      (`steps.eval_step`) and 'decode' (one cached `decode_step` of a batch, decoder-only and
-      encoder-decoder only) to compile.
+      (`steps.eval_step`) and 'decode' (one cached `decode_step` of a batch: decoder-only and
+      encoder-decoder models whose decoder attention declares a cached step) to compile.
 
   Returns:
     {program: `analyse(...)`} for each compiled program.
@@ -249,7 +250,8 @@ def compile_config(config, devices, *, vocab_size, special_ids=None,
   if 'eval' in programs:
     out['eval'] = analyse(lower(jax.jit(functools.partial(steps.eval_step, graphdef)),
                                 variables, batch))
-  if 'decode' in programs and hasattr(models.ARCHS[config.model.arch], 'decode_step'):
+  decoder = validation_attention.decoder_layer(config.model)
+  if 'decode' in programs and decoder is not None and decoder[1].cached_decoding is not None:
     out['decode'] = analyse(lower(*_decode_program(config, graphdef, variables, batch, mesh,
                                                    rules)))
   return out

@@ -27,6 +27,7 @@ from layers import rope
 from training import distributed
 from training import paths
 from training import validation
+from training import validation_attention
 
 ConfigError = validation.ConfigError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -389,6 +390,11 @@ def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_sca
     if bad:
       raise ConfigError(f'{flag}={",".join(values)}: {bad[0]!r} is not a split of this run; valid: '
                         f'{", ".join(names)}')
+  if translate:
+    validation_attention.check_decoding(config.model, f'--translate={",".join(translate)}')
+  elif pipeline.has_pairs(config.data):
+    validation_attention.check_decoding(config.model, f'eval.py (it translates --split='
+                                        f'{",".join(split)})')
   if rope_scaling is not None and config.model.position != 'rope':
     raise ConfigError(f'--rope_scaling={rope_scaling} needs a run with model.position=\'rope\'; '
                       f'this one has {config.model.position!r}')

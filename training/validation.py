@@ -22,6 +22,7 @@ from models import stack
 from data import pipeline
 from data import text_corpus
 from training import state as state_lib
+from training import validation_attention
 
 # The valid values live where they are used; validation only names them.
 SCHEDULES = state_lib.SCHEDULES
@@ -61,7 +62,7 @@ def validate(config):
   m, t, d = config.model, config.train, config.data
   _choice('model.arch', m.arch, models.ARCHS)
   _choice('model.attention', m.attention, attention_variants.VARIANTS)
-  _choice('model.attention_impl', m.attention_impl, attention.IMPLEMENTATIONS)
+  _choice('model.attention_impl', m.attention_impl, attention.KERNELS)
   _choice('model.position', m.position, positions.POSITIONS)
   _choice('model.norm', m.norm, norms.NORMS)
   _choice('model.norm_position', m.norm_position, block.NORM_POSITIONS)
@@ -111,11 +112,6 @@ def validate(config):
   _validate_model_options(config)
   if not 0.0 <= m.dropout < 1.0:
     raise ConfigError(f'model.dropout={m.dropout!r} must be in [0, 1)')
-  if m.attention_impl == 'cudnn':
-    import jax  # pylint: disable=g-import-not-at-top
-    if jax.default_backend() != 'gpu':
-      raise ConfigError("model.attention_impl='cudnn' needs a GPU; valid here: blockwise, pallas, "
-                        'xla')
 
   for name in ('steps', 'batch_size', 'checkpoint_every', 'eval_every', 'log_every',
                'keep_checkpoints'):
@@ -172,6 +168,7 @@ def validate(config):
                         f"data.task='text_pairs' or 'text_lm' (data.task={d.task!r} is the toy "
                         "task); valid here: '' (or set data.task)")
   _validate_mesh(config)
+  validation_attention.check_kernel(config)
 
 
 def _validate_text_data(config):
@@ -225,19 +222,6 @@ def _validate_mesh(config):
     raise ConfigError(f'train.batch_size={config.train.batch_size} must be a multiple of '
                       f'mesh.data x mesh.fsdp x train.grad_accum_steps = {rows * accum} (each '
                       'data-parallel shard gets whole rows of every micro-batch)')
-  if config.model.attention_impl == 'ring' and config.model.position == 't5_bias':
-    raise ConfigError("model.attention_impl='ring' cannot take position='t5_bias' (a dense [T, S] "
-                      'bias on every device); valid with ring: rope, alibi, sinusoidal, learned, '
-                      'nope')
-  impl = config.model.attention_impl
-  if impl in attention.WHOLE_SEQUENCE_IMPLEMENTATIONS and mesh.get('sequence', 1) > 1:
-    raise ConfigError(f'model.attention_impl={impl!r} holds the whole sequence on each device '
-                      f'(shard_map over batch and heads), so mesh.sequence={mesh.sequence} would '
-                      "only repeat its work; valid: mesh.sequence=1, or model.attention_impl="
-                      "'ring' (context parallelism)")
-  if config.model.attention_impl == 'ring' and mesh.get('sequence', 1) < 2:
-    raise ConfigError("model.attention_impl='ring' needs mesh.sequence > 1 (the ring of devices "
-                      'the keys/values travel round); use xla or blockwise on one device')
 
 
 def _validate_scan(config):

@@ -5,6 +5,7 @@ sharding partitions for the target, and reports the per-chip memory. A kernel th
 partition, or a sharding rule that breaks on a TPU, fails here without a TPU.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -96,7 +97,8 @@ def test_compiling_leaves_no_tpu_cluster_variables_behind(devices):
 
 def test_pallas_without_shard_map_does_not_compile_on_a_mesh(devices, monkeypatch):
   """The reason the kernels run under shard_map: GSPMD refuses to partition a Mosaic call."""
-  monkeypatch.setitem(attention.IMPLEMENTATIONS, 'pallas', attention_pallas.attention)
+  monkeypatch.setitem(attention.KERNELS, 'pallas', dataclasses.replace(
+      attention.KERNELS['pallas'], fn=attention_pallas.attention))
   with pytest.raises(Exception, match='Mosaic kernels cannot be automatically partitioned'):
     _compile(_config('decoder_only', MESHES['fsdp8']), devices, programs=('train',))
 

@@ -66,7 +66,7 @@ def test_attention_dropout_xla_and_blockwise_drop_the_same_probabilities(is_caus
   rng = jax.random.key(7)
   kw = dict(is_causal=is_causal, dropout_rate=0.3, dropout_rng=rng)
   dense = lambda q, k, v: attention.dot_product_attention(q, k, v, implementation='xla', **kw)
-  tiled = lambda q, k, v: attention.IMPLEMENTATIONS['blockwise'](  # noqa: E731
+  tiled = lambda q, k, v: attention.KERNELS['blockwise'].fn(  # noqa: E731
       q, k, v, scale=1 / np.sqrt(8), is_causal=is_causal, dropout_rate=0.3,
       dropout_seed=attention_xla.dropout_seed(rng), block_q=5, block_k=3)
   np.testing.assert_allclose(tiled(q, k, v), dense(q, k, v), atol=1e-5)

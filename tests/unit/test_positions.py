@@ -38,8 +38,8 @@ def model_config(**overrides):
 def rotate(x, pos, **kw):
   """RoPE on `[B, T, N, H]` at `[B, T]` positions through the position object's hook."""
   obj = rope.RoPE(x.shape[-1], **kw)
-  out, _, extra = obj.in_attention(x, x, pos, pos, is_causal=False)
-  assert extra == {}
+  out, _, terms = obj.in_attention(x, x, pos, pos, is_causal=False)
+  assert not terms
   return np.asarray(out, np.float64)
 
 
@@ -190,9 +190,9 @@ def test_alibi_slopes_golden():
 
 def test_alibi_passes_slopes_to_the_kernel():
   q = jnp.zeros((1, 3, 4, 8))
-  q2, k2, kwargs = positions.ALiBi(4).in_attention(q, q, None, None, is_causal=True)
-  assert q2 is q and k2 is q
-  np.testing.assert_allclose(kwargs['alibi_slopes'], [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8])
+  q2, k2, terms = positions.ALiBi(4).in_attention(q, q, None, None, is_causal=True)
+  assert q2 is q and k2 is q and terms.names() == ('alibi_slopes',)
+  np.testing.assert_allclose(terms.alibi_slopes, [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8])
 
 
 @pytest.mark.parametrize('bidirectional,table', [(True, T5_BIDIRECTIONAL), (False, T5_CAUSAL)])
@@ -207,8 +207,8 @@ def test_t5_bias_is_a_table_lookup_per_head_from_positions():
   obj = positions.T5Bias(3, 16, num_buckets=8, max_distance=16, rngs=nnx.Rngs(0))
   q = jnp.zeros((2, 4, 3, 4))
   q_pos = np.array([[0, 1, 2, 3], [0, 1, 0, 1]])  # second row packed: positions restart
-  _, _, kwargs = obj.in_attention(q, q, jnp.asarray(q_pos), jnp.asarray(q_pos), is_causal=False)
-  bias = np.asarray(kwargs['bias'])
+  _, _, terms = obj.in_attention(q, q, jnp.asarray(q_pos), jnp.asarray(q_pos), is_causal=False)
+  bias = np.asarray(terms.bias)
   assert bias.shape == (2, 3, 4, 4)
   table = np.asarray(obj.table.embedding.value)  # [buckets, N]
   for b in range(2):

@@ -1,6 +1,7 @@
 """FIRE, KERPLE, xPos and randomized positions: float64 references, defining properties, kernels,
 cached decoding and config checks."""
 
+import dataclasses
 import functools
 import math
 
@@ -111,8 +112,9 @@ def test_one_layer_model_equals_float64_reference(kind, is_causal, impl, monkeyp
                      position=kind, attention_impl=impl, fire_threshold=3.0)
   enc = stack.Stack(cfg, vocab_size=20, max_length=8, rngs=nnx.Rngs(0))
   # Blockwise tiles of 3 x 3 on a row of 8: the per-tile bias path, padding and the bands.
-  monkeypatch.setitem(attention.IMPLEMENTATIONS, 'blockwise', functools.partial(
-      attention_blockwise.attention, block_q=3, block_k=3))
+  monkeypatch.setitem(attention.KERNELS, 'blockwise', dataclasses.replace(
+      attention.KERNELS['blockwise'],
+      fn=functools.partial(attention_blockwise.attention, block_q=3, block_k=3)))
   tokens = jnp.array([[3, 7, 1, 9, 4, 12, 5, 2]])
   seg = np.array([1, 1, 1, 1, 1, 2, 2, 2])
   pos = np.array([0, 1, 2, 3, 4, 0, 1, 2])
@@ -202,8 +204,7 @@ def test_blockwise_equals_xla_forward_and_gradient(kind):
 
   def loss(params, q, k, v, impl, **kw):
     pb = relative_bias.PositionBias(cls.fn, params, pos, pos)
-    out = attention.IMPLEMENTATIONS[impl](q, k, v, scale=0.3, is_causal=True, position_bias=pb,
-                                          **kw)
+    out = attention.KERNELS[impl].fn(q, k, v, scale=0.3, is_causal=True, position_bias=pb, **kw)
     return jnp.sum(out * jnp.cos(out)), out
 
   grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
@@ -254,7 +255,9 @@ def test_learned_bias_refused_by_kernels_that_cannot_take_it(kind):
                                   {'r1': jnp.ones(2), 'r2': jnp.ones(2)},
                                   jnp.arange(4)[None], jnp.arange(4)[None])
   q = jnp.ones((1, 4, 2, 8))
-  with pytest.raises(ValueError, match="implementation='pallas' cannot take a learned position"):
+  with pytest.raises(ValueError, match="implementation='pallas' cannot take a learned bias "
+                                      "function of the positions, evaluated per tile; valid: "
+                                      "blockwise, xla$"):
     attention.dot_product_attention(q, q, q, implementation='pallas', position_bias=pb)
 
 
@@ -277,7 +280,11 @@ def test_config_checks_of_the_new_fields():
   bad.model.random_positions_max = 256
   validation.validate(bad)
   bad.model.update(position='xpos', random_positions_max=0, xpos_block=64, attention_impl='ring')
-  with pytest.raises(validation.ConfigError, match="xpos_block > 0 .*attention_impl='ring'"):
+  with pytest.raises(validation.ConfigError,
+                     match=r"model.position='xpos' adds a \[T, S\] mask, which "
+                           r"model.attention_impl='ring' cannot take; valid values: blockwise, "
+                           r"cudnn, pallas, xla \(or model.position in: alibi, learned, nope, rope, "
+                           r"sinusoidal\)$"):
     validation.validate(bad)
   bad.model.xpos_block = -1
   with pytest.raises(validation.ConfigError, match='xpos_block=-1 must be an integer >= 0'):
@@ -348,8 +355,8 @@ def test_xpos_block_with_a_variant_without_scores_is_refused_at_validation():
   config = validation.resolve(default.get_config())
   config.model.update({'position': 'xpos', 'xpos_block': 16, 'attention': 'sliding_window'})
   with pytest.raises(validation.ConfigError,
-                     match=r"^model.xpos_block=16 \(a \[T, S\] mask\) is not valid with "
-                           r"model.attention='sliding_window'; valid values here: 0"):
+                     match=r"^model.position='xpos' adds a \[T, S\] mask to the scores, which "
+                           r"model.attention='sliding_window' does not take; valid values: "):
     validation.validate(config)
   config.model.xpos_block = 0
   validation.validate(config)

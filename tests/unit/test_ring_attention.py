@@ -149,8 +149,14 @@ def test_errors():
     with pytest.raises(ValueError, match=r'config\.mesh\.sequence > 1'):
       attention.dot_product_attention(q, k, v, implementation='ring')
   with jax.set_mesh(MESHES['seq8']()):
-    with pytest.raises(ValueError, match='no dense bias/mask'):
+    # The kernel table refuses the terms ring does not declare before it is called.
+    with pytest.raises(ValueError, match=r"^implementation='ring' cannot take a dense \[T, S\] "
+                                         'bias; valid: blockwise, cudnn, pallas, xla$'):
       attention.dot_product_attention(q, k, v, bias=jnp.zeros((64, 64)), implementation='ring')
-    with pytest.raises(ValueError, match='no dense bias/mask'):
+    with pytest.raises(ValueError, match=r"^implementation='ring' cannot take a \[T, S\] mask; "
+                                         'valid: blockwise, cudnn, pallas, xla$'):
       attention.dot_product_attention(q, k, v, mask=jnp.ones((64, 64), bool),
                                       implementation='ring')
+    # ... and ring itself, called directly.
+    with pytest.raises(ValueError, match='no dense bias/mask'):
+      attention.KERNELS['ring'].fn(q, k, v, bias=jnp.zeros((64, 64)), scale=1.0)

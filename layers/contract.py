@@ -1,0 +1,79 @@
+"""The contract between position methods, attention variants and kernels.
+
+A position method hands attention a `ScoreTerms` (what it adds to the `[T, S]` scores) and declares
+which of its fields it may set (`Position.terms_for`). A kernel declares in one `Kernel` row what it
+takes. An attention variant declares whether it runs a kernel at all and which cached step it has.
+training/validation.py derives every compatibility rule from these declarations; no rule about a
+particular position or kernel is written anywhere else.
+"""
+
+import dataclasses
+from typing import Any, Callable
+
+# The fields of ScoreTerms, and how a message names each.
+TERMS = ('bias', 'alibi_slopes', 'position_bias', 'mask')
+TERM_NAMES = {
+    'bias': 'a dense [T, S] bias',
+    'alibi_slopes': 'ALiBi slopes',
+    'position_bias': 'a learned bias function of the positions, evaluated per tile',
+    'mask': 'a [T, S] mask',
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreTerms:
+  """What a position method adds to attention's scores; every field is optional.
+
+  Attributes:
+    bias: float, broadcastable to `[B, N, T, S]`, added to the scaled scores (T5's bucket table).
+    alibi_slopes: `[N]`; the kernel adds -slope * |i - j| on its tiles (ALiBi).
+    position_bias: a `layers.relative_bias.PositionBias`, a learned function of the positions the
+      kernel evaluates per tile (FIRE, KERPLE).
+    mask: boolean, broadcastable to `[B, 1, T, S]`, True where a key may be seen (xPos's blocks).
+  """
+
+  bias: Any = None
+  alibi_slopes: Any = None
+  position_bias: Any = None
+  mask: Any = None
+
+  def names(self):
+    """The fields that are set, in `TERMS` order."""
+    return tuple(name for name in TERMS if getattr(self, name) is not None)
+
+  def kwargs(self):
+    """The set fields as keyword arguments of `layers.attention.dot_product_attention`."""
+    return {name: getattr(self, name) for name in self.names()}
+
+  def __bool__(self):
+    return bool(self.names())
+
+
+NONE = ScoreTerms()
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One exact-softmax kernel (`config.model.attention_impl`) and what it takes.
+
+  Attributes:
+    fn: `fn(q, k, v, bias, mask, *, scale, is_causal, window, alibi_slopes, q_segment_ids,
+      kv_segment_ids, **extra)` -> `[B, T, N, H]` (extra: position_bias, dropout_rate/seed).
+    terms: the ScoreTerms fields it evaluates.
+    dropout: it takes attention dropout (model.attention_dropout > 0).
+    sequence_mesh: 'any' (GSPMD partitions it), 'never' (each device holds the whole sequence:
+      mesh.sequence must be 1) or 'needed' (it splits the length: mesh.sequence > 1).
+    platforms: the jax backends it runs on.
+    decodes: it serves the one-row cached decoding step; the others leave that step to 'xla'.
+  """
+
+  fn: Callable
+  terms: tuple = TERMS
+  dropout: bool = False
+  sequence_mesh: str = 'any'
+  platforms: tuple = ('cpu', 'gpu', 'tpu')
+  decodes: bool = False
+
+  def missing(self, terms):
+    """The names in `terms` this kernel cannot take."""
+    return [name for name in terms if name not in self.terms]

@@ -1,0 +1,132 @@
+"""What attention, its kernel and the position method can do together, derived from declarations.
+
+Every rule here reads a declaration: the kernel's row in `layers.attention.KERNELS`
+(`layers.contract.Kernel`: the score terms it takes, dropout, the sequence mesh, platforms), the
+variant's class attributes (`uses_kernel`, `takes_score_terms`, `cached_decoding`, ...) and the
+position method's `terms_for`. No position, kernel or variant is named here, so a new one is
+checked as soon as it declares what it does.
+"""
+
+from layers import attention
+from layers import attention_variants
+from layers import contract
+from layers import options
+from layers import positions
+
+ConfigError = options.ConfigError
+
+
+def attention_layers(model_cfg):
+  """[(field, class, takes the position)] for every attention the model builds: each stack's
+  self-attention (the position acts there) and the decoder's cross-attention (it does not)."""
+  m = model_cfg
+  variants = attention_variants.VARIANTS
+  if m.arch == 'rnn_seq2seq':
+    return []  # its attention is layers.rnn_attention's, with no kernel
+  layers = [('model.attention', variants[m.attention], True)]
+  if m.arch == 'encoder_decoder':
+    decoder = m.get('decoder_attention', '')
+    if decoder:
+      layers.append(('model.decoder_attention', variants[decoder], True))
+    layers.append(('cross-attention', attention.Attention, False))
+  return layers
+
+
+def decoder_layer(model_cfg):
+  """(field, class) of the self-attention that decodes token by token, or None (no decoder)."""
+  m = model_cfg
+  if m.arch == 'decoder_only':
+    return 'model.attention', attention_variants.VARIANTS[m.attention]
+  if m.arch == 'encoder_decoder':
+    decoder = m.get('decoder_attention', '')
+    field = 'model.decoder_attention' if decoder else 'model.attention'
+    return field, attention_variants.VARIANTS[decoder or m.attention]
+  return None
+
+
+def check_decoding(model_cfg, what):
+  """Raises ConfigError if `what` (e.g. '--translate') needs a KV-cache decode the decoder's
+  attention variant does not declare (`cached_decoding` None)."""
+  layer = decoder_layer(model_cfg)
+  if layer is None or layer[1].cached_decoding is not None:
+    return
+  field, cls = layer
+  valid = [name for name, v in attention_variants.VARIANTS.items()
+           if v.cached_decoding is not None and v.supports_causal]
+  raise ConfigError(f'{what} decodes with a KV cache, which {field}={model_cfg[field[6:]]!r} '
+                    f'({cls.__name__}) does not have; valid values: {", ".join(valid)}')
+
+
+def _positions_without(terms_allowed, model_cfg):
+  """The position methods whose terms under `model_cfg` all lie in `terms_allowed`."""
+  return sorted(name for name, p in positions.POSITIONS.items()
+                if set(p.terms_for(model_cfg)) <= set(terms_allowed))
+
+
+def check_position_terms(model_cfg, layers):
+  """The position's score terms (`terms_for`) against each self-attention that receives them:
+  the variant must take score terms, and the kernel it runs every term."""
+  m = model_cfg
+  terms = positions.POSITIONS[m.position].terms_for(m)
+  if not terms:
+    return
+  kernel = attention.KERNELS[m.attention_impl]
+  for field, cls, takes_position in layers:
+    if not takes_position:
+      continue
+    if not cls.takes_score_terms:
+      raise ConfigError(
+          f'model.position={m.position!r} adds {contract.TERM_NAMES[terms[0]]} to the scores, '
+          f'which {field}={m[field[6:]]!r} does not take; valid values: '
+          f'{", ".join(_positions_without((), m))}')
+    missing = kernel.missing(terms) if cls.uses_kernel else []
+    if missing:
+      raise ConfigError(
+          f'model.position={m.position!r} adds {contract.TERM_NAMES[missing[0]]}, which '
+          f'model.attention_impl={m.attention_impl!r} cannot take; valid values: '
+          f'{", ".join(attention.kernels_taking(missing[0]))} (or model.position in: '
+          f'{", ".join(_positions_without(kernel.terms, m))})')
+
+
+def check_kernel(config):
+  """`model.attention_impl` against the variants that run it, the position, dropout, the mesh's
+  sequence axis and this host's platform."""
+  m = config.model
+  impl = m.attention_impl
+  kernel = attention.KERNELS[impl]
+  layers = attention_layers(m)
+  check_position_terms(m, layers)
+  users = [cls for _, cls, _ in layers if cls.uses_kernel]
+  if not users:
+    if impl != 'xla':
+      raise ConfigError(f'model.attention_impl={impl!r} is not used: model.attention='
+                        f'{m.attention!r} computes its attention its own way; valid value: '
+                        "'xla' (the default)")
+    return
+  rate = m.get('attention_dropout', 0.0)
+  if rate > 0 and not kernel.dropout:
+    raise ConfigError(f'model.attention_dropout={rate!r} is not implemented by '
+                      f'model.attention_impl={impl!r}; valid values with attention dropout: '
+                      f'{", ".join(attention.kernels_taking(dropout=True))} (or '
+                      'attention_dropout=0)')
+  mesh = config.get('mesh', None)
+  sequence = mesh.get('sequence', 1) if mesh is not None else 1
+  if kernel.sequence_mesh == 'never' and sequence > 1:
+    raise ConfigError(f'model.attention_impl={impl!r} holds the whole sequence on each device '
+                      f'(shard_map over batch and heads), so mesh.sequence={sequence} would only '
+                      'repeat its work; valid: mesh.sequence=1, or model.attention_impl in: '
+                      f'{", ".join(_kernels_with_sequence("needed"))} (context parallelism)')
+  if kernel.sequence_mesh == 'needed' and sequence < 2:
+    raise ConfigError(f'model.attention_impl={impl!r} needs mesh.sequence > 1 (the devices the '
+                      'length is split over); valid on one device: '
+                      f'{", ".join(_kernels_with_sequence("any"))}')
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() not in kernel.platforms:
+    valid = [k for k, v in attention.KERNELS.items() if jax.default_backend() in v.platforms]
+    raise ConfigError(f'model.attention_impl={impl!r} needs {" or ".join(kernel.platforms)}; '
+                      f'valid here ({jax.default_backend()}): {", ".join(valid)}')
+
+
+def _kernels_with_sequence(kind):
+  """The kernels whose `sequence_mesh` is `kind`."""
+  return [k for k, v in attention.KERNELS.items() if v.sequence_mesh == kind]
