@@ -1,0 +1,101 @@
+"""Every attention variant x kernel x position method: refused at validation in one line, or it
+trains two steps and tools.accounting counts its parameters as the model has them. Nothing in
+between ends in a traceback. (Cached decoding equals the full forward pass for every position and
+variant in tests/unit/test_decoding.py and test_relative_positions.py; eval.py refuses a decoder
+with no cached step, tests/unit/test_open_contract.py.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from configs import default
+from data import pipeline
+from layers import attention
+from layers import attention_variants
+from layers import positions
+from layers import sharding
+from models import accounting
+from training import diagnostics
+from training import loop
+from training import state as state_lib
+from training import validation
+
+V = 23
+LENGTH = 16
+SPECIAL = models.SpecialIds(pad=0, bos=1, eos=2, sep=3, mask=4, first_word=5)  # encoder_only's
+
+
+def combination(variant, impl, position):
+  """A one-layer config of the combination (encoder_only for a variant with no causal form; a
+  sequence axis of 2 for a kernel that needs one)."""
+  config = default.get_config('quick')
+  m = config.model
+  m.update(arch='decoder_only' if attention_variants.VARIANTS[variant].supports_causal
+           else 'encoder_only', attention=variant, attention_impl=impl, position=position,
+           num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, d_ff=32, window=2,
+           global_tokens=(0,), bigbird_block=4, bigbird_random_blocks=1, linformer_k=4,
+           performer_features=8)
+  config.data.max_length = LENGTH
+  config.train.update(batch_size=2, steps=2, warmup_steps=0)
+  if attention.KERNELS[impl].sequence_mesh == 'needed':
+    config.mesh.sequence = 2
+  return validation.resolve(config)
+
+
+def outcomes():
+  """{(variant, impl, position): None (accepted) or the refusal}; any other exception propagates."""
+  out = {}
+  for variant in sorted(attention_variants.VARIANTS):
+    for impl in sorted(attention.KERNELS):
+      for position in sorted(positions.POSITIONS):
+        try:
+          validation.validate(combination(variant, impl, position))
+          out[variant, impl, position] = None
+        except validation.ConfigError as e:
+          out[variant, impl, position] = str(e)
+  return out
+
+
+OUTCOMES = outcomes()
+ACCEPTED = sorted(k for k, v in OUTCOMES.items() if v is None)
+
+
+def test_every_refusal_is_one_line_naming_a_field():
+  refused = {k: v for k, v in OUTCOMES.items() if v is not None}
+  assert refused and ACCEPTED
+  for key, message in refused.items():
+    assert '\n' not in message and message.startswith(('model.', 'mesh.')), (key, message)
+    assert 'valid' in message, (key, message)
+  # The declarations, not a list, decide; spot checks of what they must give.
+  assert ('dense', 'xla', 'fire') in ACCEPTED and ('dense', 'ring', 'alibi') in ACCEPTED
+  assert OUTCOMES['dense', 'pallas', 'kerple'] and OUTCOMES['dense', 'ring', 't5_bias']
+  assert OUTCOMES['linear', 'pallas', 'rope'] and OUTCOMES['longformer', 'xla', 'alibi']
+
+
+def _batch(config):
+  shapes = pipeline.batch_shapes(models.batch_format(config.model.arch), config.train.batch_size,
+                                 LENGTH)
+  rng = np.random.default_rng(0)
+  fill = {'inputs': lambda shape: rng.integers(1, V, shape),
+          'targets': lambda shape: rng.integers(1, V, shape),
+          'positions': lambda shape: np.broadcast_to(np.arange(shape[1]), shape)}
+  return {name: jnp.asarray(fill.get(name, np.ones)(shape), dtype)
+          for name, (shape, dtype) in shapes.items()}
+
+
+@pytest.mark.parametrize('variant,impl,position', ACCEPTED)
+def test_an_accepted_combination_trains_and_is_counted(variant, impl, position):
+  config = combination(variant, impl, position)
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:config.mesh.sequence])
+  graphdef, tx, state = state_lib.create_state(config, V, mesh, special_ids=SPECIAL)
+  with jax.set_mesh(mesh), sharding.use_rules(mesh, sharding.rules_of(config.mesh)):
+    step = loop.jit_train_step(config, graphdef, tx, state, mesh,
+                               diagnostics.param_groups(state['params'])[1])
+    batch = _batch(config)
+    for _ in range(2):
+      state, sums = step(state, batch)
+      assert np.isfinite(float(sums['loss_sum'])), (variant, impl, position)
+  counted = accounting.counted_params(accounting.abstract_model(config.model, V, LENGTH))
+  assert counted == accounting.formula_params(config.model, V, LENGTH)
