@@ -59,7 +59,16 @@ def resolve(config):
 
 def validate(config):
   """Raises ConfigError on the first invalid field of `config` (after `resolve`)."""
-  m, t, d = config.model, config.train, config.data
+  _validate_model(config)
+  _validate_train(config)
+  _validate_data(config)
+  _validate_mesh(config)
+  validation_attention.check_kernel(config)
+
+
+def _validate_model(config):
+  """config.model: the registries' keys and checks, the sizes and the architectures' fields."""
+  m, d = config.model, config.data
   _choice('model.arch', m.arch, models.ARCHS)
   _choice('model.attention', m.attention, attention_variants.VARIANTS)
   _choice('model.attention_impl', m.attention_impl, attention.KERNELS)
@@ -113,6 +122,10 @@ def validate(config):
   if not 0.0 <= m.dropout < 1.0:
     raise ConfigError(f'model.dropout={m.dropout!r} must be in [0, 1)')
 
+
+def _validate_train(config):
+  """config.train: the loop's and the optimiser's fields."""
+  t = config.train
   for name in ('steps', 'batch_size', 'checkpoint_every', 'eval_every', 'log_every',
                'keep_checkpoints'):
     if not isinstance(t[name], int) or t[name] <= 0:
@@ -147,6 +160,10 @@ def validate(config):
   _choice('train.loss_on', t.loss_on, LOSS_ON)
   _validate_loop_options(config)
 
+
+def _validate_data(config):
+  """config.data: packing, the dataset's directory, shards, length and the task's own fields."""
+  t, d = config.train, config.data
   _choice('data.packing', d.packing, PACKINGS)
   if not isinstance(d.data_dir, str) or not d.data_dir.strip():
     raise ConfigError(f'data.data_dir={d.data_dir!r} must name a directory (an empty path would '
@@ -167,8 +184,6 @@ def validate(config):
       raise ConfigError(f'data.files.{given[0]}={d.files[given[0]]!r} is read only by '
                         f"data.task='text_pairs' or 'text_lm' (data.task={d.task!r} is the toy "
                         "task); valid here: '' (or set data.task)")
-  _validate_mesh(config)
-  validation_attention.check_kernel(config)
 
 
 def _validate_text_data(config):

@@ -24,7 +24,6 @@ PENDING = {
     'configs/default.py:get_config',
     'layers/sparse_attention.py:sparse_attention',
     'training/loop.py:_train',
-    'training/validation.py:validate',
 }
 
 
