@@ -6,7 +6,7 @@ For each depth and layout: `state_lib.create_state` (timed as "init"), then
 `jax.jit(training.steps.train_step ...).lower(state, batch)` ("lower": tracing to StableHLO) and
 `.compile()` ("compile": XLA), each timed once on the default backend. Decoder-only, D=128, N=4,
 F=512, T=64, B=8, float32; one warm-up compile first so that the first row does not pay for
-loading XLA. Prints a markdown table; the issue's goal is scanned 24 layers at most 1.5x the
+loading XLA. Prints a markdown table; the target is scanned 24 layers at most 1.5x the
 lower+compile time of scanned 2 layers.
 """
 

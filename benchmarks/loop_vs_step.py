@@ -19,7 +19,7 @@ order:
   over the same windows of `window` steps after two warm-up steps; tokens counted as the loop
   counts them (`training.steps.count_tokens`).
 
-The table gives each one's median over its windows and rounds and their ratio (the issue's goal:
+The table gives each one's median over its windows and rounds and their ratio (the target:
 the loop at >= 0.95x the step).
 """
 

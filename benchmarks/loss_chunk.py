@@ -19,7 +19,7 @@ median over the rounds and its ratio to the plain path's. Every variant's first 
 initial state is checked against the plain one (loss and gradient norm, relative 1e-5).
 glibc malloc is tuned as train.py does (`training.host.tune_host_malloc`).
 
-The issue's goal: with loss_chunk, temp memory <= 1/4 of the plain path's at >= 0.9x its speed.
+The target: with loss_chunk, temp memory <= 1/4 of the plain path's at >= 0.9x its speed.
 """
 
 import functools

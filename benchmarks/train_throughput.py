@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/train_throughput.py [--steps=4] [--rounds=5] [--dropout=0,0.1]
         [--sizes=a,b] [--host_malloc=tuned,default] [--json]
 
-For each size below (the issue's (a) and (b)), times the jitted `training.steps.train_step` on random tokens
+For each size below ((a) and (b)), times the jitted `training.steps.train_step` on random tokens
 (no input pipeline: the step alone) and, in the same process, a reference step written in this file
 with no attnlab code (`reference_*`: plain JAX einsums and optax), the same model as attnlab's
 default config at that size: decoder-only, Pre-LN with LayerNorm (scale and shift, epsilon 1e-6)

@@ -30,7 +30,7 @@ def get_config(arg=None):
   config.model = model = ml_collections.ConfigDict()
   model.arch = 'decoder_only'  # decoder_only | encoder_only | encoder_decoder | rnn_seq2seq
   model.attention = 'dense'  # attention variant, a key of layers.attention_variants.VARIANTS
-  model.attention_impl = 'xla'  # exact softmax kernel: xla | blockwise | pallas | cudnn (GPU)
+  model.attention_impl = 'xla'  # softmax kernel: xla | blockwise | pallas | cudnn (GPU) | ring
   model.position = 'sinusoidal'  # sinusoidal | learned | rope | alibi | t5_bias | nope | fire |
   #                                kerple (log variant) | xpos
   model.norm = 'layernorm'  # layernorm | rmsnorm
