@@ -23,8 +23,8 @@ DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 
 
-class Config(NamedTuple):
-  """Static (hashable) settings of one kernel call."""
+class TileConfig(NamedTuple):
+  """Static (hashable) settings of one tiled kernel call (blockwise, and both Pallas kernels)."""
   scale: float
   is_causal: bool
   window: tuple | None
@@ -340,8 +340,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
   bq, bk = min(block_q, t), min(block_k, s)
   nq, nk = -(-t // bq), -(-s // bk)
   tp, sp = nq * bq, nk * bk
-  cfg = Config(float(scale), bool(is_causal), None if window is None else tuple(window), t, s, bq, bk,
-               float(dropout_rate))
+  cfg = TileConfig(float(scale), bool(is_causal), None if window is None else tuple(window), t, s,
+                   bq, bk, float(dropout_rate))
 
   # Block-major layouts, so that a block is one contiguous leading-axis slice.
   q = _pad_axis(query, 1, tp).reshape(b, nq, bq, kh, g, h).transpose(1, 0, 3, 4, 2, 5)

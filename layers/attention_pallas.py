@@ -64,11 +64,11 @@ def _unpack(refs, flags):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg, flags, num_k_blocks):
-  opt, (o_ref, lse_ref) = _unpack(refs, flags)
+  extra, (o_ref, lse_ref) = _unpack(refs, flags)
   i = pl.program_id(2)
   q = q_ref[...]  # [bq, H]
-  q_seg = None if opt['q_seg'] is None else opt['q_seg'][...]
-  slope = None if opt['slopes'] is None else opt['slopes'][...]
+  q_seg = None if extra['q_seg'] is None else extra['q_seg'][...]
+  slope = None if extra['slopes'] is None else extra['slopes'][...]
   bk = cfg.block_k
 
   def body(j, carry):
@@ -76,9 +76,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg, flags, num_k_blocks):
     cols = pl.ds(j * bk, bk)
     s = _tile_logits(
         q, k_ref[cols, :], i, j, cfg,
-        bias=None if opt['bias'] is None else opt['bias'][:, cols],
-        mask=None if opt['mask'] is None else opt['mask'][:, cols], slope=slope, q_seg=q_seg,
-        kv_seg=None if opt['kv_seg'] is None else opt['kv_seg'][cols])  # [bq, bk]
+        bias=None if extra['bias'] is None else extra['bias'][:, cols],
+        mask=None if extra['mask'] is None else extra['mask'][:, cols], slope=slope, q_seg=q_seg,
+        kv_seg=None if extra['kv_seg'] is None else extra['kv_seg'][cols])  # [bq, bk]
     m_new = jnp.maximum(m, s.max(axis=-1))
     shift = _safe(m_new)
     p = jnp.exp(s - shift[:, None])
@@ -98,20 +98,20 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg, flags, num_k_blocks):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, flags, num_k_blocks):
-  opt, (dq_ref,) = _unpack(refs, flags)
+  extra, (dq_ref,) = _unpack(refs, flags)
   i = pl.program_id(2)
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-  q_seg = None if opt['q_seg'] is None else opt['q_seg'][...]
-  slope = None if opt['slopes'] is None else opt['slopes'][...]
+  q_seg = None if extra['q_seg'] is None else extra['q_seg'][...]
+  slope = None if extra['slopes'] is None else extra['slopes'][...]
   bk = cfg.block_k
 
   def body(j, dq):
     cols = pl.ds(j * bk, bk)
     k = k_ref[cols, :]
     s = _tile_logits(
-        q, k, i, j, cfg, bias=None if opt['bias'] is None else opt['bias'][:, cols],
-        mask=None if opt['mask'] is None else opt['mask'][:, cols], slope=slope, q_seg=q_seg,
-        kv_seg=None if opt['kv_seg'] is None else opt['kv_seg'][cols])
+        q, k, i, j, cfg, bias=None if extra['bias'] is None else extra['bias'][:, cols],
+        mask=None if extra['mask'] is None else extra['mask'][:, cols], slope=slope, q_seg=q_seg,
+        kv_seg=None if extra['kv_seg'] is None else extra['kv_seg'][cols])
     p = jnp.exp(s - lse[:, None])  # lse = +inf on empty rows: p = 0
     dp = jnp.dot(do, v_ref[cols, :].T, preferred_element_type=jnp.float32)
     ds = p * (dp - delta[:, None])
@@ -125,12 +125,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, flag
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, flags, num_q_blocks,
                 groups, bias_per_head):
   """dK, dV of one key tile of kv head kk: sums over its G query heads and their query band."""
-  opt, out_refs = _unpack(refs, flags)
+  extra, out_refs = _unpack(refs, flags)
   dk_ref, dv_ref = out_refs[:2]
   dbias_ref = out_refs[2] if flags['bias'] else None
   j = pl.program_id(2)
   k, v = k_ref[...], v_ref[...]  # [bk, H]
-  kv_seg = None if opt['kv_seg'] is None else opt['kv_seg'][...]
+  kv_seg = None if extra['kv_seg'] is None else extra['kv_seg'][...]
   bq = cfg.block_q
   if dbias_ref is not None:
     # Tiles outside the band get no visit; their bias gradient is zero.
@@ -146,15 +146,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, fla
       q = q_ref[g, rows, :]
       do = do_ref[g, rows, :]
       bias = None
-      if opt['bias'] is not None:
-        bias = opt['bias'][g, rows, :] if bias_per_head else opt['bias'][rows, :]
+      if extra['bias'] is not None:
+        bias = extra['bias'][g, rows, :] if bias_per_head else extra['bias'][rows, :]
       mask = None
-      if opt['mask'] is not None:
-        mask = opt['mask'][g, rows, :] if bias_per_head else opt['mask'][rows, :]
+      if extra['mask'] is not None:
+        mask = extra['mask'][g, rows, :] if bias_per_head else extra['mask'][rows, :]
       s = _tile_logits(
           q, k, i, j, cfg, bias=bias, mask=mask,
-          slope=None if opt['slopes'] is None else opt['slopes'][pl.ds(g, 1)],
-          q_seg=None if opt['q_seg'] is None else opt['q_seg'][rows], kv_seg=kv_seg)
+          slope=None if extra['slopes'] is None else extra['slopes'][pl.ds(g, 1)],
+          q_seg=None if extra['q_seg'] is None else extra['q_seg'][rows], kv_seg=kv_seg)
       p = jnp.exp(s - lse_ref[g, rows][:, None])  # [bq, bk]
       dv = dv + jnp.dot(p.astype(do.dtype).T, do, preferred_element_type=jnp.float32)
       dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
@@ -180,7 +180,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, name, backend):
                         compiler_params=params, name=name)
 
 
-def _optional_specs(opt, g, bq, bk, per_q_tile):
+def _extra_specs(extra, g, bq, bk, per_q_tile):
   """BlockSpecs of the optional inputs for a grid (b, n, i) over query tiles or (b, kk, j) key tiles.
 
   `per_q_tile`: the forward/dQ grid (one query tile, all keys) versus dK/dV (one key tile, all
@@ -188,7 +188,7 @@ def _optional_specs(opt, g, bq, bk, per_q_tile):
   """
   specs = []
   for name in ('bias', 'mask'):
-    x = opt[name]
+    x = extra[name]
     if x is None:
       continue
     b1, n1, tp, sp = x.shape
@@ -203,13 +203,13 @@ def _optional_specs(opt, g, bq, bk, per_q_tile):
     else:
       specs.append(pl.BlockSpec((None, None, tp, bk),
                                 lambda b, kk, j, bsel=bsel: (bsel(b), 0, 0, j)))
-  if opt['slopes'] is not None:
+  if extra['slopes'] is not None:
     if per_q_tile:
       specs.append(pl.BlockSpec((1,), lambda b, n, i: (n,)))
     else:
       specs.append(pl.BlockSpec((g,), lambda b, kk, j: (kk,)))
-  if opt['q_seg'] is not None:
-    tp, sp = opt['q_seg'].shape[1], opt['kv_seg'].shape[1]
+  if extra['q_seg'] is not None:
+    tp, sp = extra['q_seg'].shape[1], extra['kv_seg'].shape[1]
     if per_q_tile:
       specs += [pl.BlockSpec((None, bq), lambda b, n, i: (b, i)),
                 pl.BlockSpec((None, sp), lambda b, n, i: (b, 0))]
@@ -219,41 +219,41 @@ def _optional_specs(opt, g, bq, bk, per_q_tile):
   return specs
 
 
-def _opt_args(opt):
-  args = [opt[name] for name in ('bias', 'mask', 'slopes') if opt[name] is not None]
-  if opt['q_seg'] is not None:
-    args += [opt['q_seg'], opt['kv_seg']]
+def _extra_args(extra):
+  args = [extra[name] for name in ('bias', 'mask', 'slopes') if extra[name] is not None]
+  if extra['q_seg'] is not None:
+    args += [extra['q_seg'], extra['kv_seg']]
   return args
 
 
-def _flags(opt):
-  return {name: opt[name] is not None for name in ('bias', 'mask', 'slopes', 'q_seg', 'kv_seg')}
+def _flags(extra):
+  return {name: extra[name] is not None for name in ('bias', 'mask', 'slopes', 'q_seg', 'kv_seg')}
 
 
-def _forward(cfg, backend, q, k, v, opt):
+def _forward(cfg, backend, q, k, v, extra):
   """q `[B, N, Tp, H]`, k/v `[B, K, Sp, H]` -> out `[B, N, Tp, H]` float32, lse `[B, N, Tp]`."""
   b, n, tp, h = q.shape
   kh, sp = k.shape[1], k.shape[2]
   g, bq = n // kh, cfg.block_q
   kv_spec = pl.BlockSpec((None, None, sp, h), lambda bb, nn, i: (bb, lax.div(nn, g), 0, 0))
   q_spec = pl.BlockSpec((None, None, bq, h), lambda bb, nn, i: (bb, nn, i, 0))
-  kernel = functools.partial(_fwd_kernel, cfg=cfg, flags=_flags(opt), num_k_blocks=sp // cfg.block_k)
+  kernel = functools.partial(_fwd_kernel, cfg=cfg, flags=_flags(extra), num_k_blocks=sp // cfg.block_k)
   return _call(
       kernel, (b, n, tp // bq),
-      [q_spec, kv_spec, kv_spec] + _optional_specs(opt, g, bq, cfg.block_k, True),
+      [q_spec, kv_spec, kv_spec] + _extra_specs(extra, g, bq, cfg.block_k, True),
       [q_spec, pl.BlockSpec((None, None, bq), lambda bb, nn, i: (bb, nn, i))],
       [jax.ShapeDtypeStruct((b, n, tp, v.shape[-1]), jnp.float32),
        jax.ShapeDtypeStruct((b, n, tp), jnp.float32)], 'flash_forward', backend,
-  )(q, k, v, *_opt_args(opt))
+  )(q, k, v, *_extra_args(extra))
 
 
-def _backward(cfg, backend, q, k, v, opt, out, lse, d_out):
+def _backward(cfg, backend, q, k, v, extra, out, lse, d_out):
   b, n, tp, h = q.shape
   kh, sp = k.shape[1], k.shape[2]
   g, bq, bk = n // kh, cfg.block_q, cfg.block_k
   delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)  # [B, N, Tp]: rowsum(dO * O)
   do = d_out.astype(q.dtype)
-  flags = _flags(opt)
+  flags = _flags(extra)
 
   q_spec = pl.BlockSpec((None, None, bq, h), lambda bb, nn, i: (bb, nn, i, 0))
   row_spec = pl.BlockSpec((None, None, bq), lambda bb, nn, i: (bb, nn, i))
@@ -261,9 +261,9 @@ def _backward(cfg, backend, q, k, v, opt, out, lse, d_out):
   dq = _call(
       functools.partial(_dq_kernel, cfg=cfg, flags=flags, num_k_blocks=sp // bk),
       (b, n, tp // bq),
-      [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + _optional_specs(opt, g, bq, cfg.block_k, True),
+      [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + _extra_specs(extra, g, bq, cfg.block_k, True),
       q_spec, jax.ShapeDtypeStruct(q.shape, jnp.float32), 'flash_dq', backend,
-  )(q, k, v, do, lse, delta, *_opt_args(opt))
+  )(q, k, v, do, lse, delta, *_extra_args(extra))
 
   # The G query heads of kv head kk are the kk-th group of G consecutive heads.
   qg_spec = pl.BlockSpec((None, g, tp, h), lambda bb, kk, j: (bb, kk, 0, 0))
@@ -275,22 +275,22 @@ def _backward(cfg, backend, q, k, v, opt, out, lse, d_out):
     # ds of every (head, query, key): the bias is dense in T and S, so is its gradient.
     out_specs.append(pl.BlockSpec((None, g, tp, bk), lambda bb, kk, j: (bb, kk, 0, j)))
     out_shape.append(jax.ShapeDtypeStruct((b, n, tp, sp), jnp.float32))
-  bias_per_head = opt['bias'] is not None and opt['bias'].shape[1] > 1
-  if opt['mask'] is not None:
-    bias_per_head = opt['mask'].shape[1] > 1
-  if opt['bias'] is not None and opt['mask'] is not None:
-    assert opt['bias'].shape[1] == opt['mask'].shape[1]
+  bias_per_head = extra['bias'] is not None and extra['bias'].shape[1] > 1
+  if extra['mask'] is not None:
+    bias_per_head = extra['mask'].shape[1] > 1
+  if extra['bias'] is not None and extra['mask'] is not None:
+    assert extra['bias'].shape[1] == extra['mask'].shape[1]
   res = _call(
       functools.partial(_dkv_kernel, cfg=cfg, flags=flags, num_q_blocks=tp // bq, groups=g,
                         bias_per_head=bias_per_head),
       (b, kh, sp // bk),
-      [qg_spec, kt_spec, kt_spec, qg_spec, rowg_spec, rowg_spec] + _optional_specs(opt, g, bq, bk, False),
+      [qg_spec, kt_spec, kt_spec, qg_spec, rowg_spec, rowg_spec] + _extra_specs(extra, g, bq, bk, False),
       out_specs, out_shape, 'flash_dkv', backend,
-  )(q, k, v, do, lse, delta, *_opt_args(opt))
+  )(q, k, v, do, lse, delta, *_extra_args(extra))
   dk, dv = res[0], res[1]
   dbias = None
   if flags['bias']:
-    b1, n1 = opt['bias'].shape[:2]
+    b1, n1 = extra['bias'].shape[:2]
     dbias = res[2]
     dbias = dbias if b1 > 1 else dbias.sum(0, keepdims=True)
     dbias = dbias if n1 > 1 else dbias.sum(1, keepdims=True)
@@ -298,19 +298,19 @@ def _backward(cfg, backend, q, k, v, opt, out, lse, d_out):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash(cfg, backend, q, k, v, opt):
-  return _forward(cfg, backend, q, k, v, opt)[0]
+def _flash(cfg, backend, q, k, v, extra):
+  return _forward(cfg, backend, q, k, v, extra)[0]
 
 
-def _flash_fwd(cfg, backend, q, k, v, opt):
-  out, lse = _forward(cfg, backend, q, k, v, opt)
-  return out, (q, k, v, opt, out, lse)  # O(T) residuals besides the inputs
+def _flash_fwd(cfg, backend, q, k, v, extra):
+  out, lse = _forward(cfg, backend, q, k, v, extra)
+  return out, (q, k, v, extra, out, lse)  # O(T) residuals besides the inputs
 
 
 def _flash_bwd(cfg, backend, res, d_out):
-  q, k, v, opt, out, lse = res
-  dq, dk, dv, dbias = _backward(cfg, backend, q, k, v, opt, out, lse, d_out)
-  d_opt = {name: None for name in opt}
+  q, k, v, extra, out, lse = res
+  dq, dk, dv, dbias = _backward(cfg, backend, q, k, v, extra, out, lse, d_out)
+  d_opt = {name: None for name in extra}
   d_opt['bias'] = dbias
   return dq, dk, dv, d_opt
 
@@ -335,8 +335,8 @@ def gpu_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=F
   bq, bk = min(block_q, pl.next_power_of_2(t)), min(block_k, pl.next_power_of_2(s))
   tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
   hp = pl.next_power_of_2(h)
-  cfg = blockwise.Config(float(scale), bool(is_causal), None if window is None else tuple(window),
-                         t, s, bq, bk)
+  cfg = blockwise.TileConfig(float(scale), bool(is_causal),
+                             None if window is None else tuple(window), t, s, bq, bk)
   pad_t = lambda x, axis, size: blockwise._pad_axis(x, axis, size)  # pylint: disable=protected-access
   q = pad_t(pad_t(query, 1, tp), 3, hp).transpose(0, 2, 1, 3)  # [B, N, Tp, Hp]
   k = pad_t(pad_t(key, 1, sp), 3, hp).transpose(0, 2, 1, 3)  # [B, K, Sp, Hp]
@@ -356,7 +356,7 @@ def gpu_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=F
   widen = lambda x: None if x is None else jnp.broadcast_to(
       x.reshape((1,) * (4 - x.ndim) + x.shape),
       (x.reshape((1,) * (4 - x.ndim) + x.shape).shape[0], n1) + x.shape[-2:])
-  opt = {
+  extra = {
       'bias': dense_bt(widen(bias), jnp.float32),
       'mask': dense_bt(widen(mask), jnp.int8),  # int8: boolean refs do not lower everywhere
       'slopes': None if alibi_slopes is None else lax.stop_gradient(
@@ -364,7 +364,7 @@ def gpu_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=F
       'q_seg': None if q_segment_ids is None else pad_t(q_segment_ids.astype(jnp.int32), 1, tp),
       'kv_seg': None if kv_segment_ids is None else pad_t(kv_segment_ids.astype(jnp.int32), 1, sp),
   }
-  out = _flash(cfg, backend, q, k, v, opt)  # [B, N, Tp, Hp]
+  out = _flash(cfg, backend, q, k, v, extra)  # [B, N, Tp, Hp]
   return out[:, :, :t, :h].transpose(0, 2, 1, 3).astype(query.dtype)
 
 
@@ -396,7 +396,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
     return attention_pallas_tpu.attention(x, y, z, alibi_slopes=o['slopes'],
                                           q_segment_ids=o['q_seg'], kv_segment_ids=o['kv_seg'], **kw)
 
-  opt = {'bias': bias, 'mask': mask, 'slopes': alibi_slopes, 'q_seg': q_segment_ids,
+  extra = {'bias': bias, 'mask': mask, 'slopes': alibi_slopes, 'q_seg': q_segment_ids,
          'kv_seg': kv_segment_ids}
-  return lax.platform_dependent(query, key, value, opt, cuda=gpu('triton'), rocm=gpu('triton'),
+  return lax.platform_dependent(query, key, value, extra, cuda=gpu('triton'), rocm=gpu('triton'),
                                 tpu=tpu, default=gpu('interpret'))

@@ -200,23 +200,23 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, semantics, inte
       name=name)
 
 
-def _option_specs(opt, bq, bk, q_map, kv_map):
+def _extra_specs(extra, bq, bk, q_map, kv_map):
   """Specs of slopes (all of it, in SMEM), q segments `[bq, 128]` and kv segments `[8, bk]`."""
   specs = []
-  if opt['slopes'] is not None:
+  if extra['slopes'] is not None:
     specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-  if opt['q_seg'] is not None:
+  if extra['q_seg'] is not None:
     specs += [pl.BlockSpec((None, bq, LANES), q_map), pl.BlockSpec((None, SUBLANES, bk), kv_map)]
   return specs
 
 
-def _option_args(opt):
-  args = [] if opt['slopes'] is None else [opt['slopes']]
-  return args if opt['q_seg'] is None else args + [opt['q_seg'], opt['kv_seg']]
+def _extra_args(extra):
+  args = [] if extra['slopes'] is None else [extra['slopes']]
+  return args if extra['q_seg'] is None else args + [extra['q_seg'], extra['kv_seg']]
 
 
-def _flags(opt):
-  return (opt['slopes'] is not None, opt['q_seg'] is not None)
+def _flags(extra):
+  return (extra['slopes'] is not None, extra['q_seg'] is not None)
 
 
 def _lanes(x):
@@ -224,7 +224,7 @@ def _lanes(x):
   return jnp.broadcast_to(x[..., None], x.shape + (LANES,))
 
 
-def _forward(cfg, interpret, q, k, v, opt):
+def _forward(cfg, interpret, q, k, v, extra):
   """q `[B, N, Tp, H]`, k/v `[B, K, Sp, H]` -> out `[B, N, Tp, H]` float32, lse `[B, N, Tp]`."""
   b, n, tp, h = q.shape
   kh, sp = k.shape[1], k.shape[2]
@@ -239,26 +239,26 @@ def _forward(cfg, interpret, q, k, v, opt):
   kv_spec = pl.BlockSpec((None, None, bk, h),
                          lambda bb, nn, i, j: (bb, lax.div(nn, g), kv_block(i, j), 0))
   row_spec = pl.BlockSpec((None, None, bq, LANES), lambda bb, nn, i, j: (bb, nn, i, 0))
-  opt_specs = _option_specs(opt, bq, bk, lambda bb, nn, i, j: (bb, i, 0),
+  extra_specs = _extra_specs(extra, bq, bk, lambda bb, nn, i, j: (bb, i, 0),
                             lambda bb, nn, i, j: (bb, 0, kv_block(i, j)))
   out, lse = _call(
-      functools.partial(_fwd_kernel, cfg=cfg, flags=_flags(opt), nk=nk), (b, n, nq, nk),
-      [q_spec, kv_spec, kv_spec] + opt_specs, [q_spec, row_spec],
+      functools.partial(_fwd_kernel, cfg=cfg, flags=_flags(extra), nk=nk), (b, n, nq, nk),
+      [q_spec, kv_spec, kv_spec] + extra_specs, [q_spec, row_spec],
       [jax.ShapeDtypeStruct((b, n, tp, h), jnp.float32),
        jax.ShapeDtypeStruct((b, n, tp, LANES), jnp.float32)],
       [pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
        pltpu.VMEM((bq, h), jnp.float32)],
       ('parallel', 'parallel', 'parallel', 'arbitrary'), interpret, 'flash_forward_tpu',
-  )(q, k, v, *_option_args(opt))
+  )(q, k, v, *_extra_args(extra))
   return out, lse[..., 0]
 
 
-def _backward(cfg, interpret, q, k, v, opt, out, lse, d_out):
+def _backward(cfg, interpret, q, k, v, extra, out, lse, d_out):
   b, n, tp, h = q.shape
   kh, sp = k.shape[1], k.shape[2]
   g, bq, bk = n // kh, cfg.block_q, cfg.block_k
   nq, nk = tp // bq, sp // bk
-  flags = _flags(opt)
+  flags = _flags(extra)
   delta = _lanes(jnp.sum(out * d_out.astype(jnp.float32), axis=-1))  # [B, N, Tp, 128]: rowsum(dO*O)
   lse = _lanes(lse)  # [B, N, Tp, 128]
   do = d_out.astype(q.dtype)
@@ -273,12 +273,12 @@ def _backward(cfg, interpret, q, k, v, opt, out, lse, d_out):
                          lambda bb, nn, i, j: (bb, lax.div(nn, g), kv_block(i, j), 0))
   dq = _call(
       functools.partial(_dq_kernel, cfg=cfg, flags=flags, nk=nk), (b, n, nq, nk),
-      [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + _option_specs(
-          opt, bq, bk, lambda bb, nn, i, j: (bb, i, 0),
+      [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + _extra_specs(
+          extra, bq, bk, lambda bb, nn, i, j: (bb, i, 0),
           lambda bb, nn, i, j: (bb, 0, kv_block(i, j))),
       q_spec, jax.ShapeDtypeStruct(q.shape, jnp.float32), [pltpu.VMEM((bq, h), jnp.float32)],
       ('parallel', 'parallel', 'parallel', 'arbitrary'), interpret, 'flash_dq_tpu',
-  )(q, k, v, do, lse, delta, *_option_args(opt))
+  )(q, k, v, do, lse, delta, *_extra_args(extra))
 
   # Grid (b, kv head kk, key tile j, query head g of the group, query tile i): the G query heads
   # of kv head kk are the kk-th group of G consecutive heads; both inner axes accumulate.
@@ -293,31 +293,31 @@ def _backward(cfg, interpret, q, k, v, opt, out, lse, d_out):
   kt_spec = pl.BlockSpec((None, None, bk, h), lambda bb, kk, j, gg, i: (bb, kk, j, 0))
   dk, dv = _call(
       functools.partial(_dkv_kernel, cfg=cfg, flags=flags, nq=nq, groups=g), (b, kh, nk, g, nq),
-      [qg_spec, kt_spec, kt_spec, qg_spec, rowg_spec, rowg_spec] + _option_specs(
-          opt, bq, bk, lambda bb, kk, j, gg, i: (bb, q_block(j, i), 0),
+      [qg_spec, kt_spec, kt_spec, qg_spec, rowg_spec, rowg_spec] + _extra_specs(
+          extra, bq, bk, lambda bb, kk, j, gg, i: (bb, q_block(j, i), 0),
           lambda bb, kk, j, gg, i: (bb, 0, j)),
       [kt_spec, kt_spec],
       [jax.ShapeDtypeStruct(k.shape, jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32)],
       [pltpu.VMEM((bk, h), jnp.float32), pltpu.VMEM((bk, h), jnp.float32)],
       ('parallel', 'parallel', 'parallel', 'arbitrary', 'arbitrary'), interpret, 'flash_dkv_tpu',
-  )(q, k, v, do, lse, delta, *_option_args(opt))
+  )(q, k, v, do, lse, delta, *_extra_args(extra))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash(cfg, interpret, q, k, v, opt):
-  return _forward(cfg, interpret, q, k, v, opt)[0]
+def _flash(cfg, interpret, q, k, v, extra):
+  return _forward(cfg, interpret, q, k, v, extra)[0]
 
 
-def _flash_fwd(cfg, interpret, q, k, v, opt):
-  out, lse = _forward(cfg, interpret, q, k, v, opt)
-  return out, (q, k, v, opt, out, lse)  # O(T) residuals besides the inputs
+def _flash_fwd(cfg, interpret, q, k, v, extra):
+  out, lse = _forward(cfg, interpret, q, k, v, extra)
+  return out, (q, k, v, extra, out, lse)  # O(T) residuals besides the inputs
 
 
 def _flash_bwd(cfg, interpret, res, d_out):
-  q, k, v, opt, out, lse = res
-  dq, dk, dv = _backward(cfg, interpret, q, k, v, opt, out, lse, d_out)
-  return dq, dk, dv, {name: None for name in opt}  # slopes and segment ids: no gradient
+  q, k, v, extra, out, lse = res
+  dq, dk, dv = _backward(cfg, interpret, q, k, v, extra, out, lse, d_out)
+  return dq, dk, dv, {name: None for name in extra}  # slopes and segment ids: no gradient
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -350,8 +350,8 @@ def attention(query, key, value, *, scale, is_causal=False, window=None, alibi_s
   # are dropped, and their zero cotangent adds nothing to dK/dV: results are exact.
   bq, bk = min(block_q, _round_up(t, LANES)), min(block_k, _round_up(s, LANES))
   tp, sp = _round_up(t, bq), _round_up(s, bk)
-  cfg = blockwise.Config(float(scale), bool(is_causal), None if window is None else tuple(window),
-                         t, s, bq, bk)
+  cfg = blockwise.TileConfig(float(scale), bool(is_causal),
+                             None if window is None else tuple(window), t, s, bq, bk)
   pad = blockwise._pad_axis  # pylint: disable=protected-access
   # A head dim above 128 is padded to whole lanes (the statistics are tiled to it): zero features
   # add nothing to q·k, and v's zero columns give output columns that are dropped.
@@ -359,14 +359,14 @@ def attention(query, key, value, *, scale, is_causal=False, window=None, alibi_s
   q = pad(pad(query, 1, tp), 3, hp).transpose(0, 2, 1, 3)  # [B, N, Tp, Hp]
   k = pad(pad(key, 1, sp), 3, hp).transpose(0, 2, 1, 3)  # [B, K, Sp, Hp]
   v = pad(pad(value, 1, sp), 3, hp).transpose(0, 2, 1, 3)  # [B, K, Sp, Hp]
-  opt = {'slopes': None, 'q_seg': None, 'kv_seg': None}
+  extra = {'slopes': None, 'q_seg': None, 'kv_seg': None}
   if alibi_slopes is not None:
-    opt['slopes'] = lax.stop_gradient(alibi_slopes.astype(jnp.float32))  # [N]
+    extra['slopes'] = lax.stop_gradient(alibi_slopes.astype(jnp.float32))  # [N]
   if q_segment_ids is not None:
     # Mosaic layouts: query ids replicated over 128 lanes, key ids over 8 sublanes.
     q_seg = pad(q_segment_ids.astype(jnp.int32), 1, tp)  # [B, Tp]
     kv_seg = pad(kv_segment_ids.astype(jnp.int32), 1, sp)  # [B, Sp]
-    opt['q_seg'] = jnp.broadcast_to(q_seg[:, :, None], (b, tp, LANES))
-    opt['kv_seg'] = jnp.broadcast_to(kv_seg[:, None, :], (b, SUBLANES, sp))
-  out = _flash(cfg, bool(interpret), q, k, v, opt)  # [B, N, Tp, Hp] float32
+    extra['q_seg'] = jnp.broadcast_to(q_seg[:, :, None], (b, tp, LANES))
+    extra['kv_seg'] = jnp.broadcast_to(kv_seg[:, None, :], (b, SUBLANES, sp))
+  out = _flash(cfg, bool(interpret), q, k, v, extra)  # [B, N, Tp, Hp] float32
   return out[:, :, :t, :h].transpose(0, 2, 1, 3).astype(query.dtype)

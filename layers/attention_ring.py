@@ -31,7 +31,7 @@ LENGTH_AXIS = 'sequence'
 HEAD_AXIS = 'tensor'
 
 
-class Config(NamedTuple):
+class RingConfig(NamedTuple):
   """Static (hashable) settings of one ring call."""
   mesh: jax.sharding.AbstractMesh
   ring: int  # P, the size of the `sequence` axis
@@ -327,8 +327,8 @@ def ring_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=
     batch = ()
   tp = sizes.get(HEAD_AXIS, 1)
   heads = HEAD_AXIS if tp > 1 and n % tp == 0 and kh % tp == 0 else None
-  cfg = Config(mesh, ring, batch, heads, float(scale), bool(is_causal),
-               None if window is None else tuple(window), s)
+  cfg = RingConfig(mesh, ring, batch, heads, float(scale), bool(is_causal),
+                   None if window is None else tuple(window), s)
 
   # The length is padded to a multiple of P: padded keys are hidden (`kv_len`), padded query rows
   # are dropped from the output.

@@ -153,7 +153,7 @@ def test_bands_are_exactly_the_tiles_with_visible_keys(is_causal, window):
   """Tiles outside the band are skipped; the band must hold every visible tile, and no other."""
   t, s, bq, bk = 70, 53, 16, 8
   nq, nk = -(-t // bq), -(-s // bk)
-  cfg = attention_blockwise.Config(1.0, is_causal, window, t, s, bq, bk)
+  cfg = attention_blockwise.TileConfig(1.0, is_causal, window, t, s, bq, bk)
   vis = masks.visible(np.arange(nq * bq)[:, None], np.arange(nk * bk)[None, :],
                       is_causal=is_causal, window=window)  # [Tp, Sp]
   tiles = vis.reshape(nq, bq, nk, bk).any(axis=(1, 3))  # [nq, nk]
