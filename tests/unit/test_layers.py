@@ -10,6 +10,7 @@ from flax import nnx
 
 from configs import default
 from training import validation
+from training import validation_attention
 from layers import attention
 from layers import attention_variants
 from layers import block
@@ -128,9 +129,11 @@ def test_every_registry_entry_declares_its_options_and_accepts_the_defaults(fiel
 def test_a_variant_check_names_its_field_and_valid_values():
   cfg = model_config(attention='longformer', position='t5_bias')
   data = ml_collections.ConfigDict({'max_length': 64})
-  with pytest.raises(validation.ConfigError, match=r"^model\.position='t5_bias' adds a score term "
-                     r'.*; valid values: learned, nope, rope, sinusoidal, xpos$'):
-    attention_variants.VARIANTS['longformer'].check_config(cfg, data)
+  # Derived from the declarations (takes_score_terms, the position's terms), not the variant's code.
+  with pytest.raises(validation.ConfigError, match=r"^model\.position='t5_bias' adds a dense "
+                     r"\[T, S\] bias to the scores, which model.attention='longformer' does not "
+                     r'take; valid values: learned, nope, rope, sinusoidal, xpos$'):
+    validation_attention.check_position_terms(cfg, validation_attention.attention_layers(cfg))
   cfg.update(position='rope', window=-2)
   with pytest.raises(validation.ConfigError, match=r'^model\.window=-2 must be an integer >= 0$'):
     attention_variants.VARIANTS['longformer'].check_config(cfg, data)
