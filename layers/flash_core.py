@@ -1,0 +1,195 @@
+"""The online-softmax pieces of every flash kernel (blockwise, ring, Pallas GPU/TPU), written once.
+
+Each kernel cuts q, k, v into tiles in its own layout and calls these pure jnp functions on them:
+`tile_logits` (scale, biases, visibility), `online_update` (the running max/sum/output after one key
+tile), `finalize` (output and logsumexp), `probabilities` and `ds` (the backward pass), and
+`flash_vjp` (the custom VJP with O(T) residuals). They run inside Pallas kernel bodies too, so they
+use only ops that both Triton and Mosaic lower: `jnp.where` masks, elementwise math, reductions over
+the last axis, and `lax.dot_general` with float32 accumulation.
+
+Row statistics (running max, sum, logsumexp, the backward's delta) are `[..., bq]`, one per query
+row, or lane-replicated `[..., bq, 128]` (the Mosaic kernel keeps them one vreg row wide); the
+functions below accept either layout and broadcast them against a `[..., bq, W]` tile accordingly.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from layers import masks
+
+
+def pad_axis(x, axis, size, value=0):
+  """`x` padded with `value` at the end of `axis` to length `size` (unchanged if already so)."""
+  pad = size - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def tile_logits(qk, q_pos, k_pos, *, scale, is_causal=False, window=None, kv_len=None, bias=None,
+                slope=None, position_bias=None, q_seg=None, k_seg=None, mask=None):
+  """Scaled, biased scores of one tile, -inf where the key is hidden from the query.
+
+  Args:
+    qk: the tile's q·kᵀ `[..., bq, bk]` float32 (each kernel multiplies in its own layout).
+    q_pos, k_pos: int positions broadcastable against the tile's last two axes (`[bq, 1]` and
+      `[1, bk]`, or whole `[bq, bk]` tiles where 1-D iotas do not lower, as in Mosaic).
+    scale: the score scale (1/sqrt(H) by default), applied before any bias.
+    is_causal, window: see `masks.visible`.
+    kv_len: None, or the key length S: keys at or past it pad the last tile and are hidden.
+    bias: None or a float32 dense bias tile broadcastable to `qk`.
+    slope: None or float32 ALiBi slopes broadcastable to `qk` (`[K, G, 1, 1]`, `[1]`, a scalar):
+      adds `masks.alibi_bias`'s -slope * |i - j| from the tile's positions.
+    position_bias: None or a learned position bias (FIRE, KERPLE, T5) evaluated on the tile's
+      positions, broadcastable to `qk`.
+    q_seg, k_seg: None or segment ids broadcastable like q_pos / k_pos (leading batch axes allowed).
+    mask: None or a boolean tile broadcastable to `qk`, True where visible.
+
+  Returns:
+    `[..., bq, bk]` float32 (the broadcast shape).
+  """
+  s = qk * scale
+  if bias is not None:
+    s = s + bias
+  if slope is not None:
+    # From the tile's positions: the [N, T, S] bias is never formed.
+    s = s - slope * jnp.abs(q_pos - k_pos).astype(jnp.float32)
+  if position_bias is not None:
+    s = s + position_bias
+  vis = masks.visible(q_pos, k_pos, is_causal=is_causal, window=window, q_seg=q_seg, k_seg=k_seg)
+  if kv_len is not None:
+    in_range = k_pos < kv_len
+    vis = in_range if vis is None else vis & in_range
+  if mask is not None:
+    vis = mask if vis is None else vis & mask
+  if vis is None:
+    return s
+  # -inf (not a large finite value): exp gives exact zeros, and the running max of a row that has
+  # seen no visible key stays -inf, which `safe_max` turns into a finite shift.
+  return jnp.where(vis, s, -jnp.inf)
+
+
+def safe_max(m):
+  """A row max usable as an exp shift: -inf (no visible key yet) becomes 0, so exp(-inf - 0) = 0."""
+  return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def _as_stat(x, like):
+  """A row reduction `[..., bq]` in the layout of the statistic `like` (lane-replicated or not)."""
+  return x if x.ndim == like.ndim else x[..., None]
+
+
+def _across(stat, tile):
+  """A row statistic broadcast against `tile` `[..., bq, W]`: a trailing axis for `[..., bq]`;
+  a lane-replicated `[..., bq, 128]` is sliced (W < 128) or tiled (W a multiple of 128) to W."""
+  if stat.ndim < tile.ndim:
+    return stat[..., None]
+  lanes, width = stat.shape[-1], tile.shape[-1]
+  if width == lanes:
+    return stat
+  if width < lanes:
+    return stat[..., :width]
+  return jnp.tile(stat, (1,) * (stat.ndim - 1) + (width // lanes,))
+
+
+def _times_v(p, v):
+  """p `[..., bq, bk]` @ v `[..., bk, H]` in float32; v's leading axes are p's leading batch axes
+  (p may have more, e.g. the G query heads of a key/value head): `[..., bq, H]`."""
+  batch = tuple(range(v.ndim - 2))
+  dims = (((p.ndim - 1,), (v.ndim - 2,)), (batch, batch))
+  return lax.dot_general(p.astype(v.dtype), v, dims, preferred_element_type=jnp.float32)
+
+
+def init_carry(rows, width):
+  """The online softmax before any key: max -inf, sum 0, output 0 (`rows`, `rows` + (width,))."""
+  return (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
+          jnp.zeros(tuple(rows) + (width,), jnp.float32))
+
+
+def online_update(carry, logits, v, *, dropout=None):
+  """Folds one key tile into the online softmax (FlashAttention-2).
+
+  Args:
+    carry: (m, l, acc): running max and sum `[..., bq]` (or lane-replicated `[..., bq, 128]`) and
+      the un-normalised output `[..., bq, H]`, all float32.
+    logits: `[..., bq, bk]` float32 from `tile_logits`.
+    v: `[..., bk, H]`, its leading axes a prefix of the logits' batch axes.
+    dropout: None, or a function of the probabilities giving those multiplied with v (attention
+      dropout acts after the softmax: the sum keeps the undropped ones).
+
+  Returns:
+    The carry after the tile.
+  """
+  m, l, acc = carry
+  m_new = jnp.maximum(m, _as_stat(jnp.max(logits, axis=-1), m))
+  shift = safe_max(m_new)
+  p = jnp.exp(logits - _across(shift, logits))  # [..., bq, bk]
+  # The max grew: earlier tiles' sums were taken against a smaller shift, rescale them.
+  alpha = jnp.exp(m - shift)
+  l = alpha * l + _as_stat(jnp.sum(p, axis=-1), l)
+  pv = _times_v(p if dropout is None else dropout(p), v)  # [..., bq, H]
+  return m_new, l, _across(alpha, acc) * acc + pv
+
+
+def finalize(carry):
+  """(out `[..., bq, H]`, lse) of the online softmax; rows that saw no key give zeros and lse +inf.
+
+  +inf makes every probability the backward pass recomputes, exp(s - lse), exactly 0 on such rows.
+  """
+  m, l, acc = carry
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  return acc / _across(l_safe, acc), jnp.where(empty, jnp.inf, m + jnp.log(l_safe))
+
+
+def probabilities(logits, lse):
+  """The forward's softmax of a tile, recomputed from its logits and the rows' logsumexp."""
+  return jnp.exp(logits - _across(lse, logits))
+
+
+def backward_delta(out, d_out):
+  """rowsum(dO * O) `[..., bq]` = sum_j P_ij dP_ij per row (also with dropout, O being the dropped
+  output and dP the gradient reaching the undropped P, as in FlashAttention)."""
+  return jnp.sum(out * d_out.astype(jnp.float32), axis=-1)
+
+
+def ds(p, dp, delta):
+  """d loss / d logits of a tile: P * (dP - delta), delta from `backward_delta` (the softmax's
+  Jacobian applied to dP without forming it)."""
+  return p * (dp - _across(delta, p))
+
+
+def flash_vjp(forward, backward):
+  """A flash kernel with a custom VJP whose residuals are O(T): the inputs, output and logsumexp.
+
+  Autodiff through the kernel's loops would store every tile's probabilities instead, and make
+  memory quadratic again; the backward pass recomputes them tile by tile.
+
+  Args:
+    forward: `forward(static, *args) -> (out, lse)`.
+    backward: `backward(static, args, out, lse, d_out) -> cotangents of args` (None for arrays
+      that receive none, e.g. segment ids).
+
+  Returns:
+    `f(static, *args) -> out`; `static` (hashable settings) is not differentiated.
+  """
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+  def flash(static, *args):
+    return forward(static, *args)[0]
+
+  def flash_fwd(static, *args):
+    out, lse = forward(static, *args)
+    return out, (args, out, lse)
+
+  def flash_bwd(static, res, d_out):
+    args, out, lse = res
+    return tuple(backward(static, args, out, lse, d_out))
+
+  flash.defvjp(flash_fwd, flash_bwd)
+  return flash
