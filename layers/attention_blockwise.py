@@ -4,7 +4,9 @@ The forward pass visits query blocks one after another and, for each, only the b
 `is_causal`/`window` leave visible, carrying the running max, denominator and un-normalised output.
 A `jax.custom_vjp` keeps only the output and the per-row logsumexp as residuals and recomputes the
 probabilities block by block in the backward pass; autodiff through the loops would instead store
-every block's probabilities and make memory quadratic again.
+every block's probabilities and make memory quadratic again. The per-block pieces (logits, online
+update, finalize, dS, the custom VJP) are `layers.flash_core`'s, shared with the ring and Pallas
+kernels.
 """
 
 import functools
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from layers import attention_xla
-from layers import masks
+from layers import flash_core
 
 # Measured on a 2-core CPU (benchmarks/attention.py): 512x512 blocks keep the per-block matmuls large
 # enough to run at matmul speed while the [B, N, bq, bk] probability tile stays in cache-sized memory.
@@ -84,41 +86,26 @@ def block_logits(q, k, i, j, cfg, *, bias=None, mask=None, slopes=None, q_seg=No
     i, j: block indices (traced).
     bias: None or `[b, K|1, G|1, bq|1, bk|1]` float32 (already sliced to the block).
     mask: None or boolean, shaped like `bias`.
-    slopes: None or `[N]` ALiBi slopes.
+    slopes: None or `[N]` float32 ALiBi slopes.
     q_seg, kv_seg: None or `[B, bq]`, `[B, bk]`.
     pos_bias: None or (params, q_pos `[B|1, bq]`, k_pos `[B|1, bk]`) of `cfg.bias_fn`.
 
   Returns:
     `[B, K, G, bq, bk]` float32.
   """
-  b, kh, g, bq, _ = q.shape
+  kh, g, bq, _ = q.shape[1:]
   bk = k.shape[2]
-  s = jnp.einsum('BKGTH,BKSH->BKGTS', q, k, preferred_element_type=jnp.float32) * cfg.scale
-  q_pos = i * cfg.block_q + jnp.arange(bq)[:, None]  # [bq, 1]
-  k_pos = j * cfg.block_k + jnp.arange(bk)[None, :]  # [1, bk]
-  if bias is not None:
-    s = s + bias
-  if slopes is not None:
-    # From the block's positions: the [N, T, S] bias is never formed.
-    s = s + masks.alibi_bias(slopes, q_pos, k_pos).reshape(kh, g, bq, bk)
-  if pos_bias is not None:
-    s = s + _tile_position_bias(cfg, *pos_bias).reshape(-1, kh, g, bq, bk)
-  vis = masks.visible(q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
-                      q_seg=None if q_seg is None else q_seg[:, :, None],
-                      k_seg=None if kv_seg is None else kv_seg[:, None, :])
-  # Keys past S are padding of the last block.
-  if cfg.kv_len % cfg.block_k:
-    in_range = k_pos < cfg.kv_len  # [1, bk]
-    vis = in_range if vis is None else vis & in_range
-  if vis is None and mask is None:
-    return s
-  if vis is not None and vis.ndim == 3:
-    vis = vis[:, None, None]  # [B, 1, 1, bq, bk]
-  if mask is not None:
-    vis = mask if vis is None else vis & mask
-  # -inf (not a large finite value): exp gives exact zeros, and the running max of a row that has seen
-  # no visible key stays -inf, which `_safe` below turns into a finite shift.
-  return jnp.where(vis, s, -jnp.inf)
+  qk = jnp.einsum('BKGTH,BKSH->BKGTS', q, k, preferred_element_type=jnp.float32)
+  return flash_core.tile_logits(
+      qk, i * cfg.block_q + jnp.arange(bq)[:, None], j * cfg.block_k + jnp.arange(bk)[None, :],
+      scale=cfg.scale, is_causal=cfg.is_causal, window=cfg.window,
+      # Keys past S are padding of the last block.
+      kv_len=cfg.kv_len if cfg.kv_len % cfg.block_k else None, bias=bias,
+      slope=None if slopes is None else slopes.reshape(kh, g, 1, 1),
+      position_bias=None if pos_bias is None else _tile_position_bias(cfg, *pos_bias).reshape(
+          -1, kh, g, bq, bk),
+      q_seg=None if q_seg is None else q_seg[:, None, None, :, None],  # [B, 1, 1, bq, 1]
+      k_seg=None if kv_seg is None else kv_seg[:, None, None, None, :], mask=mask)
 
 
 def _tile_keep(drop_keys, i, j, cfg):
@@ -148,11 +135,6 @@ def _tile_pb(pb, qp, j):
   return None if pb is None else (pb[0], qp, pb[2][j])
 
 
-def _safe(m):
-  """A row max usable as an exp shift: -inf (no visible key yet) becomes 0, so exp(-inf - 0) = 0."""
-  return jnp.where(jnp.isneginf(m), 0.0, m)
-
-
 def _slice_bt(x, i, j, cfg):
   """Block (i, j) of a `[b, K|1, G|1, Tp|1, Sp|1]` bias or mask; size-1 axes stay broadcast."""
   if x is None:
@@ -180,48 +162,30 @@ def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb):
 
   def one_query_block(_, xs):
     i, qb, qs, qp = xs
-    shape = qb.shape[:-1]  # [B, K, G, bq]
 
     def body(j, carry):
-      m, l, acc = carry
       s = block_logits(qb, k[j], i, j, cfg, bias=_slice_bt(bias, i, j, cfg),
                        mask=_slice_bt(mask, i, j, cfg), slopes=slopes, q_seg=qs,
                        kv_seg=None if kv_seg is None else kv_seg[j],
                        pos_bias=_tile_pb(pb, qp, j))  # [B, K, G, bq, bk]
-      m_new = jnp.maximum(m, s.max(-1))
-      shift = _safe(m_new)
-      p = jnp.exp(s - shift[..., None])  # [B, K, G, bq, bk]
-      # The max grew: earlier blocks' sums were taken against a smaller shift, rescale them.
-      alpha = jnp.exp(m - shift)
-      # The denominator sums the undropped probabilities: dropout acts after the softmax.
-      l = alpha * l + p.sum(-1)
-      pv = jnp.einsum('BKGTS,BKSH->BKGTH', _dropped(p, drop_keys, i, j, cfg).astype(v.dtype), v[j],
-                      preferred_element_type=jnp.float32)
-      return m_new, l, alpha[..., None] * acc + pv
+      # Dropout acts after the softmax: the denominator sums the undropped probabilities.
+      drop = functools.partial(_dropped, drop_keys=drop_keys, i=i, j=j, cfg=cfg)
+      return flash_core.online_update(carry, s, v[j], dropout=drop)
 
-    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(qb.shape, jnp.float32))
     lo, hi = key_block_band(i, cfg, nk)
-    m, l, acc = lax.fori_loop(lo, hi, body, init)
-    empty = l == 0.0
-    out = acc / jnp.where(empty, 1.0, l)[..., None]  # [B, K, G, bq, H], zeros on empty rows
-    # +inf on rows without a visible key makes every recomputed probability exp(s - inf) = 0.
-    lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-    return None, (out, lse)
+    carry = lax.fori_loop(lo, hi, body, flash_core.init_carry(qb.shape[:-1], qb.shape[-1]))
+    return None, flash_core.finalize(carry)  # [B, K, G, bq, H] (zeros on empty rows), [B, K, G, bq]
 
   _, (out, lse) = lax.scan(one_query_block, None,
                            (jnp.arange(nq), q, q_seg, None if pb is None else pb[1]))
   return out, lse
 
 
-def _backward(cfg, res, d_out):
+def _backward(cfg, args, out, lse, d_out):
   """FlashAttention-2 backward: per key block, sweep its query band, recomputing probabilities."""
-  q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb, out, lse = res
+  q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb = args
   nq, nk = q.shape[0], k.shape[0]
-  do = d_out.astype(jnp.float32)
-  # [nq, B, K, G, bq]: rowsum(dO * O) = sum_j P_ij dP_ij, also with dropout, where O is the
-  # dropped output and dP the gradient reaching the undropped P (FlashAttention's dropout).
-  delta = jnp.sum(do * out, axis=-1)
+  delta = flash_core.backward_delta(out, d_out)  # [nq, B, K, G, bq]
   do = d_out.astype(q.dtype)
 
   def one_key_block(carry, xs):
@@ -233,12 +197,12 @@ def _backward(cfg, res, d_out):
       s = block_logits(q[i], kb, i, j, cfg, bias=bias_ij, mask=_slice_bt(mask, i, j, cfg),
                        slopes=slopes, q_seg=None if q_seg is None else q_seg[i], kv_seg=ks,
                        pos_bias=_tile_pb(pb, None if pb is None else pb[1][i], j))
-      p = jnp.exp(s - lse[i][..., None])  # [B, K, G, bq, bk]
+      p = flash_core.probabilities(s, lse[i])  # [B, K, G, bq, bk]
       dv = dv + jnp.einsum('BKGTS,BKGTH->BKSH', _dropped(p, drop_keys, i, j, cfg).astype(do.dtype),
                            do[i], preferred_element_type=jnp.float32)
       dp = _dropped(jnp.einsum('BKGTH,BKSH->BKGTS', do[i], vb, preferred_element_type=jnp.float32),
                     drop_keys, i, j, cfg)
-      ds = p * (dp - delta[i][..., None])  # d loss / d scaled-and-biased score
+      ds = flash_core.ds(p, dp, delta[i])  # d loss / d scaled-and-biased score
       dk = dk + cfg.scale * jnp.einsum('BKGTS,BKGTH->BKSH', ds.astype(q.dtype), q[i],
                                        preferred_element_type=jnp.float32)
       dq_i = cfg.scale * jnp.einsum('BKGTS,BKSH->BKGTH', ds.astype(kb.dtype), kb,
@@ -277,27 +241,8 @@ def _backward(cfg, res, d_out):
           None if pb is None else (dpb, None, None))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb):
-  return _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb)[0]
-
-
-def _flash_fwd(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb):
-  out, lse = _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb)
-  # Only O(T) residuals: inputs, output and one logsumexp per row (the dropout mask is redrawn).
-  return out, (q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb, out, lse)
-
-
-_flash.defvjp(_flash_fwd, _backward)
-
-
-def _pad_axis(x, axis, size, value=0):
-  pad = size - x.shape[axis]
-  if pad == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths, constant_values=value)
+# Only O(T) residuals: inputs, output and one logsumexp per row (the dropout mask is redrawn).
+_flash = flash_core.flash_vjp(_forward, _backward)
 
 
 def _blocked_bt(x, n, k, t_pad, s_pad):
@@ -306,9 +251,9 @@ def _blocked_bt(x, n, k, t_pad, s_pad):
     return None
   x = x.reshape((1,) * (4 - x.ndim) + x.shape)
   if x.shape[2] != 1:
-    x = _pad_axis(x, 2, t_pad, False if x.dtype == jnp.bool_ else 0)
+    x = flash_core.pad_axis(x, 2, t_pad, False if x.dtype == jnp.bool_ else 0)
   if x.shape[3] != 1:
-    x = _pad_axis(x, 3, s_pad, False if x.dtype == jnp.bool_ else 0)
+    x = flash_core.pad_axis(x, 3, s_pad, False if x.dtype == jnp.bool_ else 0)
   heads = (k, n // k) if x.shape[1] == n else (1, 1)
   return x.reshape(x.shape[:1] + heads + x.shape[2:])
 
@@ -344,16 +289,17 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
                    bq, bk, float(dropout_rate))
 
   # Block-major layouts, so that a block is one contiguous leading-axis slice.
-  q = _pad_axis(query, 1, tp).reshape(b, nq, bq, kh, g, h).transpose(1, 0, 3, 4, 2, 5)
-  k = _pad_axis(key, 1, sp).reshape(b, nk, bk, kh, h).transpose(1, 0, 3, 2, 4)  # [nk, B, K, bk, H]
-  v = _pad_axis(value, 1, sp).reshape(b, nk, bk, kh, -1).transpose(1, 0, 3, 2, 4)
+  pad = flash_core.pad_axis
+  q = pad(query, 1, tp).reshape(b, nq, bq, kh, g, h).transpose(1, 0, 3, 4, 2, 5)
+  k = pad(key, 1, sp).reshape(b, nk, bk, kh, h).transpose(1, 0, 3, 2, 4)  # [nk, B, K, bk, H]
+  v = pad(value, 1, sp).reshape(b, nk, bk, kh, -1).transpose(1, 0, 3, 2, 4)
   q_seg = kv_seg = None
   if q_segment_ids is not None:
-    q_seg = _pad_axis(q_segment_ids, 1, tp).reshape(b, nq, bq).transpose(1, 0, 2)  # [nq, B, bq]
-    kv_seg = _pad_axis(kv_segment_ids, 1, sp).reshape(b, nk, bk).transpose(1, 0, 2)  # [nk, B, bk]
+    q_seg = pad(q_segment_ids, 1, tp).reshape(b, nq, bq).transpose(1, 0, 2)  # [nq, B, bq]
+    kv_seg = pad(kv_segment_ids, 1, sp).reshape(b, nk, bk).transpose(1, 0, 2)  # [nk, B, bk]
   bias5 = _blocked_bt(None if bias is None else bias.astype(jnp.float32), n, kh, tp, sp)
   mask5 = _blocked_bt(None if mask is None else mask.astype(jnp.bool_), n, kh, tp, sp)
-  slopes = None if alibi_slopes is None else lax.stop_gradient(alibi_slopes)
+  slopes = None if alibi_slopes is None else lax.stop_gradient(alibi_slopes).astype(jnp.float32)
 
   drop_keys = None
   if dropout_rate > 0:
@@ -361,8 +307,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
   pb = None
   if position_bias is not None:
     qp, kp = position_bias.q_pos, position_bias.k_pos  # [B|1, T], [B|1, S]
-    qp = _pad_axis(qp, 1, tp).reshape(qp.shape[0], nq, bq).transpose(1, 0, 2)  # [nq, B|1, bq]
-    kp = _pad_axis(kp, 1, sp).reshape(kp.shape[0], nk, bk).transpose(1, 0, 2)  # [nk, B|1, bk]
+    qp = pad(qp, 1, tp).reshape(qp.shape[0], nq, bq).transpose(1, 0, 2)  # [nq, B|1, bq]
+    kp = pad(kp, 1, sp).reshape(kp.shape[0], nk, bk).transpose(1, 0, 2)  # [nk, B|1, bk]
     pb = (position_bias.params, qp, kp)
     cfg = cfg._replace(bias_fn=position_bias.fn)
 

@@ -5,9 +5,10 @@ the host that traces it: a program compiled on a CPU host for a pod holds the po
 cuda/rocm: the Triton kernels of this file; tpu: `layers.attention_pallas_tpu` (dense bias/mask
 arrays go to the blockwise kernel there); any other platform: this file's kernels interpreted.
 
-The algorithm and the visible-block bands are those of `layers.attention_blockwise`; masks and the
-ALiBi bias come from `layers.masks` evaluated on each tile's positions. One program handles one
-(batch, head, block) tile; loops over the other sequence run inside the kernel over the band only.
+The visible-block bands are those of `layers.attention_blockwise`; the tile logits (visibility from
+`layers.masks`), the online softmax, its finalize, dS and the custom VJP are `layers.flash_core`'s,
+evaluated on each tile. One program handles one (batch, head, block) tile; loops over the other
+sequence run inside the kernel over the band only.
 """
 
 import functools
@@ -19,7 +20,7 @@ from jax.experimental import pallas as pl
 
 from layers import attention_blockwise as blockwise
 from layers import attention_pallas_tpu
-from layers import masks
+from layers import flash_core
 
 # Tile sizes (powers of two for the GPU lowering, which wants power-of-two tensor shapes).
 DEFAULT_BLOCK_Q = 64
@@ -32,26 +33,14 @@ def _tile_logits(q, k, i, j, cfg, *, bias=None, mask=None, slope=None, q_seg=Non
   q `[bq, H]`, k `[bk, H]`; bias `[bq, bk]`; mask int8 `[bq, bk]`; slope `[1]`; segs `[bq]`, `[bk]`.
   """
   bq, bk = q.shape[0], k.shape[0]
-  s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * cfg.scale  # [bq, bk]
-  q_pos = i * cfg.block_q + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)  # [bq, 1]
-  k_pos = j * cfg.block_k + lax.broadcasted_iota(jnp.int32, (1, bk), 1)  # [1, bk]
-  if bias is not None:
-    s = s + bias.astype(jnp.float32)
-  if slope is not None:
-    s = s + masks.alibi_bias(slope, q_pos, k_pos)[0]
-  vis = masks.visible(q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
-                      q_seg=None if q_seg is None else q_seg[:, None],
-                      k_seg=None if kv_seg is None else kv_seg[None, :])
-  in_range = k_pos < cfg.kv_len  # keys past S pad the last tile
-  vis = in_range if vis is None else vis & in_range
-  if mask is not None:
-    vis = vis & (mask != 0)
-  # -inf gives exact zeros after exp; see `attention_blockwise.block_logits`.
-  return jnp.where(vis, s, -jnp.inf)
-
-
-def _safe(m):
-  return jnp.where(m == -jnp.inf, 0.0, m)
+  return flash_core.tile_logits(
+      jnp.dot(q, k.T, preferred_element_type=jnp.float32),  # [bq, bk]
+      i * cfg.block_q + lax.broadcasted_iota(jnp.int32, (bq, 1), 0),  # [bq, 1]
+      j * cfg.block_k + lax.broadcasted_iota(jnp.int32, (1, bk), 1),  # [1, bk]
+      scale=cfg.scale, is_causal=cfg.is_causal, window=cfg.window,
+      kv_len=cfg.kv_len,  # keys past S pad the last tile
+      bias=bias, slope=slope, q_seg=None if q_seg is None else q_seg[:, None],
+      k_seg=None if kv_seg is None else kv_seg[None, :], mask=None if mask is None else mask != 0)
 
 
 def _unpack(refs, flags):
@@ -72,29 +61,19 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg, flags, num_k_blocks):
   bk = cfg.block_k
 
   def body(j, carry):
-    m, l, acc = carry
     cols = pl.ds(j * bk, bk)
     s = _tile_logits(
         q, k_ref[cols, :], i, j, cfg,
         bias=None if extra['bias'] is None else extra['bias'][:, cols],
         mask=None if extra['mask'] is None else extra['mask'][:, cols], slope=slope, q_seg=q_seg,
         kv_seg=None if extra['kv_seg'] is None else extra['kv_seg'][cols])  # [bq, bk]
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    shift = _safe(m_new)
-    p = jnp.exp(s - shift[:, None])
-    alpha = jnp.exp(m - shift)  # rescales earlier tiles when the running max grows
-    v = v_ref[cols, :]
-    acc = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m_new, alpha * l + p.sum(axis=-1), acc
+    return flash_core.online_update(carry, s, v_ref[cols, :])
 
-  bq, h = q.shape
-  init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
-          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32))
   lo, hi = blockwise.key_block_band(i, cfg, num_k_blocks)
-  m, l, acc = lax.fori_loop(lo, hi, body, init)
-  empty = l == 0.0
-  o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+  carry = lax.fori_loop(lo, hi, body, flash_core.init_carry((q.shape[0],), v_ref.shape[-1]))
+  out, lse = flash_core.finalize(carry)  # [bq, H], [bq]
+  o_ref[...] = out.astype(o_ref.dtype)
+  lse_ref[...] = lse
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, flags, num_k_blocks):
@@ -112,9 +91,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, flag
         q, k, i, j, cfg, bias=None if extra['bias'] is None else extra['bias'][:, cols],
         mask=None if extra['mask'] is None else extra['mask'][:, cols], slope=slope, q_seg=q_seg,
         kv_seg=None if extra['kv_seg'] is None else extra['kv_seg'][cols])
-    p = jnp.exp(s - lse[:, None])  # lse = +inf on empty rows: p = 0
+    p = flash_core.probabilities(s, lse)  # lse = +inf on empty rows: p = 0
     dp = jnp.dot(do, v_ref[cols, :].T, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta[:, None])
+    ds = flash_core.ds(p, dp, delta)
     return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   lo, hi = blockwise.key_block_band(i, cfg, num_k_blocks)
@@ -155,10 +134,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, fla
           q, k, i, j, cfg, bias=bias, mask=mask,
           slope=None if extra['slopes'] is None else extra['slopes'][pl.ds(g, 1)],
           q_seg=None if extra['q_seg'] is None else extra['q_seg'][rows], kv_seg=kv_seg)
-      p = jnp.exp(s - lse_ref[g, rows][:, None])  # [bq, bk]
+      p = flash_core.probabilities(s, lse_ref[g, rows])  # [bq, bk]
       dv = dv + jnp.dot(p.astype(do.dtype).T, do, preferred_element_type=jnp.float32)
       dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
-      ds = p * (dp - delta_ref[g, rows][:, None])
+      ds = flash_core.ds(p, dp, delta_ref[g, rows])
       if dbias_ref is not None:
         dbias_ref[g, rows, :] = ds
       dk = dk + jnp.dot(ds.astype(q.dtype).T, q, preferred_element_type=jnp.float32)
@@ -230,8 +209,12 @@ def _flags(extra):
   return {name: extra[name] is not None for name in ('bias', 'mask', 'slopes', 'q_seg', 'kv_seg')}
 
 
-def _forward(cfg, backend, q, k, v, extra):
-  """q `[B, N, Tp, H]`, k/v `[B, K, Sp, H]` -> out `[B, N, Tp, H]` float32, lse `[B, N, Tp]`."""
+def _forward(static, q, k, v, extra):
+  """q `[B, N, Tp, H]`, k/v `[B, K, Sp, H]` -> out `[B, N, Tp, H]` float32, lse `[B, N, Tp]`.
+
+  static: (TileConfig, backend).
+  """
+  cfg, backend = static
   b, n, tp, h = q.shape
   kh, sp = k.shape[1], k.shape[2]
   g, bq = n // kh, cfg.block_q
@@ -247,11 +230,14 @@ def _forward(cfg, backend, q, k, v, extra):
   )(q, k, v, *_extra_args(extra))
 
 
-def _backward(cfg, backend, q, k, v, extra, out, lse, d_out):
+def _backward(static, args, out, lse, d_out):
+  """The dQ and dK/dV kernels: cotangents of (q, k, v, extra), the bias's only in `extra`."""
+  cfg, backend = static
+  q, k, v, extra = args
   b, n, tp, h = q.shape
   kh, sp = k.shape[1], k.shape[2]
   g, bq, bk = n // kh, cfg.block_q, cfg.block_k
-  delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)  # [B, N, Tp]: rowsum(dO * O)
+  delta = flash_core.backward_delta(out, d_out)  # [B, N, Tp]
   do = d_out.astype(q.dtype)
   flags = _flags(extra)
 
@@ -294,28 +280,12 @@ def _backward(cfg, backend, q, k, v, extra, out, lse, d_out):
     dbias = res[2]
     dbias = dbias if b1 > 1 else dbias.sum(0, keepdims=True)
     dbias = dbias if n1 > 1 else dbias.sum(1, keepdims=True)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
+  d_extra = {name: None for name in extra}  # slopes and segment ids: no gradient
+  d_extra['bias'] = dbias
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_extra
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash(cfg, backend, q, k, v, extra):
-  return _forward(cfg, backend, q, k, v, extra)[0]
-
-
-def _flash_fwd(cfg, backend, q, k, v, extra):
-  out, lse = _forward(cfg, backend, q, k, v, extra)
-  return out, (q, k, v, extra, out, lse)  # O(T) residuals besides the inputs
-
-
-def _flash_bwd(cfg, backend, res, d_out):
-  q, k, v, extra, out, lse = res
-  dq, dk, dv, dbias = _backward(cfg, backend, q, k, v, extra, out, lse, d_out)
-  d_opt = {name: None for name in extra}
-  d_opt['bias'] = dbias
-  return dq, dk, dv, d_opt
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = flash_core.flash_vjp(_forward, _backward)  # _flash((cfg, backend), q, k, v, extra)
 
 
 def gpu_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
@@ -337,7 +307,7 @@ def gpu_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=F
   hp = pl.next_power_of_2(h)
   cfg = blockwise.TileConfig(float(scale), bool(is_causal),
                              None if window is None else tuple(window), t, s, bq, bk)
-  pad_t = lambda x, axis, size: blockwise._pad_axis(x, axis, size)  # pylint: disable=protected-access
+  pad_t = flash_core.pad_axis
   q = pad_t(pad_t(query, 1, tp), 3, hp).transpose(0, 2, 1, 3)  # [B, N, Tp, Hp]
   k = pad_t(pad_t(key, 1, sp), 3, hp).transpose(0, 2, 1, 3)  # [B, K, Sp, Hp]
   v = pad_t(pad_t(value, 1, sp), 3, hp).transpose(0, 2, 1, 3)  # [B, K, Sp, Hp]
@@ -364,7 +334,7 @@ def gpu_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=F
       'q_seg': None if q_segment_ids is None else pad_t(q_segment_ids.astype(jnp.int32), 1, tp),
       'kv_seg': None if kv_segment_ids is None else pad_t(kv_segment_ids.astype(jnp.int32), 1, sp),
   }
-  out = _flash(cfg, backend, q, k, v, extra)  # [B, N, Tp, Hp]
+  out = _flash((cfg, backend), q, k, v, extra)  # [B, N, Tp, Hp]
   return out[:, :, :t, :h].transpose(0, 2, 1, 3).astype(query.dtype)
 
 

@@ -8,6 +8,9 @@ row) and tiled to the key tile's width. Tiles outside the causal/window band of
 `layers.attention_blockwise` are skipped: their step does no work (`pl.when`) and their index map
 repeats the band's edge block, so the pipeline fetches nothing new for them.
 
+The tile logits, the online update and finalize (on statistics in that lane layout), dS and the
+custom VJP are `layers.flash_core`'s, shared with the other flash kernels.
+
 Options: GQA/MQA, causal, sliding window, ALiBi (slopes in SMEM, the bias computed in the kernel),
 segment ids, float32 and bfloat16. Dense bias/mask arrays are not taken (`layers.attention_pallas`
 sends those to the blockwise kernel on TPU).
@@ -22,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from layers import attention_blockwise as blockwise
-from layers import masks
+from layers import flash_core
 
 LANES = 128  # a vreg is [8, 128]: the lane (last) dimension of every block is a multiple of this
 SUBLANES = 8
@@ -34,40 +37,22 @@ DEFAULT_BLOCK_K = 128
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T without materialising the transpose
 
 
-def _tile_lanes(x, width):
-  """A lane-replicated statistic `[r, 128]` at `width` (the key tile, a multiple of 128)."""
-  return jnp.tile(x, (1, width // LANES))
-
-
-def _to_head_dim(x, h):
-  """A lane-replicated statistic `[r, 128]` at the head dim: sliced below 128, tiled above."""
-  return x[:, :h] if h <= LANES else jnp.tile(x, (1, h // LANES))
-
-
 def _logits(q, k, i, j, cfg, *, slope=None, q_seg=None, kv_seg=None):
   """Scaled scores `[bq, bk]` (float32) of query tile i and key tile j, -inf where hidden.
 
   q `[bq, H]`, k `[bk, H]`; slope a scalar; q_seg `[bq, 128]` (lane-replicated), kv_seg `[1, bk]`.
   """
   bq, bk = q.shape[0], k.shape[0]
-  s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * cfg.scale  # [bq, bk]
-  # Mosaic has no 1-D iota: positions are [bq, bk] tiles.
-  q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-  k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-  if slope is not None:
-    # masks.alibi_bias: -slope * |i - j|, here from a scalar slope (SMEM) on the tile's positions.
-    s = s - slope * jnp.abs(q_pos - k_pos).astype(jnp.float32)
-  # The one definition of visibility (layers.masks), on the tile's positions and segment ids.
-  vis = masks.visible(q_pos, k_pos, is_causal=cfg.is_causal, window=cfg.window,
-                      q_seg=None if q_seg is None else _tile_lanes(q_seg, bk), k_seg=kv_seg)
-  in_range = k_pos < cfg.kv_len  # keys past S pad the last tile
-  vis = in_range if vis is None else vis & in_range
-  # -inf (not a large negative number) gives exact zeros after exp, as in the other kernels.
-  return jnp.where(vis, s, -jnp.inf)
-
-
-def _safe(m):
-  return jnp.where(m == -jnp.inf, 0.0, m)
+  if q_seg is not None:
+    q_seg = jnp.tile(q_seg, (1, bk // LANES))  # [bq, bk]
+  return flash_core.tile_logits(
+      lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32),  # [bq, bk]
+      # Mosaic has no 1-D iota: positions are [bq, bk] tiles.
+      i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0),
+      j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1),
+      scale=cfg.scale, is_causal=cfg.is_causal, window=cfg.window,
+      kv_len=cfg.kv_len,  # keys past S pad the last tile
+      slope=slope, q_seg=q_seg, k_seg=kv_seg)
 
 
 def _clamp(x, lo, hi, n):
@@ -87,7 +72,6 @@ def _pop_options(refs, flags):
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg, flags, nk):
   slopes_ref, q_seg_ref, kv_seg_ref, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _pop_options(refs, flags)
   n, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
-  h = acc_sc.shape[-1]
 
   @pl.when(j == 0)
   def _init():
@@ -103,24 +87,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg, flags, nk):
                 slope=None if slopes_ref is None else slopes_ref[n],
                 q_seg=None if q_seg_ref is None else q_seg_ref[...],
                 kv_seg=None if kv_seg_ref is None else kv_seg_ref[:1, :])  # [bq, bk]
-    m_prev = m_sc[...]  # [bq, 128]
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1)[:, None])  # [bq, 128]
-    shift = _safe(m_next)  # a row with nothing visible yet keeps max -inf; exp(-inf - 0) = 0
-    p = jnp.exp(s - _tile_lanes(shift, s.shape[1]))  # [bq, bk]
-    alpha = jnp.exp(m_prev - shift)  # rescales earlier tiles when the running max grows
-    l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1)[:, None]
-    m_sc[...] = m_next
-    v = v_ref[...]
-    acc_sc[...] = _to_head_dim(alpha, h) * acc_sc[...] + jnp.dot(
-        p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    # The statistics stay lane-replicated [bq, 128]; flash_core tiles them to the key tile.
+    m, l, acc = flash_core.online_update((m_sc[...], l_sc[...], acc_sc[...]), s, v_ref[...])
+    m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
 
   @pl.when(j == nk - 1)
   def _store():
-    l, m = l_sc[...], m_sc[...]
-    empty = l == 0.0  # no visible key: output 0, lse +inf (so the backward's p is 0)
-    l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = (acc_sc[...] / _to_head_dim(l_safe, h)).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(l_safe))
+    out, lse = flash_core.finalize((m_sc[...], l_sc[...], acc_sc[...]))  # [bq, H], [bq, 128]
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, flags, nk):
@@ -140,10 +115,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, flag
                 slope=None if slopes_ref is None else slopes_ref[n],
                 q_seg=None if q_seg_ref is None else q_seg_ref[...],
                 kv_seg=None if kv_seg_ref is None else kv_seg_ref[:1, :])  # [bq, bk]
-    bk = s.shape[1]
-    p = jnp.exp(s - _tile_lanes(lse_ref[...], bk))  # lse = +inf on empty rows: p = 0
+    p = flash_core.probabilities(s, lse_ref[...])  # lse = +inf on empty rows: p = 0
     dp = lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
-    ds = p * (dp - _tile_lanes(delta_ref[...], bk))
+    ds = flash_core.ds(p, dp, delta_ref[...])
     dq_sc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   @pl.when(j == nk - 1)
@@ -171,13 +145,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, fla
                 slope=None if slopes_ref is None else slopes_ref[kk * groups + g],
                 q_seg=None if q_seg_ref is None else q_seg_ref[...],
                 kv_seg=None if kv_seg_ref is None else kv_seg_ref[:1, :])  # [bq, bk]
-    bk = s.shape[1]
-    p = jnp.exp(s - _tile_lanes(lse_ref[...], bk))  # [bq, bk]
+    p = flash_core.probabilities(s, lse_ref[...])  # [bq, bk]
     # Transposes in float32, then the cast: jax's TPU kernel's order (32-bit transposes lower on
     # every TPU generation).
     dv_sc[...] += jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-    ds = p * (dp - _tile_lanes(delta_ref[...], bk))
+    ds = flash_core.ds(p, dp, delta_ref[...])
     dk_sc[...] += jnp.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
 
   @pl.when((g == groups - 1) & (i == nq - 1))
@@ -224,8 +197,12 @@ def _lanes(x):
   return jnp.broadcast_to(x[..., None], x.shape + (LANES,))
 
 
-def _forward(cfg, interpret, q, k, v, extra):
-  """q `[B, N, Tp, H]`, k/v `[B, K, Sp, H]` -> out `[B, N, Tp, H]` float32, lse `[B, N, Tp]`."""
+def _forward(static, q, k, v, extra):
+  """q `[B, N, Tp, H]`, k/v `[B, K, Sp, H]` -> out `[B, N, Tp, H]` float32, lse `[B, N, Tp]`.
+
+  static: (TileConfig, interpret).
+  """
+  cfg, interpret = static
   b, n, tp, h = q.shape
   kh, sp = k.shape[1], k.shape[2]
   g, bq, bk = n // kh, cfg.block_q, cfg.block_k
@@ -253,13 +230,16 @@ def _forward(cfg, interpret, q, k, v, extra):
   return out, lse[..., 0]
 
 
-def _backward(cfg, interpret, q, k, v, extra, out, lse, d_out):
+def _backward(static, args, out, lse, d_out):
+  """The dQ and dK/dV kernels: cotangents of (q, k, v, extra)."""
+  cfg, interpret = static
+  q, k, v, extra = args
   b, n, tp, h = q.shape
   kh, sp = k.shape[1], k.shape[2]
   g, bq, bk = n // kh, cfg.block_q, cfg.block_k
   nq, nk = tp // bq, sp // bk
   flags = _flags(extra)
-  delta = _lanes(jnp.sum(out * d_out.astype(jnp.float32), axis=-1))  # [B, N, Tp, 128]: rowsum(dO*O)
+  delta = _lanes(flash_core.backward_delta(out, d_out))  # [B, N, Tp, 128]
   lse = _lanes(lse)  # [B, N, Tp, 128]
   do = d_out.astype(q.dtype)
 
@@ -301,26 +281,11 @@ def _backward(cfg, interpret, q, k, v, extra, out, lse, d_out):
       [pltpu.VMEM((bk, h), jnp.float32), pltpu.VMEM((bk, h), jnp.float32)],
       ('parallel', 'parallel', 'parallel', 'arbitrary', 'arbitrary'), interpret, 'flash_dkv_tpu',
   )(q, k, v, do, lse, delta, *_extra_args(extra))
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  # slopes and segment ids: no gradient
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), {name: None for name in extra}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash(cfg, interpret, q, k, v, extra):
-  return _forward(cfg, interpret, q, k, v, extra)[0]
-
-
-def _flash_fwd(cfg, interpret, q, k, v, extra):
-  out, lse = _forward(cfg, interpret, q, k, v, extra)
-  return out, (q, k, v, extra, out, lse)  # O(T) residuals besides the inputs
-
-
-def _flash_bwd(cfg, interpret, res, d_out):
-  q, k, v, extra, out, lse = res
-  dq, dk, dv = _backward(cfg, interpret, q, k, v, extra, out, lse, d_out)
-  return dq, dk, dv, {name: None for name in extra}  # slopes and segment ids: no gradient
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = flash_core.flash_vjp(_forward, _backward)  # _flash((cfg, interpret), q, k, v, extra)
 
 
 def _round_up(x, m):
@@ -352,7 +317,7 @@ def attention(query, key, value, *, scale, is_causal=False, window=None, alibi_s
   tp, sp = _round_up(t, bq), _round_up(s, bk)
   cfg = blockwise.TileConfig(float(scale), bool(is_causal),
                              None if window is None else tuple(window), t, s, bq, bk)
-  pad = blockwise._pad_axis  # pylint: disable=protected-access
+  pad = flash_core.pad_axis
   # A head dim above 128 is padded to whole lanes (the statistics are tiled to it): zero features
   # add nothing to q·k, and v's zero columns give output columns that are dropped.
   hp = h if h <= LANES else _round_up(h, LANES)
@@ -368,5 +333,5 @@ def attention(query, key, value, *, scale, is_causal=False, window=None, alibi_s
     kv_seg = pad(kv_segment_ids.astype(jnp.int32), 1, sp)  # [B, Sp]
     extra['q_seg'] = jnp.broadcast_to(q_seg[:, :, None], (b, tp, LANES))
     extra['kv_seg'] = jnp.broadcast_to(kv_seg[:, None, :], (b, SUBLANES, sp))
-  out = _flash(cfg, bool(interpret), q, k, v, extra)  # [B, N, Tp, Hp] float32
+  out = _flash((cfg, bool(interpret)), q, k, v, extra)  # [B, N, Tp, Hp] float32
   return out[:, :, :t, :h].transpose(0, 2, 1, 3).astype(query.dtype)
