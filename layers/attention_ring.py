@@ -22,7 +22,7 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from layers import masks
+from layers import flash_core
 
 # Mesh axes of the activations, as in the default rules of `config.mesh` (batch -> data x fsdp,
 # length -> sequence, heads -> tensor). A dimension that an axis does not divide stays replicated.
@@ -65,37 +65,21 @@ def _logits(cfg, q, k, q_pos, k_pos, slopes, q_seg, kv_seg):
   Args:
     q: `[b, K, G, t, H]`; k: `[b, K, s, H]`.
     q_pos, k_pos: `[t]`, `[s]` absolute positions.
-    slopes: None or this device's `[n]` ALiBi slopes (n = K * G).
+    slopes: None or this device's `[n]` float32 ALiBi slopes (n = K * G).
     q_seg, kv_seg: None or `[b, t]`, `[b, s]`.
 
   Returns:
     `[b, K, G, t, s]` float32.
   """
-  _, kh, g, t, _ = q.shape
-  s = k.shape[2]
-  logits = jnp.einsum('BKGTH,BKSH->BKGTS', q, k, preferred_element_type=jnp.float32) * cfg.scale
-  if slopes is not None:
-    # From absolute positions: a block's ALiBi distance is that on the whole sequence.
-    logits = logits + masks.alibi_bias(slopes, q_pos[:, None], k_pos[None]).reshape(kh, g, t, s)
-  vis = masks.visible(q_pos[:, None], k_pos[None], is_causal=cfg.is_causal, window=cfg.window,
-                      q_seg=None if q_seg is None else q_seg[:, :, None],
-                      k_seg=None if kv_seg is None else kv_seg[:, None, :])
-  if cfg.kv_len % cfg.ring:
-    # Keys past S pad the last device's block.
-    in_range = k_pos[None] < cfg.kv_len  # [1, s]
-    vis = in_range if vis is None else vis & in_range
-  if vis is None:
-    return logits
-  if vis.ndim == 3:
-    vis = vis[:, None, None]  # [b, 1, 1, t, s]
-  # -inf (not a large finite value): exp gives exact zeros, and a row that has seen no visible key
-  # keeps a running max of -inf, which `_safe` turns into a finite shift.
-  return jnp.where(vis, logits, -jnp.inf)
-
-
-def _safe(m):
-  """A row max usable as an exp shift: -inf (no visible key yet) becomes 0, so exp(-inf - 0) = 0."""
-  return jnp.where(jnp.isneginf(m), 0.0, m)
+  kh, g = q.shape[1:3]
+  qk = jnp.einsum('BKGTH,BKSH->BKGTS', q, k, preferred_element_type=jnp.float32)
+  # From absolute positions: a block's ALiBi distance and visibility are the whole sequence's.
+  return flash_core.tile_logits(
+      qk, q_pos[:, None], k_pos[None], scale=cfg.scale, is_causal=cfg.is_causal, window=cfg.window,
+      kv_len=cfg.kv_len if cfg.kv_len % cfg.ring else None,  # keys past S pad the last block
+      slope=None if slopes is None else slopes.reshape(kh, g, 1, 1),
+      q_seg=None if q_seg is None else q_seg[:, None, None, :, None],  # [b, 1, 1, t, 1]
+      k_seg=None if kv_seg is None else kv_seg[:, None, None, None, :])  # [b, 1, 1, 1, s]
 
 
 def _rotate(cfg, x):
@@ -136,16 +120,8 @@ def _forward_local(cfg, q, k, v, extra):
     k_pos = k_first + jnp.arange(s)  # [s]
 
     def compute(state):
-      m, l, acc = state
       logits = _logits(cfg, qb, kb, q_pos, k_pos, slopes, q_seg, kv_seg)  # [b, K, G, t, s]
-      m_new = jnp.maximum(m, logits.max(-1))
-      shift = _safe(m_new)
-      p = jnp.exp(logits - shift[..., None])  # [b, K, G, t, s]
-      # The max grew: earlier blocks' sums were taken against a smaller shift, rescale them.
-      alpha = jnp.exp(m - shift)
-      pv = jnp.einsum('BKGTS,BKSH->BKGTH', p.astype(vb.dtype), vb,
-                      preferred_element_type=jnp.float32)
-      return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+      return flash_core.online_update(state, logits, vb)
 
     return lax.cond(_live(cfg, me * t, t, k_first, s), compute, lambda st: st, state)
 
@@ -160,11 +136,8 @@ def _forward_local(cfg, q, k, v, extra):
   init = (zero[..., 0] - jnp.inf, zero[..., 0], zero)
   block = (kb, vb, extra.get('kv_seg'))
   state, block = lax.fori_loop(0, cfg.ring - 1, step, (init, block))
-  m, l, acc = update(cfg.ring - 1, state, block)
-  empty = l == 0.0
-  out = acc / jnp.where(empty, 1.0, l)[..., None]  # [b, K, G, t, H], zeros on empty rows
-  # +inf on rows without a visible key makes every recomputed probability exp(s - inf) = 0.
-  lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))  # [b, K, G, t]
+  # [b, K, G, t, H] (zeros on rows that saw no key), [b, K, G, t]
+  out, lse = flash_core.finalize(update(cfg.ring - 1, state, block))
   out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, -1)
   return out, lse.transpose(0, 3, 1, 2).reshape(b, t, n)
 
@@ -186,10 +159,9 @@ def _backward_local(cfg, q, k, v, extra, out, lse, d_out):
   q_pos = me * t + jnp.arange(t)  # [t]
   slopes, q_seg = extra.get('slopes'), extra.get('q_seg')
   to_blocks = lambda x: x.reshape(b, t, kh, g, -1).transpose(0, 2, 3, 1, 4)  # -> [b, K, G, t, .]
-  do = to_blocks(d_out.astype(jnp.float32))  # [b, K, G, t, H]
-  delta = jnp.sum(do * to_blocks(out), axis=-1)  # [b, K, G, t]: rowsum(dO * O) = sum_j P_ij dP_ij
+  delta = flash_core.backward_delta(to_blocks(out), to_blocks(d_out))  # [b, K, G, t]
   lse = to_blocks(lse[..., None])[..., 0]  # [b, K, G, t]
-  do = do.astype(q.dtype)
+  do = to_blocks(d_out.astype(q.dtype))  # [b, K, G, t, H]
 
   def update(r, dq, block, grads):
     kb, vb, kv_seg = block
@@ -199,11 +171,11 @@ def _backward_local(cfg, q, k, v, extra, out, lse, d_out):
     def compute(args):
       dq, (dk, dv) = args
       logits = _logits(cfg, qb, kb, q_pos, k_pos, slopes, q_seg, kv_seg)  # [b, K, G, t, s]
-      p = jnp.exp(logits - lse[..., None])  # [b, K, G, t, s], the forward's probabilities
+      p = flash_core.probabilities(logits, lse)  # [b, K, G, t, s], the forward's probabilities
       dv = dv + jnp.einsum('BKGTS,BKGTH->BKSH', p.astype(do.dtype), do,
                            preferred_element_type=jnp.float32)
       dp = jnp.einsum('BKGTH,BKSH->BKGTS', do, vb, preferred_element_type=jnp.float32)
-      ds = p * (dp - delta[..., None])  # d loss / d scaled score
+      ds = flash_core.ds(p, dp, delta)  # d loss / d scaled score
       dk = dk + cfg.scale * jnp.einsum('BKGTS,BKGTH->BKSH', ds.astype(qb.dtype), qb,
                                        preferred_element_type=jnp.float32)
       dq = dq + cfg.scale * jnp.einsum('BKGTS,BKSH->BKGTH', ds.astype(kb.dtype), kb,
@@ -251,19 +223,8 @@ def _ring_forward(cfg, q, k, v, extra):
   return _shard_map(cfg, _forward_local, (x, x, x, ex), (x, row))(q, k, v, extra)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg, q, k, v, extra):
-  return _ring_forward(cfg, q, k, v, extra)[0]
-
-
-def _ring_fwd(cfg, q, k, v, extra):
-  out, lse = _ring_forward(cfg, q, k, v, extra)
-  # Residuals are O(T) per device: the inputs, the output and one logsumexp per row.
-  return out, (q, k, v, extra, out, lse)
-
-
-def _ring_bwd(cfg, res, d_out):
-  q, k, v, extra, out, lse = res
+def _ring_backward(cfg, args, out, lse, d_out):
+  q, k, v, extra = args
   x, row, ex = _specs(cfg, extra)
   dq, dk, dv = _shard_map(cfg, _backward_local, (x, x, x, ex, x, row, x), (x, x, x))(
       q, k, v, extra, out, lse, d_out)
@@ -271,14 +232,8 @@ def _ring_bwd(cfg, res, d_out):
   return dq, dk, dv, jax.tree.map(lambda _: None, extra)
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
-
-
-def _pad_length(x, size):
-  pad = size - x.shape[1]
-  if pad == 0:
-    return x
-  return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+# Residuals are O(T) per device: the inputs, the output and one logsumexp per row.
+_ring = flash_core.flash_vjp(_ring_forward, _ring_backward)
 
 
 def _reshard(x, spec, mesh):
@@ -334,15 +289,16 @@ def ring_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=
   # are dropped from the output.
   tp_len, sp_len = -(-t // ring) * ring, -(-s // ring) * ring
   extra = {}
+  pad = lambda x, size: flash_core.pad_axis(x, 1, size)
   if alibi_slopes is not None:
     extra['slopes'] = lax.stop_gradient(alibi_slopes).astype(jnp.float32)
   if q_segment_ids is not None:
-    extra['q_seg'] = _pad_length(q_segment_ids, tp_len)
-    extra['kv_seg'] = _pad_length(kv_segment_ids, sp_len)
+    extra['q_seg'] = pad(q_segment_ids, tp_len)
+    extra['kv_seg'] = pad(kv_segment_ids, sp_len)
   x_spec, _, extra_specs = _specs(cfg, extra)
-  q = _reshard(_pad_length(query, tp_len), x_spec, mesh)
-  k = _reshard(_pad_length(key, sp_len), x_spec, mesh)
-  v = _reshard(_pad_length(value, sp_len), x_spec, mesh)
+  q = _reshard(pad(query, tp_len), x_spec, mesh)
+  k = _reshard(pad(key, sp_len), x_spec, mesh)
+  v = _reshard(pad(value, sp_len), x_spec, mesh)
   extra = {name: _reshard(a, extra_specs[name], mesh) for name, a in extra.items()}
   out = _ring(cfg, q, k, v, extra)  # [B, Tp, N, H]
   explicit = any(a == AxisType.Explicit for a in mesh.axis_types)
