@@ -3,29 +3,24 @@
 import collections
 import contextlib
 import functools
-import math
 import os
 import signal
 import sys
 import threading
-import time
 
 import jax
 from jax.experimental import multihost_utils
 import jax.numpy as jnp
 from flax import nnx
-import numpy as np
-import orbax.checkpoint as ocp
-import tqdm
 
 from data import pipeline
 from data import text_corpus
 from layers import sharding
 import models
+from training import callbacks as callbacks_lib
 from training import checkpointing
 from training import distributed
 from training import diagnostics
-from training import evaluation
 from training import lock
 from training import paths
 from training import state as state_lib
@@ -33,41 +28,30 @@ from training import steps
 from training import writers
 
 
-class NonFiniteLoss(checkpointing.RunFailed):
-  """The loss or the gradient became NaN or inf."""
+NonFiniteLoss = callbacks_lib.NonFiniteLoss  # re-exported: train.py and tests catch loop.*
+Stopped = callbacks_lib.Stopped
 
 
-class Stopped(Exception):
-  """SIGTERM/SIGINT: the run saved a checkpoint at the current step and stopped."""
-
-  def __init__(self, signum, step):
-    super().__init__(f'train: stopped by {signal.Signals(signum).name} after step {step}; '
-                     'checkpoint saved, rerun the same command to resume')
-    self.signum = signum
-
-
-WINDOW_KEYS = ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'steps')
-
-
-def empty_window():
+def empty_log_sums():
   """The device-side sums of the steps since the last log row, and the first non-finite step."""
-  ints = ('steps', 'first_bad')  # one buffer each: the window is donated to `accumulate`
+  ints = ('steps', 'first_bad')  # one buffer each: the sums are donated to `accumulate`
   return {k: jnp.zeros((), jnp.int32 if k in ints else jnp.float32) for k in (
       'loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'steps', 'param_norm', 'first_bad',
       'bad_loss', 'bad_grad_norm')}
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def accumulate(window, sums, step):
-  """Adds one step's sums to the window on the device (no transfer to the host), and keeps the
+def accumulate(log_sums, sums, step):
+  """Adds one step's sums to the log sums on the device (no transfer to the host), and keeps the
   first step whose loss or gradient norm is not finite, with those values."""
+  acc = log_sums
   loss = sums['loss_sum'] / jnp.maximum(sums['weight_sum'], 1.0)
-  first = (window['first_bad'] == 0) & ~(jnp.isfinite(loss) & jnp.isfinite(sums['grad_norm']))
-  out = {k: window[k] + sums[k] for k in ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm')}
-  out.update(steps=window['steps'] + 1, param_norm=sums['param_norm'],
-             first_bad=jnp.where(first, step, window['first_bad']),
-             bad_loss=jnp.where(first, loss, window['bad_loss']),
-             bad_grad_norm=jnp.where(first, sums['grad_norm'], window['bad_grad_norm']))
+  first = (acc['first_bad'] == 0) & ~(jnp.isfinite(loss) & jnp.isfinite(sums['grad_norm']))
+  out = {k: acc[k] + sums[k] for k in ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm')}
+  out.update(steps=acc['steps'] + 1, param_norm=sums['param_norm'],
+             first_bad=jnp.where(first, step, acc['first_bad']),
+             bad_loss=jnp.where(first, loss, acc['bad_loss']),
+             bad_grad_norm=jnp.where(first, sums['grad_norm'], acc['bad_grad_norm']))
   return out
 
 
@@ -178,9 +162,11 @@ def train_and_evaluate(config, workdir, hooks=()):
   Args:
     config: a validated config (`training.validation.resolve` + `validate`).
     workdir: the run's directory (config.json, checkpoints/, metrics.jsonl, TensorBoard events).
-    hooks: callables `hook(step, state)` run after every step, after its logging and evaluation
-      and before the step's checkpoint and stop decision; e.g. a test that sends SIGTERM or raises
-      at a chosen step. `state` is the training state pytree (reading it waits for the device).
+    hooks: the extension API: `training.callbacks.Callback`s (with `every=N`, any of `start`,
+      `before_step`, `after_step`/`at_step`, `close`), or plain callables `hook(step, state)` run
+      after every step. Both run after the step's logging and evaluation and before its
+      checkpoint and stop decision; e.g. a test that sends SIGTERM or raises at a chosen step.
+      `state` is the training state pytree (reading it waits for the device).
   """
   paths.makedirs(workdir)  # local or gs:// (training.paths)
   lead = jax.process_index() == 0  # multi-process: only process 0 writes logs and reports
@@ -190,7 +176,73 @@ def train_and_evaluate(config, workdir, hooks=()):
 
 
 def _train(config, workdir, hooks, lead):
-  """`train_and_evaluate` in a workdir this run holds."""
+  """`train_and_evaluate` in a workdir this run holds: set up, then the step loop."""
+  run = _setup(config, workdir, lead)
+  signals = StopSignals()
+  t = config.train
+  callbacks = [
+      callbacks_lib.FeatureRedraw(run.redraw_periods),
+      callbacks_lib.ProfilerCallback(Profiler(t.get('profile_steps', ''), workdir)),
+      callbacks_lib.InitGradients(),
+      callbacks_lib.UnigramEntropy(),
+      callbacks_lib.Logger(config, run.start, lead),
+      callbacks_lib.Evaluator(config),
+      *(h if isinstance(h, callbacks_lib.Callback) else callbacks_lib.Hook(h) for h in hooks),
+      callbacks_lib.Checkpointer(config, signals),  # last: a step's rows precede its checkpoint
+  ]
+  return _run_steps(run, callbacks)
+
+
+def _run_steps(run, callbacks):
+  """The step loop: each step is dispatched without waiting for the device (the callbacks read it
+  only when due), the next batch placed while it runs. Returns the last train row."""
+  t = run.config.train
+  batches = prefetched(run.it, lambda b: distributed.place_batch(
+      b, run.mesh, run.rules, run.it.first_row, t.batch_size))
+  for cb in callbacks:
+    cb.start(run)
+  failing = True  # until the loop ends normally
+  try:
+    for step in range(run.start + 1, t.steps + 1):
+      run.batch, run.data_position, device_batch = next(batches)
+      for cb in callbacks:
+        cb.before_step(step, run)
+      run.state, sums = run.step_fn(run.state, device_batch)
+      run.diag = sums.pop('diag', None)  # per-group [G] norms, read at log steps only
+      run.log_sums = accumulate(run.log_sums, sums, step)
+      for cb in callbacks:
+        cb.after_step(step, run)  # a signal a hook sends is handled by the Checkpointer after it
+    checkpointing.confirm_saved(run.mngr, run.workdir)  # the last save's outcome: fails exit 1
+    failing = False
+  except Exception as e:  # pylint: disable=broad-except
+    if not (paths.is_remote(run.workdir) and paths.is_storage_error(e)):
+      raise
+    raise store_lost(e, run.saves['good'], run.workdir) from None
+  finally:
+    for cb in callbacks:
+      cb.close(run)
+    _close(run, failing)
+  return run.last
+
+
+def _close(run, failing):
+  """The checkpoint manager and the logs, once the loop has ended (normally or not)."""
+  try:
+    run.mngr.wait_until_finished()
+    run.mngr.close()
+  except Exception:  # pylint: disable=broad-except  # reported by confirm_saved, or superseded
+    pass
+  try:
+    run.writer.close()  # flushes TensorBoard's events: a full disk fails here too
+  except Exception as e:  # pylint: disable=broad-except  # OSError, or the store's own errors
+    if not failing:  # after a failed save, say, that failure's one line says it all
+      print(f'train: closing the logs in {run.workdir} failed ({e.strerror or e}); '
+            'metrics.jsonl holds every row written before', file=sys.stderr)
+
+
+def _setup(config, workdir, lead):
+  """The `callbacks.Run` of a run: its state built, or restored from the newest readable checkpoint
+  (or a fine-tune's source), config.json and run_info.json written, the jitted steps."""
   for change in checkpointing.check_resume_config(workdir, config):
     if lead:
       print(f'train: resuming with changed {change}', file=sys.stderr)
@@ -207,32 +259,16 @@ def _train(config, workdir, hooks, lead):
                                 arch=models.batch_format(config.model.arch), loss_on=t.loss_on,
                                 seed=t.seed)
   mngr = checkpointing.checkpoint_manager(workdir, config)
-  start, carried = 0, None
-  restored = checkpointing.restore_newest_good(mngr, state, workdir) if mngr.all_steps() else None
-  if restored is not None:
-    state, data_state, start, carried = restored
-    it.set_state(data_state)
-    print(f'train: resumed from step {start} in {workdir}', file=sys.stderr)
-  elif t.get('init_from'):
-    # A fine-tune's step 0: another run's parameters, a fresh optimiser and schedule (a run with
-    # checkpoints of its own resumed from them above instead).
-    state, source_step = state_lib.init_from(state, t.init_from)
-    print(f'train: parameters from {t.init_from} (its step {source_step}); starting at step 0',
-          file=sys.stderr)
+  state, start, carried = _restore(config, workdir, mngr, state, it)
   if lead:  # atomically (other processes may be reading it); only now that the checkpoint
     # fits: a run refused at its resume leaves the config.json of the run that wrote the checkpoint
     paths.write_text(paths.join(workdir, 'config.json'), config.to_json_best_effort(indent=2))
-  writer = writers.MetricsWriter(workdir, start) if lead else writers.NullWriter()
-
-  # The parameter count per group goes to run_info.json (metrics.jsonl rows all carry a loss).
-  groups, leaf_groups, group_sizes = diagnostics.param_groups(state['params'])
-  info_path = paths.join(workdir, 'run_info.json')
-  info = paths.read_json(info_path) if paths.exists(info_path) else {}
-  info.update(num_params=sum(group_sizes.values()), params_by_group=group_sizes)
-  if config.data.get('task') in text_corpus.TASKS:  # eval.py and a resume compare the files with it
-    info.setdefault('corpus', text_corpus.fingerprint(text_corpus.spec_from_config(config.data)))
-  if lead:
-    writers.write_json(info_path, info)
+  run = callbacks_lib.Run(
+      config=config, workdir=workdir, lead=lead, mesh=mesh, rules=rules, graphdef=graphdef,
+      state=state, it=it, mngr=mngr, start=start, last_step=t.steps,
+      saves={'good': start or None, 'pending': None},  # the newest confirmed step, the one in flight
+      writer=writers.MetricsWriter(workdir, start) if lead else writers.NullWriter())
+  _write_run_info(run)
 
   def in_mesh(fn):  # traced (on the first call) under the mesh (ring attention reads it) and
     def call(*args):  # with the activation sharding rules active
@@ -240,141 +276,56 @@ def _train(config, workdir, hooks, lead):
         return fn(*args)
     return call
 
-  step_fn = in_mesh(jit_train_step(config, graphdef, tx, state, mesh, leaf_groups))
+  run.step_fn = in_mesh(jit_train_step(config, graphdef, tx, state, mesh, run.leaf_groups))
 
   def placed(fn):
     return lambda variables, batch: fn(variables, distributed.place_batch(batch, mesh, rules))
-  diag_fn, eval_fn = (placed(in_mesh(jax.jit(functools.partial(fn, graphdef))))
-                      for fn in (diagnostics.diagnostic_pass, steps.eval_step))
-  schedule = state_lib.make_schedule(t)
+  run.diag_fn, run.eval_fn = (placed(in_mesh(jax.jit(functools.partial(fn, graphdef))))
+                              for fn in (diagnostics.diagnostic_pass, steps.eval_step))
   # Layers that redraw random features every R steps (the Performer; see redraw_features).
   model = nnx.merge(graphdef, *state_lib.model_variables(state))
-  redraw_periods = {m.redraw_every for _, m in nnx.iter_modules(model)
-                    if getattr(m, 'redraw_every', 0) > 0}
-  del model
-  window = empty_window()
-  if carried:  # the sums of the resumed window's steps before the checkpoint: the row is whole
-    window.update({k: jnp.asarray(carried[k], window[k].dtype) for k in WINDOW_KEYS})
-  window_tokens, window_start = 0.0, time.perf_counter()
-  last = {}
-  bar = tqdm.tqdm(total=t.steps, initial=start, desc='train', mininterval=1.0, file=sys.stderr,
-                  dynamic_ncols=True, disable=not lead)
+  run.redraw_periods = {m.redraw_every for _, m in nnx.iter_modules(model)
+                        if getattr(m, 'redraw_every', 0) > 0}
 
-  def check_finite(window):
-    """Host side (waits for the device): stops the run at the first non-finite step, if any."""
-    w = jax.device_get(window)
-    bad = int(w['first_bad'])
-    if bad:
-      loss, grad_norm = float(w['bad_loss']), float(w['bad_grad_norm'])
-      writer.write(bad, 'train', {'loss': loss})  # so that sweep comparisons see the divergence
-      name, value = ('loss', loss) if not math.isfinite(loss) else ('grad_norm', grad_norm)
-      good = mngr.latest_step()
-      raise NonFiniteLoss(
-          f'train: non-finite {name} ({value}) at step {bad}; stopping. ' +
-          (f'The last good checkpoint is step {good} in {workdir}' if good is not None else
-           'No checkpoint was saved before it') +
-          ' (train.skip_nonfinite=True skips such steps instead)')
-    return w
+  def reset_log_sums(carried=None):
+    run.log_sums = empty_log_sums()
+    if carried:  # the sums of the resumed window's steps before the checkpoint: the row is whole
+      run.log_sums.update({k: jnp.asarray(carried[k], run.log_sums[k].dtype)
+                           for k in callbacks_lib.LOG_SUM_KEYS})
+  run.reset_log_sums = reset_log_sums
+  reset_log_sums(carried)
+  return run
 
-  saves = {'good': start or None, 'pending': None}  # the newest confirmed step, the one in flight
 
-  def save(step, window):
-    w = check_finite(window)
-    checkpointing.confirm_saved(mngr, workdir)  # the previous save's outcome, before the next
-    saves['good'] = saves['pending'] or saves['good']
-    # Process 0 writes the data position: every shard's, gathered from the processes reading them.
-    data_state = pipeline.ShardedIterator.merge_states(distributed.allgather_json(data_position))
-    writer.flush()  # object storage: the rows up to this checkpoint are durable before it
-    try:
-      mngr.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-          window=ocp.args.JsonSave({k: w[k].item() for k in WINDOW_KEYS})))
-    except Exception as e:  # pylint: disable=broad-except  # orbax/tensorstore raise many kinds
-      raise checkpointing.save_failed(mngr, workdir, e) from None
-    saves['pending'] = step
+def _restore(config, workdir, mngr, state, it):
+  """(state, start step, carried log sums): the newest readable checkpoint's, else a fine-tune's
+  source parameters at step 0 (train.init_from), else the fresh state."""
+  t = config.train
+  restored = checkpointing.restore_newest_good(mngr, state, workdir) if mngr.all_steps() else None
+  if restored is not None:
+    state, data_state, start, carried = restored
+    it.set_state(data_state)
+    print(f'train: resumed from step {start} in {workdir}', file=sys.stderr)
+    return state, start, carried
+  if t.get('init_from'):
+    # A fine-tune's step 0: another run's parameters, a fresh optimiser and schedule (a run with
+    # checkpoints of its own resumed from them above instead).
+    state, source_step = state_lib.init_from(state, t.init_from)
+    print(f'train: parameters from {t.init_from} (its step {source_step}); starting at step 0',
+          file=sys.stderr)
+  return state, 0, None
 
-  signals = StopSignals()
-  profiler = Profiler(t.get('profile_steps', ''), workdir)
-  batches = prefetched(it, lambda b: distributed.place_batch(b, mesh, rules, it.first_row,
-                                                             t.batch_size))
-  failing = True  # until the loop ends normally
-  try:
-    for step in range(start + 1, t.steps + 1):
-      batch, data_position, device_batch = next(batches)
-      # Features due at this step are drawn before it, so that a checkpoint or evaluation after
-      # step s holds the draw step s trained with.
-      if step > 1 and any((step - 1) % r == 0 for r in redraw_periods):
-        state = state_lib.redraw_features(graphdef, state, step - 1)
-      profiler.before(step)
-      state, sums = step_fn(state, device_batch)
-      diag = sums.pop('diag', None)  # per-group [G] norms, read at log steps only
-      window = accumulate(window, sums, step)
-      if step == 1 and diag is not None and lead:
-        # Step 1's gradient is taken at the initial parameters (Xiong et al. 2020, Figure 3).
-        grad = np.sqrt(np.asarray(jax.device_get(diag['grad_sq']), np.float64))
-        writers.write_json(paths.join(workdir, 'init_grad_norms.json'), {
-            'grad_norm': float(np.sqrt(np.sum(np.square(grad)))),
-            'groups': dict(zip(groups, map(float, grad))),
-            'blocks': [float(v) for n, v in zip(groups, grad) if '/blocks/' in f'/{n}'],
-            'norm_position': config.model.norm_position, 'num_layers': config.model.num_layers})
-      if 'unigram_entropy' not in info:  # the level compare's plateau rule uses
-        info['unigram_entropy'] = diagnostics.unigram_entropy(
-            distributed.global_batch(batch, it.first_row, t.batch_size))
-        if lead:
-          writers.write_json(info_path, info)
-      # This process's rows, scaled to the global batch where it reads only some.
-      window_tokens += steps.count_tokens(batch) * t.batch_size / len(next(iter(batch.values())))
-      bar.update(1)
-      profiler.after(step, state)
-      if step % t.log_every == 0 or step == t.steps:
-        w = check_finite(window)  # the one wait for the device between log steps
-        elapsed = time.perf_counter() - window_start
-        last = steps.finalize({k: w[k] for k in ('loss_sum', 'correct_sum', 'weight_sum')})
-        last['grad_norm'] = float(w['grad_norm']) / max(int(w['steps']), 1)
-        last['param_norm'] = float(w['param_norm'])
-        last['learning_rate'] = float(schedule(step - 1))
-        last['tokens_per_sec'] = window_tokens / elapsed
-        if t.skip_nonfinite:
-          last['skipped_steps'] = int(state['skipped'])
-        if diag is not None:  # the log step's values (not window means)
-          last.update(diagnostics.diagnostic_metrics(groups, diag))
-          rows = t.diagnostics_batch or t.batch_size
-          whole = distributed.global_batch(batch, it.first_row, t.batch_size)
-          last.update({k: float(v) for k, v in diag_fn(
-              state_lib.model_variables(state), jax.tree.map(lambda a: a[:rows], whole)).items()})
-        writer.write(step, 'train', last)
-        bar.set_postfix(loss=f'{last["loss"]:.3f}', tok_s=f'{last["tokens_per_sec"]:.0f}')
-        window, window_tokens, window_start = empty_window(), 0.0, time.perf_counter()
-      if step % t.eval_every == 0 or step == t.steps:
-        writer.write(step, 'valid', evaluation.evaluate(
-            eval_fn, state_lib.model_variables(state), config, 'validation', t.eval_batches))
-      for hook in hooks:
-        hook(step, state)  # a signal a hook sends is handled before the next line
-      stop = signals.stop_after(step)
-      if step % t.checkpoint_every == 0 or step == t.steps or stop:
-        save(step, window)
-      if stop:
-        checkpointing.confirm_saved(mngr, workdir)
-        raise Stopped(stop, step)
-    checkpointing.confirm_saved(mngr, workdir)  # the last save's outcome: a failure exits 1
-    failing = False
-  except Exception as e:  # pylint: disable=broad-except
-    if not (paths.is_remote(workdir) and paths.is_storage_error(e)):
-      raise
-    raise store_lost(e, saves['good'], workdir) from None
-  finally:
-    profiler.stop(state)
-    signals.restore()
-    bar.close()
-    try:
-      mngr.wait_until_finished()
-      mngr.close()
-    except Exception:  # pylint: disable=broad-except  # reported by confirm_saved, or superseded
-      pass
-    try:
-      writer.close()  # flushes TensorBoard's events: a full disk fails here too
-    except Exception as e:  # pylint: disable=broad-except  # OSError, or the store's own errors
-      if not failing:  # after a failed save, say, that failure's one line says it all
-        print(f'train: closing the logs in {workdir} failed ({e.strerror or e}); metrics.jsonl '
-              'holds every row written before', file=sys.stderr)
-  return last
+
+def _write_run_info(run):
+  """run_info.json: the parameter count per group (metrics.jsonl rows all carry a loss), and the
+  corpus fingerprint eval.py and a resume compare the files with."""
+  config = run.config
+  run.groups, run.leaf_groups, group_sizes = diagnostics.param_groups(run.state['params'])
+  run.info_path = paths.join(run.workdir, 'run_info.json')
+  info = paths.read_json(run.info_path) if paths.exists(run.info_path) else {}
+  info.update(num_params=sum(group_sizes.values()), params_by_group=group_sizes)
+  if config.data.get('task') in text_corpus.TASKS:
+    info.setdefault('corpus', text_corpus.fingerprint(text_corpus.spec_from_config(config.data)))
+  if run.lead:
+    writers.write_json(run.info_path, info)
+  run.info = info

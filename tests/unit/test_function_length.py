@@ -23,7 +23,6 @@ LONG = re.compile(r'#\s*long:\s*\S')  # `# long: <reason>`
 PENDING = {
     'configs/default.py:get_config',
     'layers/sparse_attention.py:sparse_attention',
-    'training/loop.py:_train',
 }
 
 
