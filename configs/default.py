@@ -22,7 +22,7 @@ def parse_arg(arg):
   return out
 
 
-def get_config(arg=None):
+def get_config(arg=None):  # long: one commented line per config field, read top to bottom
   """Returns the base config. `arg`: `quick` shrinks everything for a smoke run; `size=NAME`."""
   args = parse_arg(arg)
   config = ml_collections.ConfigDict()

@@ -138,16 +138,24 @@ def sparse_attention(query, key, value, pattern, *, scale, block, is_causal=Fals
     out = out + jnp.einsum('BKGCTJ,BJKH->BCTKGH', probs[..., num_local:], gv.astype(jnp.float32))
   out = out.reshape(b, tp, n, -1)[:, :t]  # [B, T, N, H]
   if glob:
-    # Global query rows see every key (subject to causality/segments): O(|G|·T), done densely.
-    qg = query[:, glob]  # [B, J, N, H]
-    qgs = None if q_segment_ids is None else q_segment_ids[:, glob][:, :, None]
-    kall = None if kv_segment_ids is None else kv_segment_ids[:, None, :]
-    mask = masks.sparse_visible(g_pos[:, None], np.arange(s)[None, :], pattern,
-                                is_causal=is_causal, q_seg=qgs, k_seg=kall)  # [B|1, J, S]
-    mask = jnp.broadcast_to(mask, (b,) + mask.shape[-2:])[:, None]  # [B, 1, J, S]
-    og = attention_xla.attention(qg, key, value, mask=mask, scale=scale)  # [B, J, N, H]
-    out = out.at[:, glob].set(og.astype(out.dtype))
+    out = _global_rows(out, query, key, value, glob, pattern, scale=scale, is_causal=is_causal,
+                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   return out.astype(query.dtype)
+
+
+def _global_rows(out, query, key, value, glob, pattern, *, scale, is_causal, q_segment_ids,
+                 kv_segment_ids):
+  """`out` `[B, T, N, H]` with the rows of the global tokens `glob` replaced: a global query sees
+  every key (subject to causality and segments), O(|G|·T), computed densely."""
+  b, s = query.shape[0], key.shape[1]
+  qg = query[:, glob]  # [B, J, N, H]
+  qgs = None if q_segment_ids is None else q_segment_ids[:, glob][:, :, None]
+  kall = None if kv_segment_ids is None else kv_segment_ids[:, None, :]
+  mask = masks.sparse_visible(np.asarray(glob)[:, None], np.arange(s)[None, :], pattern,
+                              is_causal=is_causal, q_seg=qgs, k_seg=kall)  # [B|1, J, S]
+  mask = jnp.broadcast_to(mask, (b,) + mask.shape[-2:])[:, None]  # [B, 1, J, S]
+  og = attention_xla.attention(qg, key, value, mask=mask, scale=scale)  # [B, J, N, H]
+  return out.at[:, glob].set(og.astype(out.dtype))
 
 
 def reference_mask(pattern, t, *, is_causal=False, segment_ids=None):
