@@ -17,8 +17,10 @@ import numpy as np
 
 from training import paths as paths_lib
 from tools import curves as curves_lib
+from tools import legend
 from tools import plot_style
 from tools import plots
+from tools import runs as runs_lib
 
 RATIOS = (2, 4, 8)  # r_k = loss at k x L / loss at L
 TARGET_AT = (4, 8)  # target-token loss at these multiples
@@ -157,46 +159,101 @@ def per_position(groups):
   return out
 
 
+# The curves the ratio row divides by, where a group has this config (the best long-range method
+# of the position study, so the other methods read as how much worse they are).
+REFERENCE = {'model.position': 'alibi', 'model.random_positions_max': 0}
+
+
+def _legend(groups):
+  """(short legend label per group, note) from `tools.legend`, as tools.compare's figure has."""
+  configs = [runs[0].get('config') or {} for _, runs in groups]
+  fields = runs_lib.differing_fields([r for _, runs in groups for r in runs])
+  if not fields or not all(configs):
+    return [label for label, _ in groups], ''
+  return legend.legend_labels(configs, fields)
+
+
+def _reference(groups):
+  """The index of the group whose config matches `REFERENCE`, or None."""
+  for i, (_, runs) in enumerate(groups):
+    config = runs[0].get('config') or {}
+    if all(config.get(k, v if not v else None) == v for k, v in REFERENCE.items()):  # absent: 0
+      return i
+  return None
+
+
+def _mean_curves(curves, lengths, train_length, band_kind):
+  """{(group index, length): (positions, mean, lo, hi)}: long windows averaged over
+  length // L positions as tools.plots does, then across seeds."""
+  out = {}
+  for i, by_length in enumerate(curves):
+    for length in lengths:
+      k = max(1, length // train_length)
+      runs = [c[:len(c) // k * k].reshape(-1, k).mean(1) for c in by_length.get(length, [])]
+      if runs:
+        x = np.arange(len(runs[0])) * k + (k - 1) / 2
+        out[i, length] = (*curves_lib.band([(x, r) for r in runs], band_kind), len(runs))
+  return out
+
+
 def figure(groups, band_kind='minmax'):
-  """One panel per evaluation length: each group's loss per position, mean across seeds with a
-  `band_kind` band; long windows averaged over length // L positions as tools.plots does.
+  """One column per evaluation length: each group's loss per position (mean across seeds with a
+  `band_kind` band) and, below, its ratio to the `REFERENCE` group's (methods whose losses lie on
+  top of each other come apart there). The legend, in tools.compare's short labels, sits right.
 
   Returns:
     (figure, axes), or None when no run has per-position losses.
   """
-  curves = per_position(groups)
-  lengths = sorted({n for by_length in curves.values() for n in by_length})
+  by_label = per_position(groups)
+  curves = [by_label.get(label, {}) for label, _ in groups]
+  lengths = sorted({n for by_length in curves for n in by_length})
   if not lengths:
     return None
   plt = plot_style.pyplot()
-  n = len(curves)
-  fig, axes = plt.subplots(1, len(lengths), figsize=(3.6 * len(lengths), 3.0 + 0.18 * n),
-                           squeeze=False)
+  labels, note = _legend(groups)
+  ref = _reference(groups)
+  rows = 1 if ref is None else 2
+  fig, axes = plt.subplots(rows, len(lengths), figsize=(3.3 * len(lengths) + 2.4, 2.7 * rows + 0.5),
+                           squeeze=False, sharex='col')
   train_length = lengths[0]  # the shortest window: the training length of an x1 evaluation
-  for ax, length in zip(axes[0], lengths):
-    k = max(1, length // train_length)
-    for i, (label, by_length) in enumerate(curves.items()):
-      runs = [c[:len(c) // k * k].reshape(-1, k).mean(1) for c in by_length.get(length, [])]
-      if not runs:
+  means = _mean_curves(curves, lengths, train_length, band_kind)
+  colors = [plt.cm.tab10(i % 10) for i in range(len(groups))]
+  for col, length in enumerate(lengths):
+    ax = axes[0][col]
+    for i in range(len(groups)):
+      if (i, length) not in means:
         continue
-      x = np.arange(len(runs[0])) * k + (k - 1) / 2
-      steps, mean, lo, hi = curves_lib.band([(x, r) for r in runs], band_kind)
-      color = plt.cm.tab10(i % 10)
-      ax.plot(steps, mean, color=color, lw=1.2, label=f'{label} ({len(runs)})')
-      if len(runs) > 1 and band_kind != 'none':
-        ax.fill_between(steps, lo, hi, color=color, alpha=0.15, linewidth=0)
-    ax.axvline(train_length, color='0.5', ls=':', lw=1)
+      steps, mean, lo, hi, seeds = means[i, length]
+      ax.plot(steps, mean, color=colors[i], lw=1.2, label=f'{labels[i]} ({seeds})')
+      if seeds > 1 and band_kind != 'none':
+        ax.fill_between(steps, lo, hi, color=colors[i], alpha=0.15, linewidth=0)
     ax.set_title(f'{length}-token windows', fontsize=9)
-    ax.set_xlabel('position in window (tokens)', fontsize=8)
+    if ref is not None and (ref, length) in means:
+      _draw_ratios(axes[1][col], means, ref, length, colors, labels)
+    for row in axes[:, col]:
+      row.axvline(train_length, color='0.5', ls=':', lw=1)
+    axes[-1][col].set_xlabel('position in window (tokens)', fontsize=8)
   axes[0][0].set_ylabel('loss')
-  handles, labels = axes[0][0].get_legend_handles_labels()
-  # Below the panels, one cell per line: the labels are long (every differing field).
+  if ref is not None:
+    axes[1][0].set_ylabel(f'loss / {labels[ref]}\'s')
+  handles, texts = axes[0][0].get_legend_handles_labels()
   spread = {'minmax': 'min to max', 'std': 'mean -/+ std', 'none': 'none'}[band_kind]
-  fig.legend(handles, labels, loc='lower left', fontsize=7, frameon=False, title_fontsize=7,
-             title=f'cell (seeds): mean across seeds, band {spread}')
-  fig.subplots_adjust(left=0.06, right=0.98, top=0.9, wspace=0.25,
-                      bottom=(0.18 * n + 0.8) / (3.0 + 0.18 * n))
+  title = f'(seeds): mean across seeds,\nband {spread}' + (f'\n{note}' if note else '')
+  fig.legend(handles, texts, loc='center right', fontsize=7, frameon=False, title_fontsize=7,
+             title=title)
+  fig.subplots_adjust(left=0.05, right=1 - 2.3 / (3.3 * len(lengths) + 2.4), top=0.93,
+                      bottom=0.1, wspace=0.22, hspace=0.12)
   return fig, axes
+
+
+def _draw_ratios(ax, means, ref, length, colors, labels):
+  """Each group's mean loss per position over the reference group's, at the same positions."""
+  _, ref_mean, _, _, _ = means[ref, length]
+  for (i, n), (steps, mean, _, _, _) in sorted(means.items()):
+    if n == length and len(mean) == len(ref_mean):
+      ax.plot(steps, mean / ref_mean, color=colors[i], lw=1.0 if i != ref else 1.6,
+              label=labels[i])
+  ax.axhline(1.0, color='0.6', lw=0.6)
 
 
 def report(groups, out, band_kind='minmax'):

@@ -39,6 +39,7 @@ ABBREVIATIONS = {
     'train.weight_decay': lambda v: f'wd {_num(v)}',
     'train.grad_clip_norm': lambda v: f'clip {_num(v)}' if v else 'no clip',
     'data.max_length': lambda v: f'L={v}',
+    'model.random_positions_max': lambda v: f'random ids < {_count(v)}' if v else '',
 }
 # Fields whose values name themselves: `post`, `rope`, `swiglu`, `encoder_decoder`.
 VALUE_ONLY = ('model.arch', 'model.attention', 'model.attention_impl', 'model.position',
@@ -83,7 +84,7 @@ def legend_labels(configs, fields, flags=None, keep=(), max_len=MAX_LABEL):
   labels = []
   for part, words in zip(parts, flags):
     shown = [value for field, value in zip(fields, part) if omit.get(field) != value] or part
-    labels.append(SEPARATOR.join(shown + list(words)))
+    labels.append(SEPARATOR.join([v for v in shown if v] + list(words)))  # '' reads as nothing
   note = 'unless noted: ' + SEPARATOR.join(omit.values()) if omit else ''
   return labels, note
 

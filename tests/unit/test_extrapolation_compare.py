@@ -65,12 +65,21 @@ def test_per_position_picture_has_a_seed_band_per_cell_and_panel(tmp_path):
   assert len(axes[0]) == 4  # windows of L, 2L, 4L, 8L
   for ax in axes[0]:
     assert len(ax.collections) == 1  # one band: rope's three seeds (alibi has one run)
-    rope = next(line for line in ax.lines if line.get_label().startswith('position=rope'))
+    rope = next(line for line in ax.lines if line.get_label().startswith('rope'))
     band = ax.collections[0].get_paths()[0].vertices[:, 1]
     assert band.min() < rope.get_ydata().min() and band.max() > rope.get_ydata().max()
   # The mean across seeds at position 0 of the L panel is the mean of 1, 2, 3.
-  first = next(line for line in axes[0][0].lines if line.get_label().startswith('position=rope'))
+  first = next(line for line in axes[0][0].lines if line.get_label().startswith('rope'))
   assert first.get_ydata()[0] == 2.0
+  # Short labels, as tools.compare's legend: the method's name and its seed count.
+  curves = {line.get_label(): line for line in axes[0][0].lines if line.get_label()[0] != '_'}
+  assert sorted(curves) == ['alibi (1)', 'rope (3)']
+  # The second row divides by ALiBi's curve: ALiBi's own ratio is 1, rope's at position 0 is 2/1.
+  assert len(axes) == 2
+  ratios = {line.get_label(): line.get_ydata() for line in axes[1][0].lines
+            if line.get_label()[0] != '_'}
+  np.testing.assert_allclose(ratios['alibi'], 1.0)
+  assert ratios['rope'][0] == 2.0
   # Through tools.compare: the picture next to OUT and the table after the curves' table.
   out = str(tmp_path / 'cmp.png')
   text = compare.compare([str(tmp_path)], out)
