@@ -17,6 +17,27 @@ from configs import default as default_config
 from training import paths
 
 
+# tensorstore (Orbax's storage) retries a failed object-store request 32 times, backing off to 32 s
+# between tries: an in-flight checkpoint write waits out an outage for a quarter of an hour before
+# it fails. Bounded here to about half a minute (1 + 2 + 4 + 8 + 8 + 8 s), as gcsfs's own retries
+# (6 tries over about 35 s): then the run ends in one line naming the store and the last good
+# checkpoint (training.loop.store_lost), and the same command resumes once the store is back.
+STORE_RETRIES = {'max_retries': 6, 'initial_delay': '1s', 'max_delay': '8s'}
+
+
+def _bound_store_retries():
+  """Puts `STORE_RETRIES` into every tensorstore context Orbax creates (it has no argument for
+  it): the GCS and S3 drivers read `gcs_request_retries` / `s3_request_retries` from there."""
+  from orbax.checkpoint._src.serialization import tensorstore_utils  # pylint: disable=g-import-not-at-top
+  for context in (tensorstore_utils._BASE_TS_CONTEXT,  # pylint: disable=protected-access
+                  tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):  # pylint: disable=protected-access
+    for resource in ('gcs_request_retries', 's3_request_retries'):
+      context.setdefault(resource, dict(STORE_RETRIES))
+
+
+_bound_store_retries()
+
+
 class IncompatibleResume(ValueError):
   """The workdir's checkpoint was written by a config whose model or data differ."""
 
