@@ -70,6 +70,20 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   #                          a bias (the Flax examples' logits_via_embedding=False)
   model.attention_dropout = 0.0  # dropout on the attention probabilities (xla, blockwise only)
   model.ffn_dropout = 0.0  # dropout on the feed-forward activations (after the nonlinearity)
+  # mixture of experts (layers/moe.py, docs/moe.md); every moe_* field stays at its default while
+  # moe_experts = 0
+  model.moe_experts = 0  # E routed experts in each MoE block's FFN; 0 = dense FFNs (no MoE)
+  model.moe_d_ff = 0  # F_e, each expert's (and shared expert's) width; 0 = d_ff
+  model.moe_top_k = 2  # k experts per token (token choice); combine weights renormalised to sum 1
+  model.moe_capacity_factor = 0.0  # C > 0: ceil(C·k·T/E) slots per expert per row, overflow
+  #                                  dropped (training only); 0 = dropless (ragged_dot)
+  model.moe_routing = 'tokens'  # tokens (token choice) | experts (expert choice; encoder_only)
+  model.moe_router_jitter = 0.0  # eps: router input x U(1 - eps, 1 + eps) while training
+  model.moe_shared_experts = 0  # always-on experts of width moe_d_ff beside the routed (DeepSeekMoE)
+  model.moe_every = 1  # every n-th block (after moe_first_dense) is MoE, the rest dense; 1 = all
+  model.moe_first_dense = 0  # leading blocks of each stack that stay dense
+  model.moe_aux_loss = 0.01  # load-balancing loss coefficient (Switch/GShard: E · sum_e f_e·P_e)
+  model.moe_z_loss = 0.0  # router z-loss coefficient (ST-MoE: mean logsumexp(logits)^2)
   # Position conventions, for converting checkpoints. rope rotates pairs (x_i, x_{i+H/2})
   # ("rotate half", as GPT-NeoX and HF transformers' Llama); a checkpoint trained with interleaved
   # pairs (x_2i, x_2i+1: RoFormer, Meta's Llama) needs the output columns of its q and k

@@ -8,6 +8,7 @@ from layers import attention
 from layers import attention_variants
 from layers import feed_forward
 from layers import initializers
+from layers import moe
 from layers import norms
 from layers import options
 
@@ -93,7 +94,7 @@ class Block(nnx.Module):
 
   collect_stats = False
 
-  def __init__(self, cfg, *, cross_attention=False, deepnorm=None, rngs):
+  def __init__(self, cfg, *, cross_attention=False, deepnorm=None, layer=None, rngs):
     """Args:
       cfg: `config.model` (d_model, num_heads, num_kv_heads, d_ff, norm, norm_position, ffn,
         attention, attention_impl, dropout, use_bias / attention_bias / ffn_bias, head_dim,
@@ -101,6 +102,8 @@ class Block(nnx.Module):
       cross_attention: add a cross-attention sublayer (encoder-decoder decoders).
       deepnorm: (alpha, beta) under norm_position='deepnorm' (models.stack passes the stack's,
         `deepnorm_constants`); None: those of a single stack of `cfg.num_layers` layers.
+      layer: this block's index in its stack: with `model.moe_experts` > 0 it decides whether the
+        FFN is a `layers.moe.MoE` (`layers.moe.is_moe_layer`); None: dense.
       rngs: parameter initialisation.
     """
     options.choice('model.norm_position', cfg.norm_position, NORM_POSITIONS)
@@ -115,9 +118,10 @@ class Block(nnx.Module):
     self.self_attention = variant.from_config(cfg, rngs=rngs)
     self.cross_attention = (attention.Attention.from_config(cfg, rngs=rngs) if cross_attention
                             else None)
-    self.ffn = feed_forward.make(cfg.ffn, cfg.d_model, cfg.d_ff, use_bias=initializers.ffn_bias(cfg),
-                                 kernel_init=initializers.kernel_init(cfg),
-                                 dropout=cfg.get('ffn_dropout', 0.0), rngs=rngs)
+    self.ffn = moe.MoE.from_config(cfg, rngs=rngs) if moe.is_moe_layer(cfg, layer) else (
+        feed_forward.make(cfg.ffn, cfg.d_model, cfg.d_ff, use_bias=initializers.ffn_bias(cfg),
+                          kernel_init=initializers.kernel_init(cfg),
+                          dropout=cfg.get('ffn_dropout', 0.0), rngs=rngs))
     for name in ('self', 'cross', 'ffn'):
       here = name in sublayers
       # The same names as before the other placements existed: pre/post checkpoints still load.
@@ -236,7 +240,9 @@ class Block(nnx.Module):
     if self.cross_attention is not None:
       x = self._sublayer(x, 'cross', lambda h: self.cross_attention.decode_context(
           h, context_cache, context_mask), None)
-    return self._sublayer(x, 'ffn', self.ffn, None), new['cache']
+    # An MoE FFN's step routes dropless and sows nothing (layers.moe.MoE.decode).
+    ffn = getattr(self.ffn, 'decode', self.ffn)
+    return self._sublayer(x, 'ffn', ffn, None), new['cache']
 
   def attention_weights(self, x, *, segment_ids=None, positions=None, is_causal=False,
                         position=None, context=None, context_segment_ids=None):

@@ -9,7 +9,7 @@ Layers name the axes of their parameters and of a few key activations with logic
   length   -> sequence       context parallelism splits the sequence (ring attention)
   embed    -> fsdp           FSDP shards every parameter along its model dimension
   heads, kv_heads, mlp, vocab -> tensor   Megatron-style tensor parallelism
-  head_dim, act_embed -> none (replicated)
+  head_dim, act_embed, expert -> none (replicated)
 
 Parameters carry their names as variable metadata (`partitioned`, read back by `param_specs`);
 activations are annotated with `constrain`, a no-op unless a mesh and rules are active (`use_rules`).
@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ('data', 'fsdp', 'tensor', 'sequence')
 LOGICAL_AXES = ('batch', 'length', 'embed', 'act_embed', 'heads', 'kv_heads', 'head_dim', 'mlp',
-                'vocab')
+                'vocab', 'expert')
 DEFAULT_RULES = (
     ('batch', ('data', 'fsdp')),
     ('length', 'sequence'),
@@ -39,6 +39,7 @@ DEFAULT_RULES = (
     ('head_dim', None),
     ('mlp', 'tensor'),
     ('vocab', 'tensor'),
+    ('expert', None),  # MoE experts (layers.moe): replicated until a mesh.expert axis exists
 )
 
 

@@ -18,6 +18,7 @@ from flax import nnx
 import models
 from layers import block
 from layers import initializers
+from layers import moe
 from layers import positions
 from layers import sharding
 
@@ -44,6 +45,38 @@ def ffn_params(d_model, d_ff, ffn='relu', *, use_bias=False):
   """2·D·F (relu, gelu) or 3·D·F (gated: swiglu, geglu), (+ F + D or 2·F + D biases)."""
   mats = 3 if ffn in GATED_FFNS else 2
   return mats * d_model * d_ff + ((mats - 1) * d_ff + d_model if use_bias else 0)
+
+
+def moe_layer_params(cfg):
+  """One MoE block's FFN (layers.moe.MoE, no biases): {'router': D·E, 'experts': E·m·D·F_e with
+  m = 2 (relu, gelu) or 3 (gated), 'shared': S·m·D·F_e, 'active': the router, the shared experts
+  and k of the experts, what one token passes through}."""
+  d, e, f = cfg.d_model, cfg.moe_experts, moe.expert_width(cfg)
+  one = ffn_params(d, f, cfg.ffn)
+  out = {'router': d * e, 'experts': e * one, 'shared': cfg.get('moe_shared_experts', 0) * one}
+  out['active'] = out['router'] + out['shared'] + cfg.moe_top_k * one
+  return out
+
+
+def ffn_layers_params(cfg, *, active=False):
+  """One stack's feed-forward parameters: dense blocks of width d_ff (with biases if configured)
+  and MoE blocks (`moe_layer_params`; with `active`, only what one token uses)."""
+  num_moe = moe.num_moe_layers(cfg)
+  dense = ffn_params(cfg.d_model, cfg.d_ff, cfg.ffn, use_bias=initializers.ffn_bias(cfg))
+  out = dense * (cfg.num_layers - num_moe)
+  if num_moe:
+    layer = moe_layer_params(cfg)
+    out += num_moe * (layer['active'] if active else
+                      layer['router'] + layer['experts'] + layer['shared'])
+  return out
+
+
+def active_params(cfg, vocab_size, max_length):
+  """Parameters one token passes through: `formula_params` summed, with each MoE block counting
+  its router, shared experts and k routed experts only (the total for a dense model)."""
+  stacks, _ = stack_layout(cfg.arch)
+  total = sum(formula_params(cfg, vocab_size, max_length).values())
+  return total - stacks * (ffn_layers_params(cfg) - ffn_layers_params(cfg, active=True))
 
 
 def norm_params(d_model, norm):
@@ -93,7 +126,7 @@ def formula_params(cfg, vocab_size, max_length):
   final_norms = stacks if block.FINAL_NORM[cfg.norm_position] else 0
   gates = sublayers if cfg.norm_position == 'rezero' else 0
   shared = cfg.get('share_embeddings', True) or stacks == 1
-  attention_bias, ffn_bias = initializers.attention_bias(cfg), initializers.ffn_bias(cfg)
+  attention_bias = initializers.attention_bias(cfg)
   return {
       'embedding': vocab_size * d * (1 if shared else 2),
       'positions': position_params(cfg, max_length) * stacks,
@@ -102,7 +135,7 @@ def formula_params(cfg, vocab_size, max_length):
                                            use_bias=attention_bias,
                                            head_dim=initializers.head_dim(cfg)) * cfg.num_layers
                           if cross else 0),
-      'ffn': ffn_params(d, cfg.d_ff, cfg.ffn, use_bias=ffn_bias) * layers,
+      'ffn': ffn_layers_params(cfg) * stacks,  # MoE blocks: router, experts, shared experts
       'norms': norm_params(d, cfg.norm) * (sublayers * per_sublayer + final_norms) + gates,
       'output': 0 if cfg.get('tie_output', True) else d * vocab_size + vocab_size,
   }
@@ -143,7 +176,9 @@ def forward_flops(cfg, vocab_size, length):
   xla kernel computes the full T x S matrix and masks it, so 'scores' counts all of it and
   'scores_causal' the half a causal layer needs (T(T+1)/2 pairs). Exact-softmax count: for the
   sparse and linear variants it is the dense-equivalent, not their own cost. Norms, softmax,
-  activations and position terms (O(T·D) or O(T·S·N) elementwise) are left out.
+  activations and position terms (O(T·D) or O(T·S·N) elementwise) are left out. An MoE block
+  counts what a token passes through (`moe_layer_params`' 'active': the router's D·E, the k
+  routed and the shared experts), not the idle experts nor the dispatch.
 
   Returns:
     {'matmul', 'scores', 'scores_causal'} FLOPs per row.
@@ -151,8 +186,12 @@ def forward_flops(cfg, vocab_size, length):
   stacks, cross = stack_layout(cfg.arch)
   t, d, n = length, cfg.d_model, cfg.num_heads
   h, k = initializers.head_dim(cfg), cfg.num_kv_heads
-  layer_weights = (attention_params(d, n, k, head_dim=h) + ffn_params(d, cfg.d_ff, cfg.ffn))
-  matmul = 2 * t * layer_weights * cfg.num_layers * stacks + 2 * t * d * vocab_size
+  # An MoE block counts the router and the k experts (and shared experts) a token passes through.
+  num_moe = moe.num_moe_layers(cfg)
+  ffn = ffn_params(d, cfg.d_ff, cfg.ffn) * (cfg.num_layers - num_moe) + (
+      num_moe * moe_layer_params(cfg)['active'] if num_moe else 0)
+  stack_weights = attention_params(d, n, k, head_dim=h) * cfg.num_layers + ffn
+  matmul = 2 * t * stack_weights * stacks + 2 * t * d * vocab_size
   full, triangle = t * t, t * (t + 1) // 2  # (query, key) pairs: all, and the causal ones
   pairs = full * cfg.num_layers * stacks  # self-attention, every stack
   # The decoder stack (decoder_only, encoder_decoder) is causal; encoders need every pair.

@@ -104,7 +104,7 @@ class Stack(nnx.Module):
     else:
       self.blocks = nnx.List([
           block.Block(layer_config(cfg, stream, i), cross_attention=cross_attention,
-                      deepnorm=deepnorm, rngs=rngs)
+                      deepnorm=deepnorm, layer=i, rngs=rngs)
           for i in range(cfg.num_layers)])
     self.final_norm = (norms.NORMS[cfg.norm](cfg.d_model, rngs=rngs)
                        if block.FINAL_NORM[cfg.norm_position] else None)

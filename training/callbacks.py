@@ -180,6 +180,7 @@ class Logger(Callback):
   def __init__(self, config, start, lead):
     t = self.t = config.train
     self.every = t.log_every
+    self.moe = config.model.get('moe_experts', 0) > 0
     self.schedule = state_lib.make_schedule(t)
     self.bar = tqdm.tqdm(total=t.steps, initial=start, desc='train', mininterval=1.0,
                          file=sys.stderr, dynamic_ncols=True, disable=not lead)
@@ -198,6 +199,8 @@ class Logger(Callback):
     last = steps.finalize({k: w[k] for k in ('loss_sum', 'correct_sum', 'weight_sum')})
     last['grad_norm'] = float(w['grad_norm']) / max(int(w['steps']), 1)
     last['param_norm'] = float(w['param_norm'])
+    if self.moe:  # means over the window's steps, like the loss (layers.moe.MoE's terms)
+      last.update({k: float(w[k]) / max(int(w['steps']), 1) for k in steps.MOE_METRICS})
     last['learning_rate'] = float(self.schedule(step - 1))
     last['tokens_per_sec'] = self.tokens / (time.perf_counter() - self.since)
     if t.skip_nonfinite:
@@ -259,7 +262,7 @@ class Checkpointer(Callback):
     try:
       run.mngr.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(run.state), data=ocp.args.JsonSave(data_state),
-          window=ocp.args.JsonSave({k: w[k].item() for k in LOG_SUM_KEYS})))
+          window=ocp.args.JsonSave({k: w[k].item() for k in LOG_SUM_KEYS + steps.MOE_METRICS})))
     except Exception as e:  # pylint: disable=broad-except  # orbax/tensorstore raise many kinds
       raise checkpointing.save_failed(run.mngr, run.workdir, e) from None
     run.saves['pending'] = step

@@ -6,6 +6,7 @@ from flax import nnx
 import numpy as np
 import optax
 
+from layers import moe
 from training import diagnostics
 from training import losses
 from training import state as state_lib
@@ -17,6 +18,23 @@ def compute_metrics(logits, targets, weights):
   correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)  # [B, T]
   return {'loss_sum': jnp.sum(ce * weights), 'correct_sum': jnp.sum(correct * weights),
           'weight_sum': jnp.sum(weights)}
+
+
+# The MoE layers' balancing terms in a step's sums (each the mean over the MoE layers, unscaled by
+# its coefficient): the loop sums them over the log window and the log row shows their means.
+MOE_METRICS = tuple(f'moe_{name}' for name in moe.STATS)
+
+
+def with_moe_stats(fn, model):
+  """(fn(model), {'moe_aux_loss', 'moe_z_loss', 'moe_drop_fraction', 'moe_load_cv'}): the
+  statistics every MoE layer sows during `fn` (layers.moe.MoE), each averaged over the layers'
+  calls; {} for a model without MoE layers."""
+  out, sown = nnx.capture(fn, nnx.Intermediate)(model)
+  calls = [call for path, var in nnx.to_flat_state(sown) if path[-1] == 'moe'
+           for call in var.get_value()]
+  if not calls:
+    return out, {}
+  return out, {f'moe_{k}': jnp.mean(jnp.stack([c[k] for c in calls])) for k in moe.STATS}
 
 
 def finalize(sums):
@@ -35,8 +53,28 @@ def count_tokens(batch):
   return int(sum(np.sum(batch[k] > 0) for k in groups))
 
 
+def step_sums(model, batch, rngs, loss_chunk=0, moe_loss=(0.0, 0.0)):
+  """The summed metrics of one (micro-)batch, the MoE layers' terms (`MOE_METRICS`, if any), and
+  'objective_sum': the summed loss to differentiate, the task loss plus the weight sum times the
+  `moe_loss` (aux, z) coefficients' balancing terms (each per token as much as the loss's mean)."""
+
+  def forward(model):
+    if loss_chunk:  # the vocabulary a tile at a time: [B, T, V] never exists (training.losses)
+      hidden, targets, weights = model.loss_features(batch, rngs=rngs)
+      return losses.chunked_metrics(hidden, model.output_embedding(), targets, weights, loss_chunk)
+    return compute_metrics(*model.loss_terms(batch, rngs=rngs))
+
+  sums, stats = with_moe_stats(forward, model)
+  sums['objective_sum'] = sums['loss_sum']
+  if stats:
+    sums.update(stats)
+    sums['objective_sum'] += sums['weight_sum'] * (moe_loss[0] * stats['moe_aux_loss'] +
+                                                   moe_loss[1] * stats['moe_z_loss'])
+  return sums
+
+
 def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonfinite=False,
-               accum_steps=1, compute_dtype='float32', loss_chunk=0):
+               accum_steps=1, compute_dtype='float32', loss_chunk=0, moe_loss=(0.0, 0.0)):
   """One optimisation step, a pure function of the state (jit it with the state donated).
 
   With `accum_steps` = k > 1 the batch is k micro-batches whose gradients of the summed loss are
@@ -52,6 +90,10 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
   optimiser state unchanged (the data and the step counter still advance) and counts in
   `state['skipped']`.
 
+  With MoE layers (layers.moe) the differentiated objective adds, per token of weight,
+  `moe_loss` = (aux, z) coefficients times the layers' mean load-balancing and z-losses; the sums
+  report the task loss (`loss_sum`) and the unscaled terms (`MOE_METRICS`) apart.
+
   With `leaf_groups` (from `param_groups`), `sums['diag']` holds `[G]` squared norms per group of
   the gradient, the update and the parameters before the update (a few reductions: cheap).
   """
@@ -60,23 +102,21 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
 
   def sums_fn(params, batch, dropout_rng, mask_rng):
     model = nnx.merge(graphdef, state_lib.cast_params(params, compute_dtype), state['buffers'])
-    rngs = nnx.Rngs(dropout=dropout_rng, mask=mask_rng)
-    if loss_chunk:  # the vocabulary a tile at a time: [B, T, V] never exists (training.losses)
-      hidden, targets, weights = model.loss_features(batch, rngs=rngs)
-      return losses.chunked_metrics(hidden, model.output_embedding(), targets, weights, loss_chunk)
-    return compute_metrics(*model.loss_terms(batch, rngs=rngs))
+    return step_sums(model, batch, nnx.Rngs(dropout=dropout_rng, mask=mask_rng), loss_chunk,
+                     moe_loss)
 
   if accum_steps == 1:
     def loss_fn(params):
       sums = sums_fn(params, batch, dropout_rng, mask_rng)
-      return sums['loss_sum'] / jnp.maximum(sums['weight_sum'], 1.0), sums
+      return sums['objective_sum'] / jnp.maximum(sums['weight_sum'], 1.0), sums
 
     (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state['params'])
   else:
     # Micro-batch i takes rows i, i + k, i + 2k, ...: each data shard keeps its own rows.
     micro = jax.tree.map(
         lambda x: x.reshape(-1, accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)
-    grad_sum = jax.grad(lambda p, *a: (lambda s: (s['loss_sum'], s))(sums_fn(p, *a)), has_aux=True)
+    grad_sum = jax.grad(lambda p, *a: (lambda s: (s['objective_sum'], s))(sums_fn(p, *a)),
+                        has_aux=True)
 
     def accumulate(carry, inputs):
       micro_batch, i = inputs
@@ -88,6 +128,9 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
         grad_sum, state['params'], jax.tree.map(lambda x: x[0], micro), dropout_rng, mask_rng))
     (grads, sums), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(accum_steps)))
     grads = jax.tree.map(lambda g: g / jnp.maximum(sums['weight_sum'], 1.0), grads)
+    # Per micro-batch means, summed over the k micro-batches: their mean.
+    sums.update({k: sums[k] / accum_steps for k in MOE_METRICS if k in sums})
+  del sums['objective_sum']
   updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
   params = optax.apply_updates(state['params'], updates)
   sums['grad_norm'] = optax.global_norm(grads)
@@ -106,7 +149,8 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
         (state['params'], state['opt_state']))
     new['skipped'] = state['skipped'] + (~ok).astype(jnp.int32)
     # Report the skipped step's values as zeros so that window sums stay finite.
-    for k in ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'param_norm'):
+    for k in ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'param_norm',
+              *(k for k in MOE_METRICS if k in sums)):
       sums[k] = jnp.where(ok, sums[k], 0.0)
   return new, sums
 

@@ -12,6 +12,7 @@ from layers import attention_variants
 from layers import block
 from layers import feed_forward
 from layers import initializers
+from layers import moe
 from layers import norms
 from layers import options
 from layers import positions
@@ -97,6 +98,8 @@ def _validate_model(config):
   _validate_init_from(config)
   _check_registry('norm', norms.NORMS, m, d)
   _check_registry('ffn', feed_forward.FFNS, m, d)
+  moe.MoE.check_options(m)  # the MoE layer's fields, whichever FFN kind (layers.moe)
+  moe.MoE.check_config(m, d)
   if not isinstance(m.share_embeddings, bool):
     raise ConfigError(f'model.share_embeddings={m.share_embeddings!r} must be True or False')
   for name in ('mlm_rate', 'mlm_mask_prob', 'mlm_random_prob', 'mlm_target_rate'):
