@@ -89,6 +89,15 @@ def write_run(workdir, train, valid=(), *, steps=100, seed=0, fields=None, entro
 
 
 
+def quick_jit(fn, **jit_kwargs):
+  """`jax.jit(fn)` compiled without LLVM's optimisation passes: the unit tests compare numbers of
+  tiny models and kernels, and the passes would be most of their run time. Jitting a whole check
+  also compiles it once instead of once per eager op (the CPU is slow and shared)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.jit(fn, compiler_options={'xla_backend_optimization_level': 0,
+                                       'xla_llvm_disable_expensive_passes': True}, **jit_kwargs)
+
+
 def one_block_reference(enc, tokens, attention):
   """A one-block Pre-LN `models.stack.Stack`'s output for `tokens` [1, T], computed around a
   reference attention: `attention(block.self_attention, x)` gets the normed row (float64, [T, D])

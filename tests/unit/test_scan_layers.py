@@ -16,6 +16,7 @@ from layers import sharding
 from models import stack
 import models
 from training import diagnostics
+from tests.helpers import quick_jit
 
 V, L = 23, 2
 # Positions applied inside attention (T5 bias, RoPE) are closed over by the scanned block body:
@@ -42,7 +43,7 @@ def graphdef(arch, **overrides):
 def init(arch, **overrides):
   """The model with its initial parameters (computed in one compiled call, not op by op)."""
   return nnx.merge(graphdef(arch, **overrides), quick_jit(lambda: nnx.state(
-      models.build(model_config(arch, **overrides), V, 16, rngs=nnx.Rngs(0)))))
+      models.build(model_config(arch, **overrides), V, 16, rngs=nnx.Rngs(0))))())
 
 
 def batch(arch):
@@ -63,14 +64,6 @@ def stacked_like(unrolled_state):
       blocks = state[name]['blocks']
       state[name]['blocks'] = stack.stack_layer_states([blocks[i] for i in range(L)])
   return state
-
-
-def quick_jit(fn, *args):
-  """`jax.jit(fn)(*args)` compiled without LLVM's optimisation passes: these tests compare numbers
-  of tiny models, and the passes would be most of their run time."""
-  return jax.jit(fn).lower(*args).compile(
-      compiler_options={'xla_backend_optimization_level': 0,
-                        'xla_llvm_disable_expensive_passes': True})(*args)
 
 
 def forward_and_grad(graphdef, params, x):
@@ -99,7 +92,7 @@ def results(arch):
       out[name] = forward_and_grad(g, p, x) + (nnx.merge(g, p).attention_weights(x),)
     return out
 
-  return params, quick_jit(run, params, stacked_like(params))
+  return params, quick_jit(run)(params, stacked_like(params))
 
 
 @pytest.mark.parametrize('arch,remat', [(a, r) for a in REMATS for r in REMATS[a]])
@@ -166,8 +159,8 @@ def test_param_groups_split_the_stacked_leaves_per_layer_and_diagnostics_match()
   # The activation/attention pass names and measures the scanned blocks as the unrolled ones.
   u_diag, s_diag = quick_jit(
       lambda p, s, x: (diagnostics.diagnostic_pass(graphdef('decoder_only'), p, x),
-                       diagnostics.diagnostic_pass(graphdef('decoder_only', scan_layers=True), s, x)),
-      params, scanned, batch('decoder_only'))
+                       diagnostics.diagnostic_pass(graphdef('decoder_only', scan_layers=True), s, x))
+  )(params, scanned, batch('decoder_only'))
   assert set(s_diag) == set(u_diag) and 'attn_entropy/decoder/blocks/1' in s_diag
   for key in u_diag:
     np.testing.assert_allclose(s_diag[key], u_diag[key], rtol=1e-5, err_msg=key)
