@@ -18,10 +18,23 @@ host.cpu_when_no_accelerator()
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')
 def data_dir(tmp_path_factory):
-  """A fresh data dir per module: the toy dataset is generated into it on first use."""
-  return tmp_path_factory.mktemp('tfds')
+  """The toy dataset (task 'base'), generated once per test process (one per xdist worker) and
+  shared by every test that only reads it, in process or through a train.py/eval.py subprocess:
+  `toy_translation.prepare` finds it complete and writes nothing (no lock file either). A test that
+  must write into or damage its data dir takes `own_data_dir` instead."""
+  from data import toy_translation  # pylint: disable=g-import-not-at-top
+  path = tmp_path_factory.mktemp('tfds')
+  toy_translation.prepare(str(path), 'base')
+  return path
+
+
+@pytest.fixture
+def own_data_dir(data_dir, tmp_path):
+  """A private copy of the shared toy dataset (a file copy: cheaper than generating it again)."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  return shutil.copytree(data_dir, tmp_path / 'tfds')
 
 
 def pytest_collection_modifyitems(items):

@@ -12,9 +12,9 @@ from training import loop
 VOCAB, B, T = 50, 4, 16
 
 
-def test_a_run_logs_diagnostics_and_writes_its_reports(tmp_path):
+def test_a_run_logs_diagnostics_and_writes_its_reports(data_dir, tmp_path):
   config = tiny_config()
-  config.data.data_dir = str(tmp_path / 'tfds')
+  config.data.data_dir = str(data_dir)
   config.train.update(steps=2, log_every=1, eval_every=100, checkpoint_every=100, warmup_steps=0)
   loop.train_and_evaluate(config, str(tmp_path / 'run'))
   with open(tmp_path / 'run' / 'metrics.jsonl') as f:

@@ -14,9 +14,9 @@ from training import loop
 
 
 
-def test_eval_writes_json_and_plot(tmp_path):
+def test_eval_writes_json_and_plot(data_dir, tmp_path):
   config = validation.resolve(decoder_only.get_config('quick'))
-  config.data.data_dir = str(tmp_path / 'tfds')
+  config.data.data_dir = str(data_dir)
   workdir = str(tmp_path / 'run')
   with pytest.raises(FileNotFoundError, match='config.json'):
     evaluation.evaluate_run(workdir, ['test'])

@@ -17,11 +17,6 @@ CONFIGS = {'encoder_only': encoder_only, 'encoder_decoder': encoder_decoder,
            'rnn_seq2seq': rnn_seq2seq}
 
 
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-  return tmp_path_factory.mktemp('tfds')
-
-
 def read_losses(workdir):
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     rows = [json.loads(line) for line in f]

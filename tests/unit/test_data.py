@@ -26,17 +26,10 @@ _CASES = [(p, a) for p in pipeline.PACKINGS for a in pipeline.ARCHS
           if (p, a) != ('stream', 'encoder_decoder')]
 
 
-@pytest.fixture(scope='session')
-def data_dir(tmp_path_factory):
-  """Prepares the 'base' task once per session."""
-  path = str(tmp_path_factory.mktemp('tfds_data'))
-  toy_translation.prepare(path, 'base')
-  return path
-
-
 def _config(data_dir, packing='none'):
+  """The data config over the session's shared toy dataset (tests/conftest.py `data_dir`)."""
   return ml_collections.ConfigDict(
-      dict(task='base', data_dir=data_dir, max_length=L, packing=packing))
+      dict(task='base', data_dir=str(data_dir), max_length=L, packing=packing))
 
 
 @pytest.fixture(scope='session')
