@@ -1,23 +1,31 @@
-"""Sparse, low-rank and kernelised attention variants: exact against explicit masks, approximations
-improve where they should, every variant trains, impossible configs are rejected in one line."""
+"""Sparse, low-rank and kernelised attention variants in training: every variant trains 30 steps
+and its loss falls; Performer's feature redraws are checkpointed and resumed (the exactness and
+config checks are in tests/unit/test_attention_variants.py)."""
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from training import validation
+from configs import default
+from data import pipeline
 from layers import linear_attention
+import models
 from tests import helpers
 from training import evaluation
 from training import loop
 from training import state as state_lib
+from training import steps as steps_lib
+from training import validation
 
 D, N, K, T = 16, 4, 2, 13  # T not a multiple of any block below; N/K = 2 (GQA)
 
 
 CAUSAL = ('sliding_window', 'longformer', 'bigbird', 'performer', 'linear')
+
+ALL = CAUSAL + ('linformer',)
 
 
 def _performer_layers(model):
@@ -55,3 +63,41 @@ def test_performer_redraw_schedule_is_checkpointed_and_resumed(data_dir, tmp_pat
   config.model.performer_redraw = 0
   graphdef, _, state = state_lib.create_state(config, 166)
   assert state_lib.redraw_features(graphdef, state, 4) is state
+
+
+def _train_config(data_dir, arch, variant):
+  config = default.get_config('quick')
+  config.model.arch = arch
+  config.model.attention = variant
+  config.model.num_layers = 1
+  config.model.window = 4
+  config.model.bigbird_block = 8
+  config.model.bigbird_random_blocks = 1
+  config.model.linformer_k = 8
+  config.model.performer_features = 32
+  config.data.max_length = 40
+  config.data.data_dir = str(data_dir)
+  config.train.update(steps=30, learning_rate=3e-3, diagnostics=False)
+  validation.resolve(config)
+  validation.validate(config)
+  return config
+
+
+@pytest.mark.parametrize('arch,variant', [('encoder_only', v) for v in ALL] +
+                         [('decoder_only', v) for v in CAUSAL])
+def test_variant_trains_and_loss_falls(data_dir, arch, variant):
+  """train.py's own state and step on the toy task (no eval/checkpoints: one compile per case)."""
+  config = _train_config(data_dir, arch, variant)
+  t = config.train
+  tokenizer = pipeline.get_tokenizer(config.data)
+  graphdef, tx, state = state_lib.create_state(
+      config, tokenizer.vocab_size, special_ids=models.SpecialIds.from_tokenizer(tokenizer))
+  it = pipeline.make_iterator(config.data, 'train', t.batch_size,
+                              arch=models.batch_format(config.model.arch), loss_on=t.loss_on)
+  step = jax.jit(functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0)))
+  losses = []
+  for _, batch in zip(range(t.steps), it):
+    state, sums = step(state, batch)
+    losses.append(float(sums['loss_sum'] / sums['weight_sum']))
+  first, last = np.mean(losses[:3]), np.mean(losses[-3:])
+  assert np.isfinite(last) and last < 0.85 * first, losses

@@ -1,8 +1,7 @@
 """The model options of the Flax lm1b/wmt examples (issue #18): an untied output with a bias,
 attention and feed-forward dropout, separate attention/FFN biases, head_dim != d_model / heads,
-xavier_uniform kernels, an unscaled embedding; each validated, each changing only what it names."""
-
-import functools
+xavier_uniform kernels, an unscaled embedding; each validated, each changing only what it names
+(all of them together, trained, in tests/integration/test_model_options.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +15,6 @@ from layers import attention_xla
 from layers import block
 from layers import feed_forward
 from models import accounting
-from training import state as state_lib
-from training import steps as steps_lib
 from training import validation
 from tests.unit import test_decoding
 import models
@@ -295,39 +292,3 @@ def test_defaults_keep_the_previous_model():
   model = build()
   assert model.decoder.output is None and model.decoder.embed_scale == np.sqrt(32)
   assert 'ffn/wi/bias' not in param_names(model.decoder.blocks[0])
-
-
-# --- the Flax-example configuration end to end --------------------------------------------------
-
-FLAX_STYLE = dict(tie_output=False, embed_scale='none', kernel_init='xavier_uniform', head_dim=12,
-                  attention_bias=True, ffn_bias=True, attention_dropout=0.1, ffn_dropout=0.1,
-                  dropout=0.1, norm_position='pre')
-
-
-@pytest.mark.parametrize('arch', ['decoder_only', 'encoder_decoder'])
-def test_flax_example_style_model_trains_a_step_and_decodes_as_its_forward(arch):
-  config = config_with(arch=arch, position='sinusoidal', num_layers=1, **FLAX_STYLE)
-  config.train.update(warmup_steps=0, schedule='constant')  # a few steps at the full rate
-  graphdef, tx, state = state_lib.create_state(config, V)
-  rng = np.random.default_rng(0)
-  if arch == 'decoder_only':
-    tokens = jnp.asarray(rng.integers(1, V, (4, 12)))
-    batch = {'inputs': tokens, 'targets': jnp.roll(tokens, -1, 1), 'weights': jnp.ones((4, 12))}
-  else:
-    src, tgt = jnp.asarray(rng.integers(1, V, (4, 10))), jnp.asarray(rng.integers(1, V, (4, 8)))
-    batch = {'src_inputs': src, 'tgt_inputs': tgt, 'tgt_targets': jnp.roll(tgt, -1, 1),
-             'tgt_weights': jnp.ones((4, 8))}
-  step = jax.jit(functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0)))
-  losses = []
-  for _ in range(5):
-    state, sums = step(state, batch)
-    losses.append(float(sums['loss_sum'] / sums['weight_sum']))
-  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
-  # After training, the cached decode equals the full forward (no dropout at decode time).
-  model = nnx.merge(graphdef, state['params'])
-  if arch == 'decoder_only':
-    full, cached = test_decoding.full_and_cached_logits(model, {'inputs': tokens},
-                                                        {'inputs': tokens}, tokens)
-  else:
-    full, cached = test_decoding.full_and_cached_logits(model, batch, {'src_inputs': src}, tgt)
-  np.testing.assert_allclose(cached, full, atol=2e-5, rtol=2e-5)
