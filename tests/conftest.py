@@ -37,6 +37,27 @@ def own_data_dir(data_dir, tmp_path):
   return shutil.copytree(data_dir, tmp_path / 'tfds')
 
 
+_unit_compiles = [False]  # whether this process now compiles as the unit tier does
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixtures are set up: they compile too
+def pytest_runtest_setup(item):
+  """The unit tier compiles without LLVM's optimisation passes (jax_disable_most_optimizations; the
+  programs it jits through tests.helpers.quick_jit get quicker emitters too): its programs are tiny
+  and each runs once, so the passes were most of its run time. The other tiers compile as train.py
+  does; a process that goes on from unit tests to others first drops JAX's caches, so that none of
+  their programs is a unit-tier build. (A setting of this process, not an environment variable:
+  the subprocesses of the tests keep the default.)"""
+  unit = item.get_closest_marker('unit') is not None
+  if unit == _unit_compiles[0]:
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+  if not unit:
+    jax.clear_caches()
+  jax.config.update('jax_disable_most_optimizations', unit)
+  _unit_compiles[0] = unit
+
+
 def pytest_collection_modifyitems(items):
   """Every test carries its tier's marker, from its folder: `-m unit` runs the fast tier."""
   for item in items:

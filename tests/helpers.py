@@ -90,12 +90,15 @@ def write_run(workdir, train, valid=(), *, steps=100, seed=0, fields=None, entro
 
 
 def quick_jit(fn, **jit_kwargs):
-  """`jax.jit(fn)` compiled without LLVM's optimisation passes: the unit tests compare numbers of
-  tiny models and kernels, and the passes would be most of their run time. Jitting a whole check
-  also compiles it once instead of once per eager op (the CPU is slow and shared)."""
+  """`jax.jit(fn)` compiled for a quick compile rather than a quick run: without LLVM's optimisation
+  passes, and with XLA:CPU's elemental emitters instead of its MLIR fusion emitters (half the
+  compile time of these programs). The unit tests compare numbers of tiny models and kernels, run
+  once, so compiling was most of their run time. Jitting a whole check also compiles it once
+  instead of once per eager op (the CPU is slow and shared)."""
   import jax  # pylint: disable=g-import-not-at-top
   return jax.jit(fn, compiler_options={'xla_backend_optimization_level': 0,
-                                       'xla_llvm_disable_expensive_passes': True}, **jit_kwargs)
+                                       'xla_llvm_disable_expensive_passes': True,
+                                       'xla_cpu_use_fusion_emitters': False}, **jit_kwargs)
 
 
 def one_block_reference(enc, tokens, attention):

@@ -11,6 +11,7 @@ from layers import attention
 from layers import attention_blockwise
 from layers import attention_xla
 from layers import masks
+from tests.helpers import quick_jit
 
 B, N, H = 2, 4, 8
 # Tiles smaller than the lengths (37 is a multiple of neither), so every test crosses tile edges,
@@ -59,7 +60,7 @@ def _inputs(t, s, kv_heads, dtype, seed=0):
 def _value_and_grads(impl, q, k, v, ct, bias=None, **kwargs):
   """Output and the vjp of `ct` w.r.t. q, k, v (and bias), in one jit."""
 
-  @jax.jit
+  @quick_jit
   def run(q, k, v, bias, ct):
     def f(q, k, v, bias):
       return attention.dot_product_attention(q, k, v, bias, implementation=impl, **kwargs)

@@ -11,6 +11,7 @@ import numpy as np
 from layers import attention_blockwise
 from layers import attention_pallas
 from layers import attention_xla
+from tests.helpers import quick_jit
 
 jax.config.update('jax_default_matmul_precision', 'highest')
 
@@ -64,11 +65,12 @@ def test_blockwise_equals_reference_forward_and_gradient(problem):
   fast = functools.partial(attention_blockwise.attention, block_q=opts['block_q'],
                            block_k=opts['block_k'], **kwargs)
   ref = functools.partial(attention_xla.attention, **kwargs)
-  np.testing.assert_allclose(fast(q, kk, v, mask=mask), ref(q, kk, v, mask=mask), atol=2e-5)
   w = jnp.asarray(np.random.default_rng(1).standard_normal((2, t, n, 8)), jnp.float32)
   loss = lambda f: lambda *a: jnp.sum(f(*a, mask=mask) * w)
-  got = jax.grad(loss(fast), argnums=(0, 1, 2))(q, kk, v)
-  want = jax.grad(loss(ref), argnums=(0, 1, 2))(q, kk, v)
+  (out, got), (want_out, want) = quick_jit(  # one compilation per example
+      lambda *qkv: [(f(*qkv, mask=mask), jax.grad(loss(f), argnums=(0, 1, 2))(*qkv))
+                    for f in (fast, ref)])(q, kk, v)
+  np.testing.assert_allclose(out, want_out, atol=2e-5)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, atol=5e-5)
 
@@ -78,7 +80,8 @@ def test_blockwise_equals_reference_forward_and_gradient(problem):
 def test_pallas_equals_reference_forward(problem):
   n, k, t, s, opts = problem
   q, kk, v, mask, kwargs = _arrays(n, k, t, s, opts)
-  out = attention_pallas.attention(q, kk, v, mask=mask, block_q=opts['block_q'],
-                                   block_k=opts['block_k'], **kwargs)
-  np.testing.assert_allclose(out, attention_xla.attention(q, kk, v, mask=mask, **kwargs),
-                             atol=2e-5)
+  out, want = quick_jit(lambda *qkv: (  # one compilation per example
+      attention_pallas.attention(*qkv, mask=mask, block_q=opts['block_q'],
+                                 block_k=opts['block_k'], **kwargs),
+      attention_xla.attention(*qkv, mask=mask, **kwargs)))(q, kk, v)
+  np.testing.assert_allclose(out, want, atol=2e-5)

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from layers import attention
 from layers import attention_sharded
 from layers import sharding
+from tests.helpers import quick_jit
 
 T, H = 24, 8
 TOL = 1e-5
@@ -68,7 +69,7 @@ def _value_and_grads(q, k, v, ct, kw):
   kw = dict(kw)
   bias = kw.pop('bias', None)
 
-  @jax.jit
+  @quick_jit
   def run(q, k, v, bias, ct):
     out, vjp = jax.vjp(lambda q, k, v, bias: attention.dot_product_attention(
         q, k, v, bias, implementation='pallas', **kw), q, k, v, bias)

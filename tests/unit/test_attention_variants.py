@@ -17,6 +17,7 @@ from layers import attention_xla
 from layers import linear_attention
 from layers import masks
 from layers import sparse_attention
+from tests.helpers import quick_jit
 
 D, N, K, T = 16, 4, 2, 13  # T not a multiple of any block below; N/K = 2 (GQA)
 
@@ -63,7 +64,7 @@ def test_masking_variant_equals_dense_with_explicit_mask(name, is_causal):
 
   w = jax.random.normal(jax.random.key(1), (2, T, N, 8))  # a random cotangent
 
-  @jax.jit  # one compilation per case instead of one per eager op (the CPU is slow and shared)
+  @quick_jit  # one compilation per case instead of one per eager op (the CPU is slow and shared)
   def outputs_and_grads(*qkv):
     return [jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2))(*qkv) + (fn(*qkv),)
             for fn in (blocked, dense)]
@@ -75,7 +76,7 @@ def test_masking_variant_equals_dense_with_explicit_mask(name, is_causal):
   # The layer (projections around the kernel) gives the same numbers as its explicit-mask weights.
   x = jax.random.normal(jax.random.key(2), (2, T, D))
 
-  @jax.jit
+  @quick_jit
   def layer_and_reference(x):
     out = layer(x, is_causal=is_causal)
     _, _, v = layer.project(x)
@@ -153,7 +154,7 @@ def test_performer_error_falls_with_more_features():
   q, k, v = (jax.random.normal(key, (1, 32, 1, 16)) * s for key, s in zip(keys, (0.5, 0.5, 1.0)))
   exact = _softmax_attention(q, k, v)
 
-  @jax.jit
+  @quick_jit
   def error(w):
     qf, kf = linear_attention.performer_features(q[:, :, :, None], k, w, 16 ** -0.5)
     approx = linear_attention.kernel_attention(qf, kf, v)[:, :, :, 0]
@@ -173,7 +174,7 @@ def test_causal_kernel_attention_equals_its_quadratic_masked_form(name):
   x = jax.random.normal(jax.random.key(0), (2, T, D))
   seg = jnp.asarray([[1] * T, [1] * 9 + [0] * 4], jnp.int32)
 
-  @jax.jit
+  @quick_jit
   def both(x):
     qf, kf, v = layer._features(x, None, seg, None, None, None, True)
     recurrent = linear_attention.kernel_attention(qf, kf, v, is_causal=True, chunk=4)

@@ -12,6 +12,7 @@ from layers import attention
 from layers import positions
 from models import decoding
 import models
+from tests.helpers import quick_jit
 
 V = 23
 # Every position method that exists now (rope, alibi, t5_bias join as they land in POSITIONS).
@@ -50,7 +51,7 @@ def full_and_cached_logits(model, batch, cache_batch, tokens):
   """(full forward `[B, T, V]`, the same fed one step at a time through the cache), one jit."""
   graphdef, params = nnx.split(model)
 
-  @jax.jit
+  @quick_jit
   def run(params, batch, cache_batch, tokens):
     model = nnx.merge(graphdef, params)
     cache = model.init_cache(cache_batch, tokens.shape[1] + 3)

@@ -1,7 +1,7 @@
 """Training diagnostics (train.py): per-layer gradient norms and update ratios, attention max logit
 and entropy, activation RMS, and the files a run writes (init_grad_norms.json, run_info.json)."""
 
-from tests.helpers import tiny_config
+from tests.helpers import tiny_config, quick_jit
 import functools
 import math
 
@@ -55,7 +55,7 @@ def test_group_norms_add_up_to_the_global_norms():
   graphdef, tx, state = state_lib.create_state(config, VOCAB)
   groups, leaf_groups, _ = diagnostics.param_groups(state['params'])
   before = jax.tree.map(np.asarray, state['params'])
-  state, sums = jax.jit(functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0),
+  state, sums = quick_jit(functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0),
                                           leaf_groups=leaf_groups))(state, batch())
   diag = jax.device_get(sums['diag'])
   assert diag['grad_sq'].shape == (len(groups),)
@@ -83,7 +83,7 @@ def test_attention_entropy_matches_the_attention_maps(segments):
   config = tiny_config(position='alibi')
   graphdef, _, state = state_lib.create_state(config, VOCAB)
   x = batch(1, segments)
-  diag = jax.jit(functools.partial(diagnostics.diagnostic_pass, graphdef))(state['params'], x)
+  diag = quick_jit(functools.partial(diagnostics.diagnostic_pass, graphdef))(state['params'], x)
   keys = {f'{k}/decoder/blocks/{i}' for i in range(3)
           for k in ('act_rms', 'attn_max_logit', 'attn_entropy')}
   assert set(diag) == keys
@@ -109,7 +109,7 @@ def test_golden_values_zero_queries_and_post_ln_rms():
   params = jax.tree_util.tree_map_with_path(
       lambda path, v: jnp.zeros_like(v) if 'query' in jax.tree_util.keystr(path) else v,
       state['params'])
-  diag = jax.jit(functools.partial(diagnostics.diagnostic_pass, graphdef))(params, batch())
+  diag = quick_jit(functools.partial(diagnostics.diagnostic_pass, graphdef))(params, batch())
   expected = np.mean(np.log(np.arange(1, T + 1)))
   for i in range(3):
     assert float(diag[f'attn_max_logit/decoder/blocks/{i}']) == 0.0

@@ -23,6 +23,7 @@ from training import checkpointing
 from training import diagnostics
 from training import state as state_lib
 from training import validation
+from tests.helpers import quick_jit
 from tests.unit import test_decoding
 from tests.unit import test_scan_layers
 
@@ -157,7 +158,7 @@ def test_rezero_gates_are_in_the_diagnostics():
   params = nnx.state(model, nnx.Param)
   x = {'inputs': jnp.ones((2, 8), jnp.int32), 'targets': jnp.ones((2, 8), jnp.int32),
        'weights': jnp.ones((2, 8))}
-  diag = jax.jit(functools.partial(diagnostics.diagnostic_pass, graphdef))(params, x)
+  diag = quick_jit(functools.partial(diagnostics.diagnostic_pass, graphdef))(params, x)
   for i in range(config.model.num_layers):
     for name in ('self', 'ffn'):
       assert float(diag[f'gate_{name}/decoder/blocks/{i}']) == pytest.approx(0.25)
@@ -183,11 +184,12 @@ def test_cache_equals_full_forward(arch, position):
 def test_scanned_equals_unrolled(position):
   arch = 'encoder_decoder'
   unrolled = set_gates(test_scan_layers.init(arch, norm_position=position), 0.5)
-  params = nnx.state(unrolled)
+  unrolled_def, params = nnx.split(unrolled)
   scanned = test_scan_layers.graphdef(arch, norm_position=position, scan_layers=True)
   x = test_scan_layers.batch(arch)
-  logits = unrolled(x)
-  s_logits = nnx.merge(scanned, test_scan_layers.stacked_like(params))(x)
+  logits, s_logits = quick_jit(  # one compilation, not one per eager op
+      lambda p, s: (nnx.merge(unrolled_def, p)(x), nnx.merge(scanned, s)(x)))(
+          params, test_scan_layers.stacked_like(params))
   np.testing.assert_allclose(s_logits, logits, rtol=1e-5, atol=1e-5)
   if position == 'deepnorm':  # the scanned block carries the stack's alpha (the decoder's)
     own = nnx.eval_shape(lambda: models.build(test_scan_layers.model_config(

@@ -13,6 +13,7 @@ from layers import paged_attention
 from layers import positions
 from models import decoding
 from tests.unit.test_decoding import PROMPTS, V, build
+from tests.helpers import quick_jit
 
 PAGE = 4
 
@@ -22,7 +23,7 @@ def contiguous_logits(model, tokens):
   """`[B, T, V]` logits of `tokens` `[B, T]` fed one step at a time through the contiguous cache."""
   graphdef, params = nnx.split(model)
 
-  @jax.jit
+  @quick_jit
   def run(params, tokens):
     model = nnx.merge(graphdef, params)
     cache = model.init_cache({'inputs': tokens}, tokens.shape[1])
@@ -54,7 +55,7 @@ def test_paged_decode_equals_contiguous_decode(position):
   assert cache['self'][0]['k_pages'].shape == (num_pages, PAGE, 2, 8)
   assert cache['block_table'].shape == (b, max_pages)
   graphdef, params = nnx.split(model)
-  step = jax.jit(lambda params, cache, tok, t: nnx.merge(graphdef, params).decode_step(
+  step = quick_jit(lambda params, cache, tok, t: nnx.merge(graphdef, params).decode_step(
       cache, tok, t))
   got = np.zeros_like(want)
   tables, freed = {}, []
@@ -83,7 +84,7 @@ def scans(layer, runs, x):
   graphdef, params = nnx.split(layer)
   rules = [(rule, position) for rule, position, _ in runs]
 
-  @jax.jit
+  @quick_jit
   def run(params, caches):
     layer = nnx.merge(graphdef, params)
     results = []

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from layers import attention
+from tests.helpers import quick_jit
 
 B, T, N, H = 1, 200, 4, 64  # T is not a multiple of the 128 tile
 
@@ -108,5 +109,5 @@ def test_triton_tiles_are_powers_of_two_for_any_length_and_head_dim(t, h):
   assert _lowered_calls(traced, 'cuda') == ['__gpu$xla.gpu.triton'] * 3
   rng = np.random.default_rng(0)
   args = [jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, kv, kv)]
-  for got, want in zip(jax.jit(grad('pallas'))(*args), jax.jit(grad('xla'))(*args)):
+  for got, want in zip(quick_jit(grad('pallas'))(*args), quick_jit(grad('xla'))(*args)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)

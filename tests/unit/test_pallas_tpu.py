@@ -12,6 +12,7 @@ import pytest
 
 from layers import attention_pallas_tpu
 from layers import attention_xla
+from tests.helpers import quick_jit
 
 B, H = 1, 32
 FWD_TOL, GRAD_TOL = 2e-5, 1e-4  # float32, absolute (the issue's bar)
@@ -39,7 +40,7 @@ def _segments(length, every, offset):
 def _run(impl, q, k, v, ct, **kwargs):
   """Output and the vjp of `ct` w.r.t. q, k, v, in one jit."""
 
-  @jax.jit
+  @quick_jit
   def run(q, k, v, ct):
     out, vjp = jax.vjp(lambda q, k, v: impl(q, k, v, **kwargs), q, k, v)
     return out, vjp(ct.astype(out.dtype))

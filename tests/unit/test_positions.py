@@ -14,7 +14,7 @@ from layers import positions
 from layers import rope
 from models import decoder_only
 from models import stack
-from tests.helpers import one_block_reference
+from tests.helpers import one_block_reference, quick_jit
 
 jax.config.update('jax_default_matmul_precision', 'highest')
 
@@ -164,7 +164,7 @@ def test_rope_scaling_is_set_on_a_built_model():
   assert not np.allclose(pi_out, base_out, atol=1e-3)
   # It reaches a jitted split/merge function too (the scaling is in the graph definition).
   graphdef, state = nnx.split(positions.with_rope_scaling(model, 'yarn', 2.0))
-  yarn_out = jax.jit(lambda s, b: nnx.merge(graphdef, s)(b))(state, batch)
+  yarn_out = quick_jit(lambda s, b: nnx.merge(graphdef, s)(b))(state, batch)
   assert not np.allclose(yarn_out, pi_out, atol=1e-3)
   positions.with_rope_scaling(model, 'none', 1.0)
   np.testing.assert_allclose(model(batch), base_out, atol=1e-6)
@@ -247,7 +247,7 @@ def test_decoder_only_forward_and_finite_gradient(position):
 
   graphdef, params = nnx.split(model)
 
-  @jax.jit
+  @quick_jit
   def loss_and_grad(params):
     def loss_fn(params):
       logp = jax.nn.log_softmax(nnx.merge(graphdef, params)(batch)[:, :-1])  # [B, T-1, V]

@@ -19,7 +19,7 @@ from layers import positions
 from layers import relative_bias
 from layers import rope
 from models import stack
-from tests.helpers import one_block_reference
+from tests.helpers import one_block_reference, quick_jit
 from training import validation
 
 jax.config.update('jax_default_matmul_precision', 'highest')
@@ -208,8 +208,9 @@ def test_blockwise_equals_xla_forward_and_gradient(kind):
     return jnp.sum(out * jnp.cos(out)), out
 
   grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
-  (_, want), gwant = grad(obj.bias_params(), q, k, v, 'xla')
-  (_, got), ggot = grad(obj.bias_params(), q, k, v, 'blockwise', block_q=4, block_k=4)
+  (_, want), gwant, (_, got), ggot = quick_jit(  # one compilation, not one per eager op
+      lambda *a: grad(*a, 'xla') + grad(*a, 'blockwise', block_q=4, block_k=4))(
+          obj.bias_params(), q, k, v)
   np.testing.assert_allclose(got, want, atol=2e-6)
   for a, c in zip(jax.tree.leaves(ggot), jax.tree.leaves(gwant)):
     np.testing.assert_allclose(a, c, atol=1e-5, rtol=1e-5)
@@ -219,7 +220,7 @@ def test_blockwise_equals_xla_forward_and_gradient(kind):
 def full_and_cached_logits(model, tokens):
   graphdef, params = nnx.split(model)
 
-  @jax.jit
+  @quick_jit
   def run(params, tokens):
     model = nnx.merge(graphdef, params)
     cache = model.init_cache({'inputs': tokens}, tokens.shape[1] + 3)

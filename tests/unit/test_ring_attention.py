@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import AxisType
 
 from layers import attention
+from tests.helpers import quick_jit
 
 AXES = ('data', 'fsdp', 'tensor', 'sequence')
 B, N, H = 2, 4, 16
@@ -54,7 +55,7 @@ def _inputs(t, s, kv_heads, seed=0):
 def _value_and_grads(impl, q, k, v, ct, **kwargs):
   """Output and the vjp of `ct` w.r.t. q, k, v, in one jit."""
 
-  @jax.jit
+  @quick_jit
   def run(q, k, v, ct):
     def f(q, k, v):
       return attention.dot_product_attention(q, k, v, implementation=impl, **kwargs)
