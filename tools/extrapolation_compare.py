@@ -162,6 +162,9 @@ def per_position(groups):
 # The curves the ratio row divides by, where a group has this config (the best long-range method
 # of the position study, so the other methods read as how much worse they are).
 REFERENCE = {'model.position': 'alibi', 'model.random_positions_max': 0}
+# The ratio row shows the methods near the reference: its axis stops here (the loss row above has
+# the methods that are far worse).
+RATIO_TOP = 1.5
 
 
 def _legend(groups):
@@ -235,7 +238,7 @@ def figure(groups, band_kind='minmax'):
     axes[-1][col].set_xlabel('position in window (tokens)', fontsize=8)
   axes[0][0].set_ylabel('loss')
   if ref is not None:
-    axes[1][0].set_ylabel(f'loss / {labels[ref]}\'s')
+    axes[1][0].set_ylabel(f'loss / {labels[ref]}\'s (axis to {RATIO_TOP:g})')
   handles, texts = axes[0][0].get_legend_handles_labels()
   spread = {'minmax': 'min to max', 'std': 'mean -/+ std', 'none': 'none'}[band_kind]
   title = f'(seeds): mean across seeds,\nband {spread}' + (f'\n{note}' if note else '')
@@ -254,6 +257,7 @@ def _draw_ratios(ax, means, ref, length, colors, labels):
       ax.plot(steps, mean / ref_mean, color=colors[i], lw=1.0 if i != ref else 1.6,
               label=labels[i])
   ax.axhline(1.0, color='0.6', lw=0.6)
+  ax.set_ylim(top=RATIO_TOP)
 
 
 def report(groups, out, band_kind='minmax'):
