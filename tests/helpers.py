@@ -1,6 +1,7 @@
 """Shared by the tests: quick configs, training hooks, metrics readers and synthetic workdirs."""
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -99,6 +100,21 @@ def quick_jit(fn, **jit_kwargs):
   return jax.jit(fn, compiler_options={'xla_backend_optimization_level': 0,
                                        'xla_llvm_disable_expensive_passes': True,
                                        'xla_cpu_use_fusion_emitters': False}, **jit_kwargs)
+
+
+def jitted_forward(model):
+  """`model(batch)` as `f(batch)`, one quick_jit program of the model's current state: one
+  compilation per batch shape (shared by models of the same structure) instead of one per eager
+  op."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  graphdef, state = nnx.split(model)
+  return functools.partial(_jitted_apply(graphdef), state)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_apply(graphdef):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  return quick_jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
 
 
 def one_block_reference(enc, tokens, attention):

@@ -235,7 +235,7 @@ def test_performer_queries_and_keys_of_large_norm_keep_finite_gradients(is_causa
     qf, kf = linear_attention.performer_features(q[:, :, :, None], kk, w, 1.0)
     return jnp.sum(linear_attention.kernel_attention(qf, kf, v, is_causal=is_causal) ** 2)
 
-  grads = jax.grad(loss, argnums=(0, 1, 2))(big, kk.at[:, 3].multiply(6.0), v)
+  grads = quick_jit(jax.grad(loss, argnums=(0, 1, 2)))(big, kk.at[:, 3].multiply(6.0), v)
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
 
 
@@ -251,8 +251,8 @@ def test_kernel_attention_with_a_vanishing_denominator_has_finite_gradients(is_c
   def loss(qf, kf, v):
     return jnp.sum(linear_attention.kernel_attention(qf, kf, v, is_causal=is_causal) ** 2)
 
-  grads = jax.grad(loss, argnums=(0, 1, 2))(qf, kf, v)
+  grads = quick_jit(jax.grad(loss, argnums=(0, 1, 2)))(qf, kf, v)
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
-  out = linear_attention.kernel_attention(qf, kf, v, is_causal=is_causal)
+  out = quick_jit(lambda *a: linear_attention.kernel_attention(*a, is_causal=is_causal))(qf, kf, v)
   if is_causal:  # queries 0 and 1 see only the denormal keys
     np.testing.assert_array_equal(out[:, :2], 0.0)

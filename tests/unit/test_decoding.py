@@ -12,7 +12,7 @@ from layers import attention
 from layers import positions
 from models import decoding
 import models
-from tests.helpers import quick_jit
+from tests.helpers import jitted_forward, quick_jit
 
 V = 23
 # Every position method that exists now (rope, alibi, t5_bias join as they land in POSITIONS).
@@ -153,7 +153,7 @@ def test_rnn_step_equals_teacher_forced_pass(cell, attention):
 
 
 def test_cross_attention_ignores_source_padding():
-  model = build('encoder_decoder')
+  model = jitted_forward(build('encoder_decoder'))
   batch = enc_dec_batch(pad_from=(7, 4))
   other = dict(batch, src_inputs=batch['src_inputs'].at[1, 4:].set(jnp.asarray([9, 10, 11])))
   a, b = model(batch), model(other)

@@ -16,7 +16,7 @@ from layers import block
 from layers import feed_forward
 from models import accounting
 from training import validation
-from tests.helpers import quick_jit
+from tests.helpers import jitted_forward, quick_jit
 from tests.unit import test_decoding
 import models
 
@@ -197,7 +197,7 @@ def test_head_dim_kernels_agree_with_xla(impl, position):
   _, params = nnx.split(xla)
   other = build(head_dim=12, position=position, attention_impl=impl)
   nnx.update(other, params)
-  np.testing.assert_allclose(other(batch), xla(batch), atol=2e-5)
+  np.testing.assert_allclose(jitted_forward(other)(batch), jitted_forward(xla)(batch), atol=2e-5)
 
 
 def test_head_dim_with_rope_decodes_as_the_full_forward():

@@ -23,7 +23,7 @@ from training import checkpointing
 from training import diagnostics
 from training import state as state_lib
 from training import validation
-from tests.helpers import quick_jit
+from tests.helpers import jitted_forward, quick_jit
 from tests.unit import test_decoding
 from tests.unit import test_scan_layers
 
@@ -217,8 +217,8 @@ def test_checkpoint_round_trip(tmp_path, position, scan):
   mngr.close()
   jax.tree.map(np.testing.assert_array_equal, restored['params'], state['params'])
   x = {'inputs': jnp.arange(16).reshape(2, 8) % 23}
-  np.testing.assert_allclose(nnx.merge(graphdef, restored['params'])(x),
-                             nnx.merge(graphdef, state['params'])(x), rtol=1e-6)
+  np.testing.assert_allclose(jitted_forward(nnx.merge(graphdef, restored['params']))(x),
+                             jitted_forward(nnx.merge(graphdef, state['params']))(x), rtol=1e-6)
   if scan and position == 'rezero':
     gate = restored['params']['decoder']['blocks']['self_gate'][...]
     assert gate.shape == (config.model.num_layers,) and np.all(gate == 0.5)
