@@ -14,6 +14,10 @@ one field (--color_by; by default the one with the fewest values, the study's ma
 equals), the line style another (--style_by), and the other differing fields the shade of the
 colour.
 
+A tuned sweep's directory (`tools.sweep --tune`, its choices in tune.json) is compared at each
+cell's chosen value, shown in the table's `chosen` column; a second table lists the final
+validation loss of every tuning run, cell x value (tools/tune_table.py).
+
 Flags (on the raw train loss of each run, documented in the table's footnote):
 - diverged: a non-finite loss, or a spike: after the first 10% of the run's steps, a train loss
   above 2x the running minimum of the train losses logged so far.
@@ -36,6 +40,7 @@ from tools import extrapolation_compare
 from tools import runs as runs_lib
 from tools import summary as summary_lib
 from tools import summary_table
+from tools import tune_table
 
 
 def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=None,
@@ -56,10 +61,15 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
     band_kind: the spread across seeds: 'minmax', 'std' or 'none'.
 
   Returns:
-    The markdown table, the groups labelled with their full overrides (then, for runs with
-    eval.json extrapolation rows, `extrapolation_compare`'s table).
+    The markdown table, the groups labelled with their full overrides (then, for a tuned sweep,
+    the tuning table of `tools.tune_table`; for runs with eval.json extrapolation rows,
+    `extrapolation_compare`'s table).
   """
   runs = [runs_lib.load_run(w) for w in runs_lib.find_runs(paths)]
+  # A tuned sweep (tools.sweep --tune): each cell at its chosen value; the tuning runs at the
+  # other values go to their own table.
+  choices = tune_table.read_choices(paths)
+  runs = tune_table.split_runs(runs, choices)
   # Reject a bad --smooth or --band before any work.
   curves_lib.smooth(np.zeros(1), smoothing)
   curves_lib.band([(np.zeros(1), np.zeros(1))], band_kind)
@@ -72,7 +82,8 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   # OUT_extrapolation.png.
   extrapolation = extrapolation_compare.report(groups, out, band_kind)
   table = summary_table.markdown_table(summary, target_loss, target_split)
-  return f'{table}\n\n{extrapolation}' if extrapolation else table
+  tuning = tune_table.markdown(choices, groups)
+  return '\n\n'.join(part for part in (table, tuning, extrapolation) if part)
 
 
 def _title(paths, num_runs, num_groups):

@@ -111,7 +111,8 @@ def summarize(groups, target_loss=None, target_split='valid'):
   for label, runs in groups:
     row = {'label': label, 'seeds': len(runs), 'final_train': [], 'final_valid': [],
            'best_valid': [], 'steps_to_target': [], 'init_grad_ratio': [], 'tokens_per_sec': [],
-           'num_params': None, 'diverged': [], 'plateaued': [], 'incomplete': 0}
+           'num_params': None, 'diverged': [], 'plateaued': [], 'incomplete': 0,
+           'tuned': runs[0].get('tuned')}  # {field: the value a tuned sweep chose}, or None
     for run in runs:
       _add_run(row, run, target_loss, target_split)
     summary.append(row)

@@ -11,10 +11,11 @@ def markdown_table(summary, target_loss=None, target_split='valid'):
   """The summary (`tools.summary.summarize`) as a markdown table, with a footnote defining the
   flags."""
   has_init = any(v is not None for row in summary for v in row['init_grad_ratio'])
-  head = _header(target_loss, target_split, has_init)
+  tuned = sorted({f for row in summary for f in row.get('tuned') or ()})
+  head = _header(target_loss, target_split, has_init, tuned)
   lines = [_line(head), '|' + '---|' * len(head)]
-  lines += [_line(_cells(row, target_loss, has_init)) for row in summary]
-  lines += ['', _footnote(has_init)]
+  lines += [_line(_cells(row, target_loss, has_init, tuned)) for row in summary]
+  lines += ['', _footnote(has_init, tuned)]
   return '\n'.join(lines)
 
 
@@ -22,8 +23,11 @@ def _line(cells):
   return '| ' + ' | '.join(cells) + ' |'
 
 
-def _header(target_loss, target_split, has_init):
-  head = ['cell', 'seeds', 'final train', 'final valid', 'best valid']
+def _header(target_loss, target_split, has_init, tuned):
+  head = ['cell', 'seeds']
+  if tuned:  # the fields of a tuned sweep (tools.sweep --tune): usually one
+    head.append(f'chosen {tuned[0].split(".")[-1]}' if len(tuned) == 1 else 'chosen')
+  head += ['final train', 'final valid', 'best valid']
   if target_loss is not None:
     head.append(f'steps to {target_split} <= {target_loss:g}')
   if has_init:
@@ -31,10 +35,12 @@ def _header(target_loss, target_split, has_init):
   return head + ['tokens/s', 'params', 'flags']
 
 
-def _cells(row, target_loss, has_init):
+def _cells(row, target_loss, has_init, tuned):
   """One group's cells, in the order of `_header`."""
-  cells = [row['label'], str(row['seeds']), _stat(row['final_train']),
-           _stat(row['final_valid']), _stat(row['best_valid'])]
+  cells = [row['label'], str(row['seeds'])]
+  if tuned:
+    cells.append(_chosen(row.get('tuned'), tuned))
+  cells += [_stat(row['final_train']), _stat(row['final_valid']), _stat(row['best_valid'])]
   if target_loss is not None:
     cells.append(_reached(row))
   if has_init:
@@ -53,6 +59,20 @@ def _stat(values, fmt='{:.4f}'):
   if len(values) == 1:
     return fmt.format(values[0])
   return f'{fmt.format(np.mean(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]'
+
+
+def _chosen(values, tuned):
+  """The value a tuned sweep chose for the group ('field=value' when several fields were tuned),
+  '-' for a group of no tuned sweep."""
+  if not values:
+    return '-'
+  if len(tuned) == 1:
+    return _value(values.get(tuned[0]))
+  return ', '.join(f'{f.split(".")[-1]}={_value(v)}' for f, v in sorted(values.items()))
+
+
+def _value(value):
+  return repr(value) if isinstance(value, float) else str(value)
 
 
 def _reached(row):
@@ -77,11 +97,14 @@ def _flags(row):
   return flags
 
 
-def _footnote(has_init):
+def _footnote(has_init, tuned):
   init = ''
   if has_init:
     init = ("init grad first/last block: the first block's gradient norm at initialisation over "
             "the last block's. ")
+  if tuned:
+    init += (f'chosen: the value of {", ".join(tuned)} the cell\'s seeds trained at, the one whose '
+             'tuning run had the lowest final validation loss (the tuning table). ')
   return (f'Mean [min, max] across seeds; final train: the last logged training loss. {init}'
           f'DIVERGED: a non-finite loss, or a train loss above '
           f'{summary_lib.SPIKE_FACTOR:g}x its running minimum after '

@@ -1,7 +1,7 @@
 """Sweeps: expand a configs/ablations/*.py grid into named cells and run each with train.py.
 
     python -m tools.sweep --sweep=configs/ablations/NAME.py[:ARG] --sweep_dir=DIR
-        [--dry_run] [--seeds=0,1,2] [--parallel=N] [--sweep_eval]
+        [--dry_run] [--seeds=0,1,2] [--parallel=N] [--sweep_eval] [--tune=FIELD:V1,V2,...]
 
 A sweep file defines `get_config(arg=None)`, the base config of every cell, and `get_sweep()` (or
 `get_sweep(arg=None)`, given the same `:ARG` as get_config, e.g. to shorten a `quick` sweep):
@@ -26,6 +26,10 @@ A cell's name lists its overrides sorted by field, then its seed:
 `model.norm_position=post,train.warmup_steps=0,seed=1`; names are stable (independent of the order
 the file lists fields in) and filesystem-safe. Each cell trains in `SWEEP_DIR/<name>` with
 `train.py --config=<sweep file> --config.FIELD=VALUE ...`.
+
+`--tune=train.learning_rate:5e-4,1e-3,2e-3` trains every cell at each value with the first seed,
+keeps the value with the lowest final validation loss, trains the other seeds at it alone, and
+records the choices in SWEEP_DIR/tune.json (tools/sweep_tune.py: the rule, the file).
 
 SIGINT (Ctrl-C) or SIGTERM to the runner is forwarded to the cells running at that moment, which
 save a checkpoint and stop; the runner waits for them, starts no further cell (nor eval), and
@@ -61,11 +65,16 @@ def define_flags():
   flags.DEFINE_integer('parallel', 1, 'Cells run side by side, each on one XLA/OpenMP thread.')
   flags.DEFINE_bool('sweep_eval', False, 'Run the sweep file\'s eval.py flags on each finished '
                     'cell.')
+  flags.DEFINE_string('tune', None, 'FIELD:V1,V2,... (e.g. train.learning_rate:5e-4,1e-3,2e-3): '
+                      'each cell trains at every value with the first seed; its other seeds train '
+                      'at the value with the lowest final validation loss; the choices go to '
+                      '--sweep_dir/tune.json.')
 
 
 def main(argv):
-  """Exits 0 when every cell finished (done, skipped, diverged or dry run), 1 when one failed, 2 on
-  a missing flag or a sweep file that cannot be expanded, 128 + N when signal N stopped it."""
+  """Exits 0 when every cell finished (done, skipped, diverged or dry run), 1 when one failed (or a
+  tuned cell's other seeds could not start), 2 on a missing flag, a sweep file or --tune that
+  cannot be expanded, 128 + N when signal N stopped it."""
   if len(argv) > 1:
     cli_checks.fail('sweep', f'unexpected arguments {argv[1:]}; valid: flags only')
   if not FLAGS.sweep or not FLAGS.sweep_dir:
@@ -79,7 +88,7 @@ def main(argv):
   try:
     results = sweep_runner.run_sweep(FLAGS.sweep, FLAGS.sweep_dir, seeds=FLAGS.seeds,
                                      dry_run=FLAGS.dry_run, parallel=FLAGS.parallel,
-                                     run_eval=FLAGS.sweep_eval)
+                                     run_eval=FLAGS.sweep_eval, tune=FLAGS.tune)
   except SweepError as e:
     cli_checks.fail('sweep error', e)
   except sweep_runner.Stopped as e:

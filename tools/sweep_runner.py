@@ -9,12 +9,12 @@ import os
 import shlex
 import signal
 import sys
-import threading
 
 from training import paths
 from tools import processes
 from tools import sweep_cells
 from tools import sweep_spec
+from tools import sweep_tune
 
 FINISHED = ('done', 'skipped')  # results of a cell whose training is complete
 
@@ -29,7 +29,7 @@ class Stopped(Exception):
 
 
 def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eval=False,
-              launch=None, out=sys.stdout, children=None):
+              tune=None, launch=None, out=sys.stdout, children=None):
   """Runs (or with `dry_run` prints) every cell of the sweep file `spec` ('path[:arg]').
 
   Cells already finished (final-step checkpoint) are skipped, and so are cells that stopped on a
@@ -44,6 +44,9 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
     dry_run: print the commands and run nothing.
     parallel: cells run side by side as subprocesses, each with one XLA/OpenMP thread.
     run_eval: after a cell trains, run its eval.py commands (`eval_flags`, `eval_variants`).
+    tune: None, or `FIELD:V1,V2,...`: each cell at every value with the first seed, its other
+      seeds at the value with the lowest final validation loss (tools/sweep_tune.py), the choices
+      recorded in `sweep_dir/tune.json`.
     launch: `launch(argv, log_path, env) -> exit code` (tests replace it); default
       `children.launch`.
     children: the `tools.processes.Children` whose signal stops the sweep (default a new one,
@@ -53,6 +56,7 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
     {cell name: status}, status one of done | skipped | diverged | failed (rc N) | dry_run.
 
   Raises:
+    SweepError: a sweep file or a --tune that cannot be expanded (before anything runs).
     Stopped: a SIGINT or SIGTERM arrived; the cells it reached have saved and stopped (status
       'stopped (rc N)'), later ones never started ('not started'); `results` holds every status.
   """
@@ -60,12 +64,17 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
   path, arg = sweep_spec.split_spec(spec)
   module = sweep_spec.load_sweep_module(path)
   sweep = sweep_spec.get_sweep(module, arg)
-  cells = sweep_spec.expand(sweep, seeds)
+  cells, tunings, axis = sweep_spec.expand(sweep, seeds), [], None
+  if tune is not None:
+    axis = sweep_tune.parse(tune, module, arg, sweep)
+    cells, tunings = sweep_tune.plan(cells, axis)
   # Validate every cell before the first one runs: a typo in the last cell should not surface
-  # after hours of the others.
-  steps = {c['name']: sweep_spec.cell_config(module, arg, c).train.steps for c in cells}
+  # after hours of the others. (A tuned cell's other seeds differ from its tuning runs in the
+  # seed alone.)
+  steps = {c['name']: sweep_spec.cell_config(module, arg, c).train.steps for c in cells
+           if not c.get('tuning')}
   if dry_run:
-    return _print_commands(spec, sweep, sweep_dir, cells, out)
+    return _print_commands(spec, sweep, sweep_dir, cells, steps, out)
 
   paths.makedirs(sweep_dir)
   ctx = sweep_cells.Context(
@@ -78,62 +87,109 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
       children=children,
       run_eval=run_eval)
   results = {}
+  tuner = sweep_tune.Tuner(ctx.sweep_dir, axis, tunings, steps, out) if axis else None
+  if tuner:
+    tuner.start()
 
   def report(i, cell, outcome):
     results[cell['name']] = outcome.result
     print(_progress_line(i, len(cells), cell, outcome, ctx.sweep_dir), file=out, flush=True)
+    if tuner:
+      tuner.ended(cell, results)
 
   def run(cell):
+    if cell['name'] not in steps:  # a tuned cell's other seed: as its tuning run at that value
+      steps[cell['name']] = sweep_spec.cell_config(module, arg, cell).train.steps
     return sweep_cells.run_cell(ctx, cell, steps[cell['name']])
 
   with children.handling():
     _run_all(cells, parallel, run, report)
-  _print_summary(results, len(cells), ctx.sweep_dir, children.signum, out)
+  _print_summary(results, len(cells), ctx.sweep_dir, children.signum, out, bool(tuner))
   return results
 
 
-def _print_commands(spec, sweep, sweep_dir, cells, out):
-  """--dry_run: each cell's train.py command and its eval.py commands."""
+def _print_commands(spec, sweep, sweep_dir, cells, steps, out):
+  """--dry_run: each cell's train.py command and its eval.py commands; a tuned cell's other seeds
+  once its tuning runs have ended in `sweep_dir` (before that, a comment line)."""
+  results = {}
   for cell in cells:
+    if cell.get('tuning'):
+      cell, waits = cell['tuning'].resolve_on_disk(cell, sweep_dir, steps)
+      if waits:
+        print(f'# {cell["name"]}: {waits}', file=out)
+        results[cell['name']] = 'dry_run'
+        continue
     print(shlex.join(sweep_spec.train_command(spec, sweep_dir, cell)), file=out)
     for _, argv in sweep_spec.eval_commands(sweep, sweep_dir, cell):
       print(shlex.join(argv), file=out)
-  return {cell['name']: 'dry_run' for cell in cells}
+    results[cell['name']] = 'dry_run'
+  return results
+
+
+def _waits_for(cell):
+  """The cells that must end before `cell` starts: its train.init_from source, or, for a tuned
+  cell's other seed, the cell's tuning runs."""
+  if cell.get('tuning'):
+    return cell['tuning'].runs
+  return [cell['after']] if cell.get('after') else []
+
+
+def _resolve(cell, results):
+  """(the cell to run, None), or (cell, the Outcome of a cell that cannot start): its
+  train.init_from source did not finish, or its tuning chose no value."""
+  source = cell.get('after')
+  if source and results.get(source) not in FINISHED:
+    return cell, sweep_cells.Outcome('not started', f'init_from cell {source}: '
+                                     f'{results.get(source)}')
+  if cell.get('tuning'):
+    cell, why = cell['tuning'].resolve(cell)
+    if why:
+      return cell, sweep_cells.Outcome('not started', why)
+  return cell, None
 
 
 def _run_all(cells, parallel, run, report):
   """Calls `run(cell)` for every cell, `parallel` at a time, and `report(i, cell, outcome)` as
-  each ends (in order when one at a time).
+  each ends.
 
-  A cell started from another's parameters (its 'after': a train.init_from source listed before
-  it) waits for that cell to end and is not started unless it finished.
+  A cell starts once the cells it waits for (`_waits_for`) have ended, the first such cell in the
+  list's order whenever a slot is free (so other cells run while one waits); one that cannot start
+  (`_resolve`) is reported 'not started' at once.
   """
-  ended = {cell['name']: threading.Event() for cell in cells}
-  results = {}  # cell name -> result, of the cells that ran
+  results, waiting = {}, list(enumerate(cells))
 
-  def run_after_source(i, cell):
-    try:
-      source = cell.get('after')
-      if source:
-        ended[source].wait()
-        if results.get(source) not in FINISHED:
-          return i, cell, sweep_cells.Outcome(
-              'not started', f'init_from cell {source}: {results.get(source)}')
-      outcome = run(cell)
-      results[cell['name']] = outcome.result
-      return i, cell, outcome
-    finally:
-      ended[cell['name']].set()
+  def end(i, cell, outcome):
+    results[cell['name']] = outcome.result
+    report(i, cell, outcome)
+
+  def take():
+    """The next (i, cell) that can run now (None: none yet), ending those that never can."""
+    while True:
+      item = next((w for w in waiting if all(n in results for n in _waits_for(w[1]))), None)
+      if item is None:
+        return None
+      waiting.remove(item)
+      cell, outcome = _resolve(item[1], results)
+      if outcome is None:
+        return item[0], cell
+      end(item[0], cell, outcome)
 
   if parallel <= 1:
-    for i, cell in enumerate(cells):
-      report(*run_after_source(i, cell))
-    return
-  # The pool starts cells in order, so a source has started before any cell that waits for it.
-  with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
-    futures = [pool.submit(run_after_source, i, cell) for i, cell in enumerate(cells)]
-    for future in concurrent.futures.as_completed(futures):
-      report(*future.result())
+    while (item := take()) is not None:
+      end(*item, run(item[1]))
+  else:
+    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+      running = {}
+      while True:
+        while len(running) < parallel and (item := take()) is not None:
+          running[pool.submit(run, item[1])] = item
+        if not running:
+          break
+        done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in done:
+          end(*running.pop(future), future.result())
+  for i, cell in waiting:  # waits for a cell that is not in the sweep: cannot happen
+    end(i, cell, sweep_cells.Outcome('not started', f'waits for {_waits_for(cell)}'))
 
 
 def _progress_line(i, n, cell, outcome, sweep_dir):
@@ -151,7 +207,7 @@ def _progress_line(i, n, cell, outcome, sweep_dir):
           f'{outcome.seconds:.0f}s){losses}{where}')
 
 
-def _print_summary(results, n, sweep_dir, signum, out):
+def _print_summary(results, n, sweep_dir, signum, out, tuned=False):
   """The sweep's last line: how to compare the cells, or (raising Stopped) what a signal left."""
   done = sum(r in FINISHED for r in results.values())
   if signum:
@@ -162,5 +218,6 @@ def _print_summary(results, n, sweep_dir, signum, out):
           file=out, flush=True)
     raise Stopped(signum, results)
   compare_png = paths.join(sweep_dir, 'compare.png')
-  print(f'sweep: {done}/{n} cells finished in {sweep_dir}; compare with: python -m tools.compare '
-        f'{shlex.quote(sweep_dir)} --out={shlex.quote(compare_png)}', file=out)
+  choices = f' (the tuned values: {paths.join(sweep_dir, sweep_tune.CHOICE_FILE)})' if tuned else ''
+  print(f'sweep: {done}/{n} cells finished in {sweep_dir}{choices}; compare with: python -m '
+        f'tools.compare {shlex.quote(sweep_dir)} --out={shlex.quote(compare_png)}', file=out)
