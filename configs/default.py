@@ -84,6 +84,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   model.moe_first_dense = 0  # leading blocks of each stack that stay dense
   model.moe_aux_loss = 0.01  # load-balancing loss coefficient (Switch/GShard: E · sum_e f_e·P_e)
   model.moe_z_loss = 0.0  # router z-loss coefficient (ST-MoE: mean logsumexp(logits)^2)
+  model.moe_bias_rate = 0.0  # gamma > 0: auxiliary-loss-free balancing (DeepSeek-V3), a selection
+  #                             bias per expert, += gamma · sign(mean load - load) after each step
   # Position conventions, for converting checkpoints. rope rotates pairs (x_i, x_{i+H/2})
   # ("rotate half", as GPT-NeoX and HF transformers' Llama); a checkpoint trained with interleaved
   # pairs (x_2i, x_2i+1: RoFormer, Meta's Llama) needs the output columns of its q and k
@@ -190,13 +192,14 @@ def get_config(arg=None):  # long: one commented line per config field, read top
 
   # Device mesh (layers.sharding): axis sizes whose product is the device count (all 1: one
   # device, the first). Parameters and activations carry logical axis names; `rules` maps them to
-  # these axes (empty: layers.sharding.DEFAULT_RULES: batch over data x fsdp, parameters' embed
-  # over fsdp, heads/mlp/vocab over tensor, length over sequence).
+  # these axes (empty: layers.sharding.DEFAULT_RULES: batch over data x fsdp x expert, parameters'
+  # embed over fsdp, heads/mlp/vocab over tensor, length over sequence, MoE experts over expert).
   config.mesh = mesh = ml_collections.ConfigDict()
   mesh.data = 1  # data parallelism: batch rows
   mesh.fsdp = 1  # fully sharded data parallelism: batch rows, and parameters/optimiser state
   mesh.tensor = 1  # tensor (Megatron) parallelism: heads, FFN width, vocabulary
   mesh.sequence = 1  # context parallelism: the length axis (attention_impl='ring' for attention)
+  mesh.expert = 1  # expert parallelism: MoE experts (must divide model.moe_experts); batch rows
   mesh.rules = ()  # ((logical name, mesh axis | (axes) | None), ...) overriding the defaults
 
   if args.get('quick'):

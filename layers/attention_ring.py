@@ -24,9 +24,10 @@ from jax.sharding import PartitionSpec as P
 
 from layers import flash_core
 
-# Mesh axes of the activations, as in the default rules of `config.mesh` (batch -> data x fsdp,
-# length -> sequence, heads -> tensor). A dimension that an axis does not divide stays replicated.
-BATCH_AXES = ('data', 'fsdp')
+# Mesh axes of the activations, as in the default rules of `config.mesh` (batch -> data x fsdp x
+# expert, length -> sequence, heads -> tensor). A dimension that an axis does not divide stays
+# replicated.
+BATCH_AXES = ('data', 'fsdp', 'expert')
 LENGTH_AXIS = 'sequence'
 HEAD_AXIS = 'tensor'
 

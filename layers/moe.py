@@ -9,6 +9,7 @@ from flax import nnx
 from layers import feed_forward
 from layers import initializers
 from layers import options
+from layers import sharding
 
 # `config.model.moe_routing`: token choice (each token picks its top-k experts: Switch, GShard,
 # Mixtral) or expert choice (each expert picks its top-capacity tokens: Zhou et al. 2022).
@@ -20,11 +21,15 @@ CAUSAL_ARCHS = ('decoder_only', 'encoder_decoder')
 DEFAULTS = {
     'moe_experts': 0, 'moe_d_ff': 0, 'moe_top_k': 2, 'moe_capacity_factor': 0.0,
     'moe_routing': 'tokens', 'moe_router_jitter': 0.0, 'moe_shared_experts': 0, 'moe_every': 1,
-    'moe_first_dense': 0, 'moe_aux_loss': 0.01, 'moe_z_loss': 0.0,
+    'moe_first_dense': 0, 'moe_aux_loss': 0.01, 'moe_z_loss': 0.0, 'moe_bias_rate': 0.0,
 }
 # What each MoE layer sows (nnx.Intermediate 'moe'), one scalar each; training.steps averages
 # them over the MoE layers.
 STATS = ('aux_loss', 'z_loss', 'drop_fraction', 'load_cv')
+# The logical axes of the experts' inputs and outputs `[E, B, C, D]` (capacity and expert choice):
+# pinned to the expert axis, so that GSPMD moves the batch-sharded tokens to their experts' devices
+# (an all-to-all over `mesh.expert`) and back (layers.sharding).
+EXPERT_SLOTS = ('expert', 'batch', None, 'act_embed')
 
 
 def is_moe_layer(cfg, layer):
@@ -50,6 +55,11 @@ def expert_width(cfg):
 def capacity(capacity_factor, top_k, tokens, num_experts):
   """Slots per expert per group: ceil(C·k·tokens/E), at most `tokens`."""
   return min(tokens, max(1, math.ceil(capacity_factor * top_k * tokens / num_experts)))
+
+
+class RouterBias(nnx.Variable):
+  """The per-expert selection bias of auxiliary-loss-free balancing (`MoE.update_bias`): a model
+  variable that is not a parameter (no gradient; checkpointed with the buffers)."""
 
 
 def _stacked(init):
@@ -102,6 +112,12 @@ class MoE(nnx.Module, options.Configurable):
   with the highest probability for it, weighted by that probability; a token may be taken by
   several experts or none. It sees the whole row, so it is for non-causal stacks only.
 
+  Auxiliary-loss-free balancing (`bias_rate` = gamma > 0, DeepSeek-V3): a per-expert bias b (a
+  `RouterBias`, zeros at initialisation) is added to the probabilities for choosing the top-k only;
+  the combine weights stay the unbiased probabilities of the chosen experts, renormalised. After
+  every training step b_e += gamma · sign(mean load - load_e) (`update_bias`, called by
+  training.steps with the step's loads): an overloaded expert is chosen less, an idle one more.
+
   Shared experts (DeepSeekMoE) are one always-on FFN of width S·F_e, equal to S experts of width
   F_e summed. Router jitter multiplies the router's input by U(1 - eps, 1 + eps) while training.
   """
@@ -109,12 +125,14 @@ class MoE(nnx.Module, options.Configurable):
   options = tuple(DEFAULTS)
 
   def __init__(self, d_model, d_ff, num_experts, ffn='relu', *, top_k=2, capacity_factor=0.0,
-               routing='tokens', jitter=0.0, shared_experts=0, kernel_init=None, rngs):
+               routing='tokens', jitter=0.0, shared_experts=0, bias_rate=0.0, kernel_init=None,
+               rngs):
     ffn_entry = options.lookup('model.ffn', feed_forward.FFNS, ffn)
     self.activation = ffn_entry.activation  # the dense FFN's, not a copy
     self.gated = ffn_entry.module is feed_forward.GatedFeedForward
     self.num_experts, self.top_k, self.routing = num_experts, top_k, routing
-    self.capacity_factor, self.jitter = capacity_factor, jitter
+    self.capacity_factor, self.jitter, self.bias_rate = capacity_factor, jitter, bias_rate
+    self.router_bias = RouterBias(jnp.zeros((num_experts,), jnp.float32)) if bias_rate else None
     init = kernel_init or nnx.initializers.lecun_normal()
     e, d, f = num_experts, d_model, d_ff
     self.router = nnx.Param(init(rngs.params(), (d, e), jnp.float32),
@@ -136,7 +154,7 @@ class MoE(nnx.Module, options.Configurable):
                top_k=cfg.get('moe_top_k', 2), capacity_factor=cfg.get('moe_capacity_factor', 0.0),
                routing=cfg.get('moe_routing', 'tokens'), jitter=cfg.get('moe_router_jitter', 0.0),
                shared_experts=cfg.get('moe_shared_experts', 0),
-               kernel_init=initializers.kernel_init(cfg), rngs=rngs)
+               bias_rate=cfg.get('moe_bias_rate', 0.0), kernel_init=initializers.kernel_init(cfg), rngs=rngs)
 
   @classmethod
   def check_options(cls, model_cfg):
@@ -148,7 +166,8 @@ class MoE(nnx.Module, options.Configurable):
     for name in ('moe_top_k', 'moe_every'):
       if not isinstance(get(name), int) or isinstance(get(name), bool) or get(name) < 1:
         raise options.ConfigError(f'model.{name}={get(name)!r} must be a positive integer')
-    for name in ('moe_capacity_factor', 'moe_router_jitter', 'moe_aux_loss', 'moe_z_loss'):
+    for name in ('moe_capacity_factor', 'moe_router_jitter', 'moe_aux_loss', 'moe_z_loss',
+                 'moe_bias_rate'):
       options.positive(f'model.{name}', get(name), zero_ok=True)
     if get('moe_router_jitter') >= 1:
       raise options.ConfigError(f'model.moe_router_jitter={get("moe_router_jitter")!r} must be '
@@ -175,6 +194,10 @@ class MoE(nnx.Module, options.Configurable):
     if m.moe_routing == 'experts' and m.arch in CAUSAL_ARCHS:
       raise options.ConfigError(f"model.moe_routing='experts' (expert choice) reads later tokens, "
                                 f"which causal model.arch={m.arch!r} must not; valid values: tokens")
+    if m.moe_routing == 'experts' and m.get('moe_bias_rate', 0.0):
+      raise options.ConfigError("model.moe_bias_rate balances token choice; expert choice "
+                                "(model.moe_routing='experts') is balanced by construction; "
+                                "valid values: 0")
     if m.moe_routing == 'experts' and m.moe_capacity_factor == 0:
       raise options.ConfigError("model.moe_capacity_factor=0 (dropless) has no capacity for "
                                 "model.moe_routing='experts' to fill; valid values: > 0")
@@ -215,23 +238,32 @@ class MoE(nnx.Module, options.Configurable):
       self.sow(nnx.Intermediate, 'moe', stats)
     return y.astype(x.dtype)
 
+  def update_bias(self, load):
+    """b_e += gamma · sign(mean(load) - load_e): one step of auxiliary-loss-free balancing, from
+    the assignments `load` `[E]` each expert was routed in the step."""
+    load = jax.lax.stop_gradient(load.astype(jnp.float32))
+    self.router_bias[...] = self.router_bias[...] + self.bias_rate * jnp.sign(
+        jnp.mean(load) - load)
+
   def decode(self, x):
     """One cached decoding step `[B, 1, D]`: dropless token choice, nothing sown."""
     return self(x, sow=False)
 
   def experts(self, h, group_sizes=None):
-    """The experts on their inputs: `[E, C, D]` -> `[E, C, D]` (einsum), or `[M, D]` assignments
-    sorted by expert with `group_sizes` `[E]` -> `[M, D]` (ragged_dot)."""
+    """The experts on their inputs: `[E, B, C, D]` -> `[E, B, C, D]` (einsum), or `[M, D]`
+    assignments sorted by expert with `group_sizes` `[E]` -> `[M, D]` (ragged_dot)."""
     dt = h.dtype
     wi, wo = self.wi[...].astype(dt), self.wo[...].astype(dt)
     if group_sizes is None:
-      mm = lambda a, w: jnp.einsum('ECD,EDF->ECF', a, w)
+      h = sharding.constrain(h, EXPERT_SLOTS)
+      mm = lambda a, w: jnp.einsum('EBCD,EDF->EBCF', a, w)
     else:
       mm = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes)
     hidden = self.activation(mm(h, wi))  # [E, C, F] or [M, F]
     if self.gated:
       hidden = hidden * mm(h, self.up[...].astype(dt))
-    return mm(hidden, wo)
+    out = mm(hidden, wo)
+    return out if group_sizes is not None else sharding.constrain(out, EXPERT_SLOTS)
 
   def token_choice(self, x, logits, capacity_factor=None):
     """Token choice of `x` `[B, T, D]` by `logits` `[B, T, E]`; `capacity_factor` None: dropless.
@@ -242,7 +274,11 @@ class MoE(nnx.Module, options.Configurable):
     b, t, d = x.shape
     e, k = self.num_experts, self.top_k
     probs = jax.nn.softmax(logits, -1)  # [B, T, E]
-    top_p, top_i = jax.lax.top_k(probs, k)  # [B, T, k]
+    if self.router_bias is None:
+      top_p, top_i = jax.lax.top_k(probs, k)  # [B, T, k]
+    else:  # the bias chooses; the probabilities weigh
+      _, top_i = jax.lax.top_k(probs + self.router_bias[...], k)
+      top_p = jnp.take_along_axis(probs, top_i, -1)
     weights = top_p / jnp.sum(top_p, -1, keepdims=True)  # renormalised (Mixtral)
     chosen = jax.nn.one_hot(top_i, e, dtype=jnp.float32)  # [B, T, k, E]
     load = jnp.sum(chosen, (0, 1, 2))  # [E]
@@ -253,6 +289,8 @@ class MoE(nnx.Module, options.Configurable):
       y, kept = self._with_capacity(x, chosen, weights, capacity(capacity_factor, k, t, e))
     stats = router_stats(logits.reshape(-1, e), probs.reshape(-1, e), load, k)
     stats['drop_fraction'] = 1.0 - kept / (b * t * k)
+    if self.router_bias is not None:
+      stats['load'] = load  # for update_bias (training.steps), not a log metric
     return y, stats
 
   def _dropless(self, x, top_i, weights):
@@ -271,7 +309,6 @@ class MoE(nnx.Module, options.Configurable):
     """Assignments up to `cap` per expert and row, in GShard's order (all first choices by
     position, then all second choices, ...); returns (`[B, T, D]`, assignments kept)."""
     b, t, k, e = chosen.shape
-    d = x.shape[-1]
     by_rank = chosen.transpose(0, 2, 1, 3).reshape(b, k * t, e)  # [B, k·T, E] rank-major order
     slot = jnp.cumsum(by_rank, 1) - 1  # [B, k·T, E] the slot each assignment would take
     keep = by_rank * (slot < cap)
@@ -279,8 +316,7 @@ class MoE(nnx.Module, options.Configurable):
     slots = slots.reshape(b, k, t, e, cap)
     dispatch = jnp.sum(slots, 1).astype(x.dtype)  # [B, T, E, C] (the k experts are distinct)
     combine = jnp.einsum('BKTEC,BTK->BTEC', slots, weights).astype(x.dtype)
-    h = jnp.einsum('BTEC,BTD->EBCD', dispatch, x).reshape(e, b * cap, d)  # [E, B·C, D]
-    out = self.experts(h).reshape(e, b, cap, d)
+    out = self.experts(jnp.einsum('BTEC,BTD->EBCD', dispatch, x))  # [E, B, C, D]
     return jnp.einsum('EBCD,BTEC->BTD', out, combine), jnp.sum(keep)
 
   def expert_choice(self, x, logits):
@@ -295,8 +331,7 @@ class MoE(nnx.Module, options.Configurable):
     probs = jax.nn.softmax(logits, -1)  # [B, T, E]
     gate, token = jax.lax.top_k(probs.transpose(0, 2, 1), cap)  # [B, E, C]
     dispatch = jax.nn.one_hot(token, t, dtype=x.dtype)  # [B, E, C, T]
-    h = jnp.einsum('BECT,BTD->EBCD', dispatch, x).reshape(e, b * cap, d)
-    out = self.experts(h).reshape(e, b, cap, d)
+    out = self.experts(jnp.einsum('BECT,BTD->EBCD', dispatch, x))  # [E, B, C, D]
     y = jnp.einsum('EBCD,BECT,BEC->BTD', out, dispatch, gate.astype(x.dtype))
     taken = jnp.sum(dispatch, (1, 2)) > 0  # [B, T]
     load = jnp.sum(dispatch, (0, 2, 3)).astype(jnp.float32)  # [E]

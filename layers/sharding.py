@@ -3,13 +3,15 @@
 Layers name the axes of their parameters and of a few key activations with logical names
 (`LOGICAL_AXES`); they never name mesh axes. A rules table (`config.mesh.rules`, default
 `DEFAULT_RULES`) maps each logical name to mesh axes of the mesh `data` x `fsdp` x `tensor` x
-`sequence` (`MESH_AXES`), as in MaxText and big_vision:
+`sequence` x `expert` (`MESH_AXES`), as in MaxText and big_vision:
 
-  batch    -> (data, fsdp)   data and FSDP parallelism split the batch
+  batch    -> (data, fsdp, expert)   data and FSDP parallelism split the batch, and so does the
+                                     expert axis outside the experts (as in MaxText)
   length   -> sequence       context parallelism splits the sequence (ring attention)
   embed    -> fsdp           FSDP shards every parameter along its model dimension
   heads, kv_heads, mlp, vocab -> tensor   Megatron-style tensor parallelism
-  head_dim, act_embed, expert -> none (replicated)
+  expert   -> expert         expert parallelism: each device holds E / mesh.expert experts
+  head_dim, act_embed -> none (replicated)
 
 Parameters carry their names as variable metadata (`partitioned`, read back by `param_specs`);
 activations are annotated with `constrain`, a no-op unless a mesh and rules are active (`use_rules`).
@@ -26,11 +28,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ('data', 'fsdp', 'tensor', 'sequence')
+MESH_AXES = ('data', 'fsdp', 'tensor', 'sequence', 'expert')
 LOGICAL_AXES = ('batch', 'length', 'embed', 'act_embed', 'heads', 'kv_heads', 'head_dim', 'mlp',
                 'vocab', 'expert')
 DEFAULT_RULES = (
-    ('batch', ('data', 'fsdp')),
+    ('batch', ('data', 'fsdp', 'expert')),
     ('length', 'sequence'),
     ('embed', 'fsdp'),
     ('act_embed', None),
@@ -39,7 +41,7 @@ DEFAULT_RULES = (
     ('head_dim', None),
     ('mlp', 'tensor'),
     ('vocab', 'tensor'),
-    ('expert', None),  # MoE experts (layers.moe): replicated until a mesh.expert axis exists
+    ('expert', 'expert'),  # the stacked experts of layers.moe
 )
 
 
@@ -53,7 +55,7 @@ def partitioned(init, *names):
 
 
 def make_mesh(mesh_config, devices=None):
-  """The `data` x `fsdp` x `tensor` x `sequence` mesh of `config.mesh` over `devices` (default all).
+  """The `data` x `fsdp` x `tensor` x `sequence` x `expert` mesh of `config.mesh` over `devices` (default all).
 
   All sizes 1 is a one-device run on the first device, whatever the device count.
 
@@ -64,7 +66,7 @@ def make_mesh(mesh_config, devices=None):
   shape = tuple(int(mesh_config.get(a, 1)) for a in MESH_AXES)
   if math.prod(shape) == 1 and jax.process_count() > 1:
     raise ValueError(f'config.mesh sizes are all 1 (one device) but {jax.process_count()} '
-                     f'processes run; set mesh.data/fsdp/tensor/sequence to cover all '
+                     f'processes run; set mesh.data/fsdp/tensor/sequence/expert to cover all '
                      f'{len(devices)} devices')
   if math.prod(shape) == 1:
     devices = devices[:1]

@@ -289,15 +289,15 @@ def activation_bytes(cfg, vocab_size, batch_size, length, mesh_config, bytes_per
   (2·K·H), the softmax probabilities (N·S) and the attention output (N·H); per FFN: input and norm
   (2·D) and the hidden activations (2·F: pre- and post-activation; gated 4·F: gate, up, act(gate),
   their product). Cross-attention: as self-attention with S source keys. Plus the logits and their
-  log-softmax (2·V per output token). On the mesh: rows over data x fsdp, the length over sequence,
-  heads, F and V over tensor (the D-wide residual tensors are replicated over tensor).
+  log-softmax (2·V per output token). On the mesh: rows over data x fsdp x expert, the length over
+  sequence, heads, F and V over tensor (the D-wide residual tensors are replicated over tensor).
 
   Returns:
     bytes per device.
   """
   stacks, cross = stack_layout(cfg.arch)
   mesh = abstract_mesh(mesh_config)
-  rows = mesh.shape['data'] * mesh.shape['fsdp']
+  rows = mesh.shape['data'] * mesh.shape['fsdp'] * mesh.shape['expert']
   b = -(-batch_size // rows)
   t = -(-length // mesh.shape['sequence'])
   tp = mesh.shape['tensor']

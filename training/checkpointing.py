@@ -62,7 +62,8 @@ SAFE_TO_CHANGE = ('train.steps', 'train.checkpoint_every', 'train.eval_every', '
                   'train.weight_decay', 'model.attention_impl', 'model.dropout', 'data.data_dir',
                   # Layout and precision: Orbax restores into the new shardings; the update is
                   # the same (accumulation), or only rounded differently (compute dtype, remat).
-                  'mesh.data', 'mesh.fsdp', 'mesh.tensor', 'mesh.sequence', 'mesh.rules',
+                  'mesh.data', 'mesh.fsdp', 'mesh.tensor', 'mesh.sequence', 'mesh.expert',
+                  'mesh.rules',
                   'train.grad_accum_steps', 'train.compute_dtype', 'model.remat',
                   'train.loss_chunk', 'train.profile_steps')
 

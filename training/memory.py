@@ -12,6 +12,7 @@ import resource
 
 import jax
 
+from layers import sharding
 from models import accounting
 from training import validation
 
@@ -84,7 +85,7 @@ def device_limit(device=None):
 def mesh_devices(config):
   """How many devices the run's mesh uses (all mesh sizes 1: one device)."""
   mesh = config.get('mesh', None) or {}
-  return math.prod(int(mesh.get(a, 1)) for a in ('data', 'fsdp', 'tensor', 'sequence'))
+  return math.prod(int(mesh.get(a, 1)) for a in sharding.MESH_AXES)
 
 
 def estimate(config, vocab_size):

@@ -28,13 +28,33 @@ MOE_METRICS = tuple(f'moe_{name}' for name in moe.STATS)
 def with_moe_stats(fn, model):
   """(fn(model), {'moe_aux_loss', 'moe_z_loss', 'moe_drop_fraction', 'moe_load_cv'}): the
   statistics every MoE layer sows during `fn` (layers.moe.MoE), each averaged over the layers'
-  calls; {} for a model without MoE layers."""
+  calls; {} for a model without MoE layers. Layers with auxiliary-loss-free balancing add
+  'moe_load': {module path: the assignments `[E]` each expert was routed}, for `update_biases`."""
   out, sown = nnx.capture(fn, nnx.Intermediate)(model)
-  calls = [call for path, var in nnx.to_flat_state(sown) if path[-1] == 'moe'
+  calls = [(path[:-1], call) for path, var in nnx.to_flat_state(sown) if path[-1] == 'moe'
            for call in var.get_value()]
   if not calls:
     return out, {}
-  return out, {f'moe_{k}': jnp.mean(jnp.stack([c[k] for c in calls])) for k in moe.STATS}
+  stats = {f'moe_{k}': jnp.mean(jnp.stack([c[k] for _, c in calls])) for k in moe.STATS}
+  loads = {}
+  for path, call in calls:
+    if 'load' in call:
+      key = '/'.join(map(str, path))
+      loads[key] = loads.get(key, 0.0) + call['load']
+  if loads:
+    stats['moe_load'] = loads
+  return out, stats
+
+
+def update_biases(graphdef, params, buffers, loads):
+  """The buffers after one step of every MoE layer's auxiliary-loss-free bias update
+  (`layers.moe.MoE.update_bias`) by its step's `loads` ({module path: `[E]`}, `with_moe_stats`)."""
+  model = nnx.merge(graphdef, params, buffers, copy=True)  # `buffers` itself stays as it was
+  for path, module in nnx.iter_modules(model):
+    key = '/'.join(map(str, path))
+    if key in loads:
+      module.update_bias(loads[key])
+  return nnx.split(model, nnx.Param, ...)[2]
 
 
 def finalize(sums):
@@ -131,6 +151,7 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
     # Per micro-batch means, summed over the k micro-batches: their mean.
     sums.update({k: sums[k] / accum_steps for k in MOE_METRICS if k in sums})
   del sums['objective_sum']
+  loads = sums.pop('moe_load', None)
   updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
   params = optax.apply_updates(state['params'], updates)
   sums['grad_norm'] = optax.global_norm(grads)
@@ -140,19 +161,27 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
     sums['diag'] = {'grad_sq': diagnostics.group_sq_norms(grads, leaf_groups, g),
                     'update_sq': diagnostics.group_sq_norms(updates, leaf_groups, g),
                     'param_sq': diagnostics.group_sq_norms(state['params'], leaf_groups, g)}
-  new = {'step': state['step'] + 1, 'params': params, 'buffers': state['buffers'],
+  buffers = (state['buffers'] if not loads else
+             update_biases(graphdef, state['params'], state['buffers'], loads))
+  new = {'step': state['step'] + 1, 'params': params, 'buffers': buffers,
          'opt_state': opt_state, 'skipped': state['skipped']}
   if skip_nonfinite:
-    ok = jnp.isfinite(sums['loss_sum']) & jnp.isfinite(sums['grad_norm'])
-    new['params'], new['opt_state'] = jax.tree.map(
-        lambda a, b: jnp.where(ok, a, b), (params, opt_state),
-        (state['params'], state['opt_state']))
-    new['skipped'] = state['skipped'] + (~ok).astype(jnp.int32)
-    # Report the skipped step's values as zeros so that window sums stay finite.
-    for k in ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'param_norm',
-              *(k for k in MOE_METRICS if k in sums)):
-      sums[k] = jnp.where(ok, sums[k], 0.0)
+    _skip_if_nonfinite(state, new, sums)
   return new, sums
+
+
+def _skip_if_nonfinite(state, new, sums):
+  """`new` (in place) keeps `state`'s parameters, optimiser state and buffers, and `sums` reports
+  zeros, where the step's loss or gradient norm is not finite; `new['skipped']` counts it."""
+  ok = jnp.isfinite(sums['loss_sum']) & jnp.isfinite(sums['grad_norm'])
+  keep = ('params', 'opt_state') + (('buffers',) if new['buffers'] is not state['buffers'] else ())
+  new.update(zip(keep, jax.tree.map(lambda a, b: jnp.where(ok, a, b),
+                                    tuple(new[k] for k in keep), tuple(state[k] for k in keep))))
+  new['skipped'] = state['skipped'] + (~ok).astype(jnp.int32)
+  # Report the skipped step's values as zeros so that window sums stay finite.
+  for k in ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'param_norm',
+            *(k for k in MOE_METRICS if k in sums)):
+    sums[k] = jnp.where(ok, sums[k], 0.0)
 
 
 def eval_step(graphdef, variables, batch):

@@ -234,12 +234,18 @@ def _validate_mesh(config):
     if bad:
       raise ConfigError(f'mesh.rules entry {rule!r}: {bad[0]!r} is not a mesh axis; valid: '
                         f'{", ".join(sharding.MESH_AXES)}')
-  rows = mesh.get('data', 1) * mesh.get('fsdp', 1)
+  experts = config.model.get('moe_experts', 0)
+  if experts and experts % mesh.get('expert', 1):
+    divisors = [n for n in range(1, experts + 1) if experts % n == 0]
+    raise ConfigError(f'mesh.expert={mesh.get("expert", 1)} must divide model.moe_experts='
+                      f'{experts}; valid values: {", ".join(map(str, divisors))}')
+  rows = mesh.get('data', 1) * mesh.get('fsdp', 1) * mesh.get('expert', 1)
   accum = config.train.get('grad_accum_steps', 1)
   if config.train.batch_size % (rows * accum):
     raise ConfigError(f'train.batch_size={config.train.batch_size} must be a multiple of '
-                      f'mesh.data x mesh.fsdp x train.grad_accum_steps = {rows * accum} (each '
-                      'data-parallel shard gets whole rows of every micro-batch)')
+                      f'mesh.data x mesh.fsdp x mesh.expert x train.grad_accum_steps = '
+                      f'{rows * accum} (each data-parallel shard gets whole rows of every '
+                      'micro-batch)')
 
 
 def _validate_scan(config):

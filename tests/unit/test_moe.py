@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -16,6 +17,7 @@ from layers import feed_forward
 from layers import moe
 from models import accounting
 from training import loop
+from training import steps
 from training import validation
 import models
 from tests.helpers import metric_rows, quick_jit
@@ -197,6 +199,9 @@ BAD = [
                                               r'values: experts, tokens'),
     (dict(moe_experts=2, moe_first_dense=2), r'^model.moe_first_dense=2 .* leaves no MoE block'),
     (dict(moe_experts=2, scan_layers=True), r'^model.scan_layers=True'),
+    (dict(moe_experts=4, moe_top_k=1, moe_routing='experts', moe_capacity_factor=1.0,
+          moe_bias_rate=1e-3, arch='encoder_only'), r'^model.moe_bias_rate balances token choice'),
+    (dict(moe_bias_rate=1e-3), r'^model.moe_bias_rate=0.001 is set but model.moe_experts=0'),
 ]
 
 
@@ -205,6 +210,70 @@ def test_bad_moe_fields_are_one_line_config_errors(overrides, message):
   with pytest.raises(validation.ConfigError, match=message) as e:
     model_config(**overrides)
   assert '\n' not in str(e.value)
+
+
+def test_an_expert_axis_that_does_not_divide_the_experts_is_one_line():
+  config = validation.resolve(default.get_config())
+  config.model.update(moe_experts=6, moe_top_k=1)
+  config.mesh.update(expert=4, data=2)
+  with pytest.raises(validation.ConfigError,
+                     match=r'^mesh.expert=4 must divide model.moe_experts=6; valid values: '
+                           r'1, 2, 3, 6$'):
+    validation.validate(config)
+
+
+def test_bias_update_follows_the_sign_rule():
+  """b_e += gamma · sign(mean load - load_e): the overloaded expert down, idle ones up, an expert
+  at the mean unchanged; the steps add up."""
+  m = make(bias_rate=0.1)
+  np.testing.assert_array_equal(m.router_bias[...], 0.0)
+  m.update_bias(jnp.asarray([5.0, 1.0, 3.0, 3.0]))
+  np.testing.assert_allclose(m.router_bias[...], [-0.1, 0.1, 0.0, 0.0], atol=1e-7)
+  m.update_bias(jnp.asarray([0.0, 8.0, 4.0, 0.0]))
+  np.testing.assert_allclose(m.router_bias[...], [0.0, 0.0, -0.1, 0.1], atol=1e-7)
+
+
+def test_the_bias_chooses_and_the_probabilities_weigh():
+  """A bias far above the probabilities sends every token (k = 1) to expert 2, weighted 1
+  (renormalised), whatever the router prefers; the aux loss still sees the unbiased
+  probabilities."""
+  m = make(top_k=1, bias_rate=0.1)
+  m.router_bias[...] = jnp.asarray([0.0, 0.0, 5.0, 0.0])
+  x = jax.random.normal(jax.random.key(3), (2, 5, D))
+  y, stats = on(m, lambda m, x: m.token_choice(x, jnp.einsum('BTD,DE->BTE', x, m.router[...])))(x)
+  np.testing.assert_allclose(y, expert_out(m, 2, x), atol=1e-5)
+  np.testing.assert_array_equal(stats['load'], [0, 0, 10, 0])
+
+
+def test_a_training_step_moves_each_layers_bias_by_its_own_load():
+  """steps.train_step: every MoE layer's bias after one step is gamma · sign(mean - load) of the
+  assignments that layer routed in the step (read from the same forward pass)."""
+  cfg = model_config(moe_experts=4, moe_top_k=1, moe_aux_loss=0.0, moe_bias_rate=0.25)
+  model = models.build(cfg, V, 16, rngs=nnx.Rngs(0))
+  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+  tx = optax.sgd(0.0)
+  state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'buffers': buffers,
+           'opt_state': tx.init(params), 'skipped': jnp.zeros((), jnp.int32)}
+  tokens = jax.random.randint(jax.random.key(1), (2, 9), 1, V)
+  batch = {'inputs': tokens, 'targets': jnp.roll(tokens, -1, 1), 'weights': jnp.ones((2, 9))}
+  rng = jax.random.key(7)
+
+  def step_and_loads(state, batch):
+    new, _ = steps.train_step(graphdef, tx, rng, state, batch, moe_loss=(0.0, 0.0))
+    dropout_rng, mask_rng = jax.random.split(jax.random.fold_in(rng, state['step']))
+    sums = steps.step_sums(nnx.merge(graphdef, state['params'], state['buffers']), batch,
+                           nnx.Rngs(dropout=dropout_rng, mask=mask_rng))
+    return new['buffers'], sums['moe_load']
+
+  new_buffers, loads = quick_jit(step_and_loads)(state, batch)
+  after = nnx.merge(graphdef, params, new_buffers)
+  layers = {'/'.join(map(str, p)): m for p, m in nnx.iter_modules(after)
+            if isinstance(m, moe.MoE)}
+  assert sorted(layers) == sorted(loads) and len(layers) == cfg.num_layers
+  for key, layer in layers.items():
+    load = np.asarray(loads[key])
+    assert load.sum() == 18  # 2 x 9 tokens, k = 1
+    np.testing.assert_allclose(layer.router_bias[...], 0.25 * np.sign(load.mean() - load))
 
 
 def test_defaults_agree_with_the_config():

@@ -103,4 +103,4 @@ def test_bad_data_shards_is_a_config_error(value):
 def test_mesh_rules_override_only_the_names_they_list():
   rules = dict(sharding.rules_of({'rules': (('vocab', None), ('mlp', ('tensor', 'fsdp')))}))
   assert rules['vocab'] is None and rules['mlp'] == ('tensor', 'fsdp')
-  assert rules['batch'] == ('data', 'fsdp') and rules['heads'] == 'tensor'  # defaults kept
+  assert rules['batch'] == ('data', 'fsdp', 'expert') and rules['heads'] == 'tensor'  # defaults
