@@ -223,10 +223,10 @@ class CellTuning:
 
 
 def _loss_text(record):
-  if record['status'] == 'diverged':
-    return 'diverged'
-  loss = record['valid_loss']
-  return f'{loss:.4f}' if loss is not None else record['status'] or '-'
+  """A tuning run's final validation loss, or what kept it from having one."""
+  if record['status'] == 'done' and record['valid_loss'] is not None:
+    return f'{record["valid_loss"]:.4f}'
+  return 'diverged' if record['status'] == 'diverged' else 'unfinished'
 
 
 def plan(cells, axis):

@@ -195,6 +195,10 @@ def test_sweep_bad_inputs_are_one_line_exit_2(tmp_path, bad_files):
   out = cli('-m', 'tools.sweep', '--sweep=configs/ablations/ffn_norm.py',
             f'--sweep_dir={tmp_path}', '--parallel=x')
   assert_one_line(out, 2, '--parallel=x is not valid', 'valid: an integer')
+  out = cli('-m', 'tools.sweep', '--sweep=configs/ablations/ffn_norm.py',
+            f'--sweep_dir={tmp_path}', '--tune=model.ffn:relu,gelu')
+  assert_one_line(out, 2, 'sweep error: --tune=model.ffn:relu,gelu: the sweep file already sets '
+                  'model.ffn (in its grid)')
   assert os.listdir(tmp_path) == []
   (tmp_path / 'a_file').write_text('x')
   out = cli('-m', 'tools.sweep', '--sweep=configs/ablations/ffn_norm.py',
