@@ -151,11 +151,29 @@ def test_each_cell_tunes_at_the_first_seed_then_runs_its_other_seeds_at_the_choi
     sweep_tune.plan([{**cells[0], 'after': 'x'}], sweep_tune.Axis(LR, [0.001]))
 
 
+def test_the_choice_file_keeps_an_earlier_choice_until_its_cell_chooses_again(tmp_path):
+  """A rerun stopped before a cell's tuning runs were reported leaves that cell's entry as it was;
+  one of another axis starts over."""
+  cells = sweep_spec.expand({'grid': {'model.norm_position': ['pre', 'post']}})
+  axis = sweep_tune.Axis(LR, [0.001, 0.002])
+  _, tunings = sweep_tune.plan(cells, axis)
+  tunings[0].chosen, tunings[0].decided = 0.002, True
+  sweep_tune.ChoiceFile(str(tmp_path), axis, tunings).write()
+  _, fresh = sweep_tune.plan(cells, axis)
+  sweep_tune.ChoiceFile(str(tmp_path), axis, fresh).write()
+  doc = sweep_tune.read_choices(str(tmp_path))
+  assert [e['chosen'] for e in doc['cells']] == [0.002, None] and doc['rule'] == sweep_tune.RULE
+  other = sweep_tune.Axis(LR, [0.001, 0.004])
+  sweep_tune.ChoiceFile(str(tmp_path), other, sweep_tune.plan(cells, other)[1]).write()
+  assert [e['chosen'] for e in sweep_tune.read_choices(str(tmp_path))['cells']] == [None, None]
+
+
 # --- The runner, with a fake train.py -------------------------------------------------------------
 
 def _fake_train(events, lock, fail=None):
   """A launch that logs start/end and ends like train.py: validation loss |lr - best| + 2 where
-  the best rate is 0.002 for Pre-LN and 0.001 for Post-LN; tuning runs are the slow ones."""
+  the best rate is 0.002 for Pre-LN and 0.001 for Post-LN; tuning runs are the slow ones, the
+  higher rate's slowest."""
 
   def launch(argv, log_path, env):
     del log_path, env
@@ -163,7 +181,7 @@ def _fake_train(events, lock, fail=None):
     name = os.path.basename(workdir)
     with lock:
       events.append(('start', name))
-    time.sleep(0.15 if name.endswith('seed=0') else 0.02)
+    time.sleep((0.3 if '0.002,seed=0' in name else 0.1) if name.endswith('seed=0') else 0.02)
     with lock:
       events.append(('end', name))
     if fail and fail in name:
@@ -198,6 +216,9 @@ def test_other_seeds_start_after_their_own_tuning_runs_at_the_chosen_rate(tmp_pa
       tuning_ends = [i for i, (what, n) in enumerate(events)
                      if what == 'end' and n.startswith(cell + ',') and n.endswith('seed=0')]
       assert len(tuning_ends) == 2 and events.index(('start', name)) > max(tuning_ends)
+  if parallel == 2:  # while Pre-LN's second tuning run trains, Post-LN's first takes the free slot
+    assert started.index(f'model.norm_position=post,{LR}=0.001,seed=0') < started.index(
+        f'model.norm_position=pre,{LR}=0.002,seed=1')
   doc = json.loads((sw / 'tune.json').read_text())
   assert (doc['field'], doc['values'], doc['tuning_seed'], doc['seeds']) == (
       LR, [0.001, 0.002], 0, [0, 1, 2])
