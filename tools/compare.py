@@ -2,7 +2,7 @@
 
     python -m tools.compare DIR [DIR ...] [--out=PNG] [--smooth=ema:0.9] [--logy] [--logx]
         [--target_loss=3.0 [--target_split=train]] [--color_by=FIELD] [--style_by=FIELD]
-        [--band=minmax|std|none]
+        [--band=minmax|std|none] [--metrics=moe_drop_fraction,moe_load_cv]
 
 Runs are workdirs (metrics.jsonl, config.json, run_info.json); a sweep directory stands for every
 workdir inside it. Runs whose configs differ only in `train.seed` form one group, drawn as the mean
@@ -37,6 +37,7 @@ from training import paths as paths_lib  # local or gs:// (the arguments are `pa
 from tools import compare_figure
 from tools import curves as curves_lib
 from tools import extrapolation_compare
+from tools import metric_compare
 from tools import runs as runs_lib
 from tools import summary as summary_lib
 from tools import summary_table
@@ -44,7 +45,7 @@ from tools import tune_table
 
 
 def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=None,
-            target_split='valid', color_by=None, style_by=None, band_kind='minmax'):
+            target_split='valid', color_by=None, style_by=None, band_kind='minmax', metrics=()):
   """Loads the runs under `paths`, draws `out` (PNG) and returns the markdown summary table.
 
   Args:
@@ -59,11 +60,13 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
       'none': one per group).
     style_by: the field that picks the line style (None: automatic; 'none': solid lines).
     band_kind: the spread across seeds: 'minmax', 'std' or 'none'.
+    metrics: logged training metrics beside the loss to draw over training into OUT_metrics.png
+      and tabulate (`tools.metric_compare`).
 
   Returns:
     The markdown table, the groups labelled with their full overrides (then, for a tuned sweep,
     the tuning table of `tools.tune_table`; for runs with eval.json extrapolation rows,
-    `extrapolation_compare`'s table).
+    `extrapolation_compare`'s table; with `metrics`, `metric_compare`'s).
   """
   runs = [runs_lib.load_run(w) for w in runs_lib.find_runs(paths)]
   # A tuned sweep (tools.sweep --tune): each cell at its chosen value; the tuning runs at the
@@ -75,6 +78,7 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   curves_lib.band([(np.zeros(1), np.zeros(1))], band_kind)
   groups = summary_lib.group_runs(runs)
   summary = summary_lib.summarize(groups, target_loss, target_split)
+  metric_compare.check_metrics(groups, metrics)  # a bad --metrics before any drawing
   compare_figure.plot(groups, summary, out, smoothing=smoothing, logy=logy, logx=logx,
                       title=_title(paths, len(runs), len(groups)), color_by=color_by,
                       style_by=style_by, band_kind=band_kind)
@@ -83,7 +87,9 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   extrapolation = extrapolation_compare.report(groups, out, band_kind)
   table = summary_table.markdown_table(summary, target_loss, target_split)
   tuning = tune_table.markdown(choices, groups)
-  return '\n\n'.join(part for part in (table, tuning, extrapolation) if part)
+  logged = metric_compare.report(groups, summary, out, metrics, color_by=color_by,
+                                 style_by=style_by, band_kind=band_kind)
+  return '\n\n'.join(part for part in (table, tuning, extrapolation, logged) if part)
 
 
 def _title(paths, num_runs, num_groups):
@@ -117,6 +123,8 @@ def define_flags():
   flags.DEFINE_string('style_by', None, 'The config field (at most 4 values) whose values pick '
                       'the line style (e.g. model.num_layers); default: the next such field when '
                       'colour alone does not tell the groups apart; none: solid lines.')
+  flags.DEFINE_list('metrics', [], 'Logged training metrics to draw over training beside the '
+                    'loss (OUT_metrics.png) and tabulate, e.g. moe_drop_fraction,moe_load_cv.')
   flags.DEFINE_string('band', 'minmax', 'The band around each group\'s mean across seeds: minmax, '
                       'std (mean -/+ one standard deviation) or none.')
 
@@ -133,7 +141,8 @@ def main(argv):
   try:
     table = compare(paths, out, smoothing=FLAGS.smooth, logy=FLAGS.logy, logx=FLAGS.logx,
                     target_loss=FLAGS.target_loss, target_split=FLAGS.target_split,
-                    color_by=FLAGS.color_by, style_by=FLAGS.style_by, band_kind=FLAGS.band)
+                    color_by=FLAGS.color_by, style_by=FLAGS.style_by, band_kind=FLAGS.band,
+                    metrics=FLAGS.metrics)
   except (FileNotFoundError, ValueError) as e:
     print(str(e), file=sys.stderr)
     sys.exit(2)

@@ -46,11 +46,7 @@ def figure(groups, summary, *, smoothing=None, logy=False, logx=False, title=Non
     (figure, labels): the matplotlib figure and the legend label of each group.
   """
   plt = plot_style.pyplot()
-  configs = [runs[0]['config'] for _, runs in groups]
-  fields = runs_lib.differing_fields([r for _, runs in groups for r in runs])
-  color_field, style_field = group_styles.choose_style_fields(configs, fields, color_by, style_by)
-  styles = group_styles.assign_styles(configs, fields, color_field, style_field)
-  labels, note = _labels(groups, summary, configs, fields, keep=(color_field, style_field))
+  styles, labels, note = group_look(groups, summary, color_by, style_by)
   has_init = any(r['init_grad'].get('blocks') for _, runs in groups for r in runs)
   with plt.rc_context(plot_style.STYLE):
     fig, axd = _panels(plt, has_init)
@@ -64,7 +60,7 @@ def figure(groups, summary, *, smoothing=None, logy=False, logx=False, title=Non
     _label_loss_panels(axd, smoothing, _entropy_level(groups), logx, logy)
     if has_init:
       _label_init_panel(axd['init'])
-    _add_legend(fig, axd, handles, labels, styles, _legend_title(groups, band_kind, note))
+    add_legend(fig, axd, handles, labels, styles, legend_title(groups, band_kind, note))
     if title:
       fig.suptitle(title)
   return fig, labels
@@ -80,6 +76,17 @@ def plot(groups, summary, out, *, smoothing=None, logy=False, logx=False, title=
   plots.save_figure(fig, out)
   plt.close(fig)
   return out
+
+
+def group_look(groups, summary, color_by=None, style_by=None):
+  """(styles, labels, note): each group's `tools.group_styles` style and legend label, and the
+  legend's note, as every picture of one comparison draws them."""
+  configs = [runs[0]['config'] for _, runs in groups]
+  fields = runs_lib.differing_fields([r for _, runs in groups for r in runs])
+  color_field, style_field = group_styles.choose_style_fields(configs, fields, color_by, style_by)
+  styles = group_styles.assign_styles(configs, fields, color_field, style_field)
+  labels, note = _labels(groups, summary, configs, fields, keep=(color_field, style_field))
+  return styles, labels, note
 
 
 def _labels(groups, summary, configs, fields, keep):
@@ -187,7 +194,7 @@ def _label_init_panel(ax):
   ax.grid(alpha=0.3)
 
 
-def _legend_title(groups, band_kind, note):
+def legend_title(groups, band_kind, note):
   """'mean of 2 seeds, band: min to max' (where a group has several seeds) over the labels' note,
   or None."""
   seeds = sorted({len(runs) for _, runs in groups})
@@ -200,7 +207,7 @@ def _legend_title(groups, band_kind, note):
   return '\n'.join(lines) or None
 
 
-def _add_legend(fig, axd, handles, labels, styles, title):
+def add_legend(fig, axd, handles, labels, styles, title):
   """The one legend, ordered by hue, line style and shade: in the grid's free cell when there is
   one, else below the panels in as many columns as fit."""
   order = sorted(range(len(labels)),

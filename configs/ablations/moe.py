@@ -47,6 +47,8 @@ DECODER_CELLS = {
     'aux_free': {**MOE, 'model.moe_aux_loss': 0.0, 'model.moe_bias_rate': 1e-3},
     'shared': {**MOE, 'model.moe_shared_experts': 1},
 }
+# The sweep's other arguments (tests/unit/test_sweep.py expands each into valid configs).
+OTHER_ARGS = ('encoder', 'encoder,quick')
 ENCODER_CELLS = {
     'token_choice': MOE,
     'expert_choice': {**MOE, 'model.moe_routing': 'experts', 'model.moe_capacity_factor': 1.0},

@@ -264,6 +264,29 @@ def test_compare_writes_the_png_and_refuses_bad_options(tmp_path):
     compare.compare([str(tmp_path / 'sw')], str(out), color_by='d_model')
 
 
+def test_compare_draws_and_tabulates_logged_metrics(tmp_path):
+  """--metrics: one panel per metric (OUT_metrics.png) and a table of each group's run mean and
+  last value, mean [min, max] across seeds; a metric no run logged is one line naming those
+  logged."""
+  for cell, cv in (('a', 1.0), ('b', 0.5)):
+    for seed in (0, 1):
+      workdir = tmp_path / 'sw' / f'{cell}_{seed}'
+      write_run(str(workdir), {'model.moe_bias_rate': 0.0 if cell == 'a' else 1e-3,
+                               'train.seed': seed}, [4.0, 3.9, 3.8])
+      rows = [{'step': s, 'split': 'train', 'loss': 4.0, 'moe_load_cv': cv * (1 + seed) / s * 10}
+              for s in (10, 20, 30)]
+      with open(workdir / 'metrics.jsonl', 'w') as f:
+        f.write('\n'.join(json.dumps(r) for r in rows) + '\n')
+  out = tmp_path / 'cmp.png'
+  table = compare.compare([str(tmp_path / 'sw')], str(out), metrics=['moe_load_cv'])
+  assert (tmp_path / 'cmp_metrics.png').stat().st_size > 10000
+  # Cell a: run means (1 + 0.5 + 1/3)/3 = 0.611 and twice that; last values 0.333 and 0.667.
+  assert '| moe_bias_rate=0.0 | 0.917 [0.611, 1.22] | 0.5 [0.333, 0.667] |' in table
+  with pytest.raises(ValueError, match=r"^--metrics: no run logged 'moe_drop_fraction'; logged: "
+                                       r'loss, moe_load_cv$'):
+    compare.compare([str(tmp_path / 'sw')], str(out), metrics=['moe_drop_fraction'])
+
+
 # --- tools/plots.py -------------------------------------------------------------------------------
 
 def test_extrapolation_plot_draws_one_line_per_length_and_marks_the_training_length(tmp_path):

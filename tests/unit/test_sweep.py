@@ -71,7 +71,7 @@ def test_bad_sweeps_are_rejected(bad, message):
 @pytest.mark.parametrize('path', ABLATIONS, ids=os.path.basename)
 def test_every_ablation_file_expands_into_valid_configs(path):
   module = sweep_spec.load_sweep_module(path)
-  for arg in (None, 'quick'):
+  for arg in (None, 'quick', *getattr(module, 'OTHER_ARGS', ())):
     cells = sweep_spec.expand(sweep_spec.get_sweep(module, arg))
     assert cells
     for cell in cells:
