@@ -174,6 +174,7 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   config.data = data = ml_collections.ConfigDict()
   data.task = 'base'  # base (the toy translation task) | text_pairs (your TSV files of
   #                     source<TAB>target lines) | text_lm (your text files, one document per line)
+  #                     | passkey (passkey retrieval in filler of the toy language, generated)
   data.max_length = 64  # training length in tokens
   data.data_dir = './tfds_data'  # where the dataset is generated (first use) and read
   # text_pairs / text_lm: your files, local or gs://, prepared once into
@@ -183,6 +184,14 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   data.vocab_size = 1000  # text tasks: pieces per SentencePiece model, the 6 special ones included
   data.shared_vocab = True  # text_pairs: one model for source and target (else one per side, their
   #                           ids side by side: V = 2 * vocab_size - 6)
+  # passkey: each example is one row of data.max_length tokens, `<bos> filler <key> K V filler
+  # <query> K` -> V (filler: toy sentences; K: a toy word); the loss and accuracy are on V alone.
+  data.passkey_values = 32  # passkey: size of the value vocabulary (the first N toy words, sorted):
+  #                           2 to 160, chance accuracy 1/N per value token
+  data.passkey_value_tokens = 1  # passkey: words per value
+  data.passkey_depths = (0.0, 1.0)  # passkey: (low, high) of the training depths, drawn uniformly:
+  #                                   the share of the filler before the key, 0 (right after <bos>)
+  #                                   to 1 (right before the query)
   data.packing = 'none'  # none (one pair per padded row) | segments (packed, attention per pair)
   #                        | stream (packed, attention across pairs: LM / extrapolation studies)
   # S disjoint shards of the training split, each giving batch_size / S rows of every batch: with

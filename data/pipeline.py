@@ -1,15 +1,15 @@
-"""grain input pipeline: sentence pairs (the toy task, your TSV files) or documents (your text
-files) -> padded, packed or streamed batches per architecture."""
+"""grain input pipeline: sentence pairs (the toy task, your TSV files), documents (your text
+files) or passkey prompts -> padded, packed or streamed batches per architecture."""
 
 import collections
 import functools
-import os
 
 from absl import logging
 import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
+from data import passkey
 from data import remote_dir
 from data import text_corpus
 from data import tokenizer as tokenizer_lib
@@ -17,7 +17,8 @@ from data import toy_translation
 
 BOS, EOS, SEP = tokenizer_lib.BOS, tokenizer_lib.EOS, tokenizer_lib.SEP
 LOSS_ON = ('target', 'all')
-TASKS = tuple(toy_translation.TASKS) + text_corpus.TASKS  # toy task names, then your own data
+# The toy task names, your own data, the generated passkey retrieval task.
+TASKS = tuple(toy_translation.TASKS) + text_corpus.TASKS + (passkey.TASK,)
 DataError = text_corpus.DataError  # a bad input file or data setting (one line naming the file)
 
 
@@ -36,11 +37,14 @@ ToySource = collections.namedtuple('ToySource', 'task data_dir')
 
 def _source(data_config):
   """The hashable identity of the configured corpus (the per-process caches are keyed by it): a
-  ToySource, or a text_corpus.CorpusSpec for data.task text_pairs / text_lm."""
+  ToySource, a text_corpus.CorpusSpec for data.task text_pairs / text_lm, or a
+  passkey.PasskeySpec."""
   task = _field(data_config, 'task', 'base')
   _check('task', task, TASKS)
   if task in text_corpus.TASKS:
     return text_corpus.spec_from_config(data_config)
+  if task == passkey.TASK:
+    return passkey.spec_from_config(data_config)
   # A gs:// data_dir is read through a local mirror (data.remote_dir).
   return ToySource(task, remote_dir.local_data_dir(_field(data_config, 'data_dir', './tfds_data'),
                                                    task))
@@ -50,10 +54,14 @@ def is_text(source) -> bool:
   return isinstance(source, text_corpus.CorpusSpec)
 
 
+def is_passkey(source) -> bool:
+  return isinstance(source, passkey.PasskeySpec)
+
+
 def has_pairs(data_config) -> bool:
   """Whether the task's examples are (source, target) pairs (translation can be scored); text_lm
-  holds documents."""
-  return _field(data_config, 'task', 'base') != 'text_lm'
+  holds documents, passkey retrieval prompts (scored by `training.retrieval`)."""
+  return _field(data_config, 'task', 'base') not in ('text_lm', passkey.TASK)
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,6 +69,8 @@ def _prepared(source) -> str:
   """Prepares the corpus once per process (reused from data_dir if there); its folder."""
   if is_text(source):
     return text_corpus.prepare(source)
+  if is_passkey(source):
+    return passkey.prepare(source)
   return toy_translation.prepare(source.data_dir, source.task)
 
 
@@ -68,6 +78,8 @@ def _prepared(source) -> str:
 def _tokenizer(source):
   if is_text(source):
     return text_corpus.load_tokenizer(_prepared(source))
+  if is_passkey(source):
+    return passkey.load_tokenizer(source)
   return toy_translation.load_tokenizer(source.data_dir, source.task)
 
 
@@ -93,6 +105,8 @@ def split_names(data_config) -> list[str]:
   source = _source(data_config)
   if is_text(source):
     return list(text_corpus.SPLITS)
+  if is_passkey(source):
+    return list(passkey.SPLITS)
   return list(toy_translation.TASKS[source.task].splits)
 
 
@@ -110,6 +124,8 @@ def _read_split(source, split: str) -> tuple[tuple[str, str], ...]:
   """
   if is_text(source):
     return tuple(text_corpus.read_split(_prepared(source), split))
+  if is_passkey(source):
+    return tuple(passkey.read_split(source, split))
   _prepared(source)
   data = tfds.data_source(f'toy_translation/{source.task}', data_dir=source.data_dir, split=split)
   records = data.__getitems__(range(len(data)))
@@ -144,12 +160,13 @@ def load_examples(data_config, split: str) -> list[dict]:
     Dicts with 'source', 'target' (str) and 'source_ids', 'target_ids' (list[int], no bos/eos/sep).
 
   Raises:
-    ValueError: data.task='text_lm' (documents, nothing to translate).
+    ValueError: data.task 'text_lm' or 'passkey' (nothing to translate).
   """
   _check_split(data_config, split)
   if not has_pairs(data_config):
-    raise ValueError("data.task='text_lm' holds documents, not sentence pairs: nothing to "
-                     'translate; valid: loss/perplexity splits and --lengths')
+    task = _field(data_config, 'task', 'base')
+    raise ValueError(f'data.task={task!r} holds {"documents" if task == "text_lm" else "prompts"}, '
+                     'not sentence pairs: nothing to translate; valid: loss/perplexity splits')
   source = _source(data_config)
   tokenizer = _tokenizer(source)
   out = []
@@ -376,7 +393,8 @@ def make_iterator(data_config, split: str, batch_size: int, *, arch: str = 'deco
     raise ValueError("Unsupported packing 'stream' for arch 'encoder_decoder'; "
                      "valid values: none, segments")
   shard = _encoded_split(source, split)[shard_index::shard_count]
-  fits = functools.partial(_fits, length=length, arch=arch, packing=packing)
+  fits = functools.partial(_fits, length=length, arch=arch,
+                           packing='stream' if is_passkey(source) else packing)  # all fit
   num_dropped = sum(not fits(pair) for pair in shard)
   if num_dropped:
     logging.warning('%s/%s: %d of %d pairs longer than %d tokens are dropped (packing %s).',
@@ -389,8 +407,10 @@ def make_iterator(data_config, split: str, batch_size: int, *, arch: str = 'deco
   # Per-element work is a few microseconds: grain's default thread prefetch costs more than it
   # saves (its depth bookkeeping dominated: ~60 ms per batch of 64, ~25 without it).
   pairs = pairs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  rows = PACKINGS[packing](pairs, length, arch, loss_on, batch_size, seed,
-                           shuffle)
+  if is_passkey(source):  # decoder_only rows, loss on the value only (validation checks both)
+    rows = pairs.map(lambda pair: passkey.row(pair['source'], pair['target'], length))
+  else:
+    rows = PACKINGS[packing](pairs, length, arch, loss_on, batch_size, seed, shuffle)
   batches = rows.batch(batch_size, drop_remainder=drop_remainder)
   # A background thread builds the next batches while the (GIL-releasing) train step runs.
   batches = grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=2)

@@ -24,6 +24,7 @@ from data import pipeline
 from data import text_corpus
 from training import state as state_lib
 from training import validation_attention
+from training import validation_passkey
 
 # The valid values live where they are used; validation only names them.
 SCHEDULES = state_lib.SCHEDULES
@@ -179,6 +180,7 @@ def _validate_data(config):
   if not isinstance(d.max_length, int) or d.max_length < 8:
     raise ConfigError(f'data.max_length={d.max_length!r} must be an integer >= 8')
   _choice('data.task', d.task, pipeline.TASKS)
+  validation_passkey.check_config(config)  # its fields, or that no other task sets them
   if d.task in text_corpus.TASKS:
     _validate_text_data(config)
   else:
