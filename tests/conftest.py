@@ -20,6 +20,20 @@ host.cpu_when_no_accelerator()
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+# One persistent compilation cache for the session: the integration tests of every xdist worker and
+# every train.py/eval.py/sweep subprocess they start (JAX reads these variables at start-up) compile
+# the quick configs' train and eval steps again and again; a SIGKILLed-and-resumed run, or two
+# processes of one run, find them there (a train.py start on the quick config: 5 s of CPU for the
+# compiles, 1.3 s from the cache). The directory is named by the session's first process (the
+# workers' parent) and removed when that process exits.
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  _session = os.getppid() if os.environ.get('PYTEST_XDIST_WORKER') else os.getpid()
+  _cache = os.path.join(tempfile.gettempdir(), f'attnlab_test_jax_cache_{_session}')
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = _cache
+  os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.25'  # steps, not single ops
+  if not os.environ.get('PYTEST_XDIST_WORKER'):
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+
 
 @pytest.fixture(scope='session')
 def data_dir(tmp_path_factory):
@@ -40,7 +54,6 @@ def own_data_dir(data_dir, tmp_path):
 
 
 _compiling_for = [None]  # the tier this process compiles for now: 'unit', 'integration' or 'aot'
-_cache_dir = []  # this process's persistent compilation cache, made on its first integration test
 
 
 @pytest.hookimpl(tryfirst=True)  # before the fixtures are set up: they compile too
@@ -50,13 +63,11 @@ def pytest_runtest_setup(item):
   unit: without LLVM's optimisation passes (jax_disable_most_optimizations; the programs it jits
   through tests.helpers.quick_jit get quicker emitters too): its programs are tiny and each runs
   once, so the passes were most of its run time.
-  integration: as train.py does, through a persistent compilation cache of this process (a
-  directory of its own, removed at exit): its in-process runs compile the same train and eval
-  steps again and again (a 4-step run of the quick config took 5 s of CPU, 1.3 s from the cache).
-  aot: as train.py does.
+  integration: as train.py does, through the session's persistent compilation cache (above).
+  aot: as train.py does, without the cache (its programs are for TPU topologies).
   A process leaving the unit tier first drops JAX's in-memory caches, so that no program of
-  another tier is a unit-tier build. These are settings of this process, not environment
-  variables: the subprocesses of the tests (train.py, eval.py, sweeps) compile as they always do.
+  another tier is a unit-tier build. The unit tier's settings are of this process, not
+  environment variables: the subprocesses of the tests compile as train.py always does.
   """
   tier = next((t for t in ('unit', 'integration') if item.get_closest_marker(t)), 'aot')
   if tier == _compiling_for[0]:
@@ -67,11 +78,6 @@ def pytest_runtest_setup(item):
   if _compiling_for[0] == 'unit':
     jax.clear_caches()
   jax.config.update('jax_disable_most_optimizations', tier == 'unit')
-  if tier == 'integration' and not _cache_dir:
-    _cache_dir.append(tempfile.mkdtemp(prefix='attnlab_jax_cache_'))
-    atexit.register(shutil.rmtree, _cache_dir[0], ignore_errors=True)
-    jax.config.update('jax_compilation_cache_dir', _cache_dir[0])
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.25)  # steps, not single ops
   jax.config.update('jax_enable_compilation_cache', tier == 'integration')
   compilation_cache.reset_cache()  # the cache is looked up again with the settings above
   _compiling_for[0] = tier
