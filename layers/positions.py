@@ -410,6 +410,25 @@ def with_rope_scaling(model, scaling, factor):
   return model
 
 
+def with_xpos_block(model, block):
+  """Sets xPos's blockwise causal attention of a built NNX model, in place: blocks of `block`
+  positions, or 0 for plain causal attention (eval.py's `--xpos_block`). No parameter changes;
+  split the model (or re-split) after calling this.
+
+  Raises:
+    ValueError: the model has no xPos position, or `block` is negative.
+  """
+  found = [node for _, node in nnx.iter_graph(model) if isinstance(node, rope.XPos)]
+  if not found:
+    raise ValueError("--xpos_block: the model has no xPos position (config.model.position must "
+                     "be 'xpos')")
+  if not isinstance(block, int) or block < 0:
+    raise ValueError(f'--xpos_block={block!r} must be an integer >= 0 (0 = plain causal)')
+  for node in found:
+    node.block = block
+  return model
+
+
 def shift_matrix(delta, d_model, base=10000.0):
   """The `[D, D]` matrix M with PE(p + delta) = M @ PE(p) for the sinusoidal table (block rotations)."""
   inv_freq = base ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)

@@ -3,23 +3,64 @@
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 from data import pipeline
+from layers import positions as positions_lib
 from training import distributed
 
+# eval.py --position_ids: the position ids a window is evaluated at. sequential: 0..T-1 (as every
+# model trains, and as a randomized-positions model never saw them); random: per window, T sorted
+# distinct draws from [0, N), N = model.random_positions_max, as that model trains (Ruoss et al.
+# 2023 evaluate so); spaced: round(p·N/T), spread evenly over [0, N).
+POSITION_IDS = ('sequential', 'random', 'spaced')
 
-def _window_losses(model, tokens, in_target, starts, length, batch_size):
-  """Per-position losses of windows `tokens[start:start + length + 1]`.
+
+def check_position_ids(config, kind, lengths):
+  """ValueError (one line) for --position_ids a run cannot take: random or spaced ids need a
+  randomized-positions run (model.random_positions_max = N) and lengths of at most N."""
+  if kind not in POSITION_IDS:
+    raise ValueError(f'--position_ids={kind!r} is not valid; valid values: '
+                     f'{", ".join(POSITION_IDS)}')
+  if kind == 'sequential':
+    return
+  n = config.model.get('random_positions_max', 0)
+  if not n:
+    raise ValueError(f'--position_ids={kind} draws ids from [0, model.random_positions_max), '
+                     'which is 0 (off) for this run; valid values: sequential')
+  longest = max((int(m * config.data.max_length) for m in lengths), default=0)
+  if longest > n:
+    raise ValueError(f'--position_ids={kind}: a window of {longest} tokens needs that many ids '
+                     f'of model.random_positions_max={n}; valid: --lengths up to '
+                     f'{n / config.data.max_length:g}')
+
+
+def window_position_ids(kind, num_windows, length, max_position, seed=0):
+  """`[W, T]` position ids of W windows of T tokens (`POSITION_IDS`), or None for sequential."""
+  if kind == 'sequential':
+    return None
+  if kind == 'spaced':
+    ids = np.round(np.arange(length) * max_position / length).astype(np.int32)
+    return np.broadcast_to(ids, (num_windows, length))
+  sequential = jnp.broadcast_to(jnp.arange(length), (num_windows, length))
+  return np.asarray(positions_lib.random_positions(jax.random.key(seed), sequential,
+                                                   max_position))
+
+
+def _window_losses(model, tokens, in_target, starts, length, batch_size, ids=None):
+  """Per-position losses of windows `tokens[start:start + length + 1]`, at position ids `ids`
+  `[W, L]` (None: 0..L-1).
 
   Returns:
     (ce, target) `[num_windows, length]`: next-token cross-entropy, and 1 where the predicted token
     is on the target side.
   """
   @jax.jit
-  def forward(inputs, targets):
-    logits = model({'inputs': inputs})  # [B, L, V]
+  def forward(inputs, targets, positions):
+    batch = {'inputs': inputs} if positions is None else {'inputs': inputs, 'positions': positions}
+    logits = model(batch)  # [B, L, V]
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # [B, L]
 
   idx = np.asarray(starts)[:, None] + np.arange(length + 1)[None]  # [W, L + 1]
@@ -27,28 +68,34 @@ def _window_losses(model, tokens, in_target, starts, length, batch_size):
   ce = []
   for i in range(0, len(windows), batch_size):
     chunk = windows[i:i + batch_size]
+    pos = None if ids is None else ids[i:i + batch_size]
     pad = batch_size - len(chunk)  # fixed shapes: one compilation per length
-    chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, 0)]) if pad else chunk
-    ce.append(np.asarray(forward(chunk[:, :-1], chunk[:, 1:]))[:batch_size - pad])
+    if pad:
+      chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, 0)])
+      pos = None if pos is None else np.concatenate([pos, np.repeat(pos[-1:], pad, 0)])
+    ce.append(np.asarray(forward(chunk[:, :-1], chunk[:, 1:], pos))[:batch_size - pad])
   return np.concatenate(ce), masks[:, 1:]
 
 
-def _shared_window_losses(model, tokens, in_target, starts, length, batch_size):
+def _shared_window_losses(model, tokens, in_target, starts, length, batch_size, ids=None):
   """`_window_losses` of this process's share of the windows, gathered from every process."""
   start, stop = distributed.process_share(len(starts))
   if stop > start:
-    ce, tgt = _window_losses(model, tokens, in_target, starts[start:stop], length, batch_size)
+    ce, tgt = _window_losses(model, tokens, in_target, starts[start:stop], length, batch_size,
+                             None if ids is None else ids[start:stop])
   else:
     ce, tgt = np.zeros((0, length), np.float32), np.zeros((0, length), in_target.dtype)
   return distributed.gather_rows(ce), distributed.gather_rows(tgt)
 
 
-def extrapolate(config, model, multiples, modes, stride, split):
+def extrapolate(config, model, multiples, modes, stride, split, position_ids='sequential'):
   """Loss of a stream at `multiple x max_length` tokens per window (attention across pairs).
 
   non_overlapping scores every position of disjoint windows; sliding moves the window by
   `stride x length` and scores only the positions it has not scored before, so each has at least
-  `(1 - stride) x length` tokens of context (except in the first window).
+  `(1 - stride) x length` tokens of context (except in the first window). `position_ids`
+  (`POSITION_IDS`) are the ids each window is evaluated at; random ids are drawn per window from
+  a fixed seed (the same for every run and process).
 
   Returns:
     (rows for eval.json, {length: mean loss per window position} of the non-overlapping windows).
@@ -61,13 +108,17 @@ def extrapolate(config, model, multiples, modes, stride, split):
     for mode in modes:
       if mode == 'non_overlapping':
         starts = np.arange(0, len(tokens) - length, length)
-        ce, tgt = _shared_window_losses(model, tokens, in_target, starts, length, batch_size)
+        ids = window_position_ids(position_ids, len(starts), length,
+                                  config.model.get('random_positions_max', 0))
+        ce, tgt = _shared_window_losses(model, tokens, in_target, starts, length, batch_size, ids)
         scored = np.ones_like(ce, bool)
         per_position[length] = ce.mean(0)
       elif mode == 'sliding':
         step = max(1, int(stride * length))
         starts = np.arange(0, len(tokens) - length, step)
-        ce, tgt = _shared_window_losses(model, tokens, in_target, starts, length, batch_size)
+        ids = window_position_ids(position_ids, len(starts), length,
+                                  config.model.get('random_positions_max', 0))
+        ce, tgt = _shared_window_losses(model, tokens, in_target, starts, length, batch_size, ids)
         scored = np.zeros_like(ce, bool)
         scored[0] = True
         scored[1:, length - step:] = True

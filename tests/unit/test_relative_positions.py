@@ -13,6 +13,7 @@ from flax import nnx
 
 import models
 from configs import default
+from configs import extrapolation as extrapolation_config
 from layers import attention
 from layers import attention_blockwise
 from layers import positions
@@ -20,6 +21,7 @@ from layers import relative_bias
 from layers import rope
 from models import stack
 from tests.helpers import jitted_forward, one_block_reference, quick_jit
+from training import extrapolation
 from training import validation
 
 jax.config.update('jax_default_matmul_precision', 'highest')
@@ -362,3 +364,45 @@ def test_xpos_block_with_a_variant_without_scores_is_refused_at_validation():
     validation.validate(config)
   config.model.xpos_block = 0
   validation.validate(config)
+
+
+def test_with_xpos_block_turns_the_blockwise_window_off_and_on():
+  """eval.py --xpos_block: a model trained with blocks of 4 evaluated with 0 is the plain causal
+  model (same parameters), and a plain one given 4 is the blockwise one; no xPos: one line."""
+  base = dict(arch='decoder_only', position='xpos', num_layers=1, d_model=16, num_heads=2,
+              d_ff=32)
+  plain = models.build(model_config(**base), V, 16, rngs=nnx.Rngs(0))
+  bca = models.build(model_config(**base, xpos_block=4), V, 16, rngs=nnx.Rngs(0))
+  tokens = {'inputs': jax.random.randint(jax.random.key(1), (2, 11), 1, V)}
+  want_plain, want_bca = jitted_forward(plain)(tokens), jitted_forward(bca)(tokens)
+  positions.with_xpos_block(bca, 0)
+  positions.with_xpos_block(plain, 4)
+  np.testing.assert_array_equal(jitted_forward(bca)(tokens), want_plain)
+  np.testing.assert_array_equal(jitted_forward(plain)(tokens), want_bca)
+  rope_model = models.build(model_config(**{**base, 'position': 'rope'}), V, 16,
+                            rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"^--xpos_block: the model has no xPos position"):
+    positions.with_xpos_block(rope_model, 0)
+
+
+def test_evaluation_position_ids_as_randomized_training_draws_them():
+  """eval.py --position_ids: random ids are sorted distinct draws from [0, N) per window (fixed
+  seed), spaced ids spread over [0, N), sequential none; runs without randomized positions, and
+  windows longer than N, are refused in one line."""
+  random_ids = extrapolation.window_position_ids('random', 3, 16, 128)
+  assert random_ids.shape == (3, 16) and random_ids.max() < 128
+  assert np.all(np.diff(random_ids, axis=1) > 0) and len({tuple(r) for r in random_ids}) == 3
+  np.testing.assert_array_equal(random_ids, extrapolation.window_position_ids('random', 3, 16, 128))
+  np.testing.assert_array_equal(extrapolation.window_position_ids('spaced', 2, 4, 128),
+                                [[0, 32, 64, 96]] * 2)
+  assert extrapolation.window_position_ids('sequential', 2, 4, 128) is None
+  config = validation.resolve(extrapolation_config.get_config())
+  config.model.update(position='rope', random_positions_max=256)
+  extrapolation.check_position_ids(config, 'random', [1, 2, 4])
+  with pytest.raises(ValueError, match=r'^--position_ids=spaced: a window of 512 tokens needs '
+                                       r'.*valid: --lengths up to 4$'):
+    extrapolation.check_position_ids(config, 'spaced', [8])
+  config.model.random_positions_max = 0
+  with pytest.raises(ValueError, match=r'^--position_ids=random draws ids .* valid values: '
+                                       r'sequential$'):
+    extrapolation.check_position_ids(config, 'random', [1])
