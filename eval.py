@@ -1,7 +1,8 @@
 """Evaluates the newest checkpoint of a run: `python eval.py --workdir=DIR`.
 
 Writes DIR/eval.json (loss and perplexity per split, greedy translation exact match and token
-accuracy) and DIR/loss_curve.png (train and validation loss from metrics.jsonl). The work is done by
+accuracy; a passkey run's retrieval accuracy per length and depth, drawn in DIR/retrieval.png) and
+DIR/loss_curve.png (train and validation loss from metrics.jsonl). The work is done by
 `training.evaluation` and the pictures by `tools.plots`; this file holds the flags and main.
 """
 
@@ -27,6 +28,7 @@ from training import cli_checks
 from training import distributed
 from training import evaluation
 from training import paths
+from training import retrieval
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'A train.py workdir (a local path or gs://).')
 _SPLIT = flags.DEFINE_list('split', ['validation', 'test'], 'Splits to evaluate.')
@@ -35,7 +37,8 @@ _MAX_EXAMPLES = flags.DEFINE_integer('max_examples', 0,
 _TRANSLATE = flags.DEFINE_list('translate', [], 'Extra splits to translate only (e.g. test_long); '
                                'exact match is reported per source-length bucket.')
 _LENGTHS = flags.DEFINE_list('lengths', [], 'Length extrapolation: evaluation lengths as multiples '
-                             'of the training length, e.g. 1,2,4,8 (empty = skip).')
+                             'of the training length, e.g. 1,2,4,8 (empty = skip; a passkey run: '
+                             'the retrieval report\'s lengths, empty = 1,2,4,8).')
 _MODES = flags.DEFINE_list('modes', ['non_overlapping', 'sliding'],
                            'Extrapolation windows: non_overlapping and/or sliding.')
 _STRIDE = flags.DEFINE_float('stride', 0.5, 'Sliding-window stride as a fraction of the window.')
@@ -49,6 +52,8 @@ _TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample from the k most likely tokens 
 _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass (1.0 = off).')
 _PLOT_ATTENTION = flags.DEFINE_integer('plot_attention', 0, 'Draw attention heat maps (one panel '
                                        'per head) of this many test sentences (0 = none).')
+_RETRIEVAL_EXAMPLES = flags.DEFINE_integer('retrieval_examples', 100, 'A passkey run: examples per '
+                                          'length and depth of the retrieval report.')
 _ROPE_SCALING = flags.DEFINE_string('rope_scaling', None, 'Override RoPE scaling at evaluation '
                                     'only: none, pi:F, ntk:F or yarn:F (F the factor).')
 # Comparing runs moved to its own tool; the old flag names the new command.
@@ -84,6 +89,8 @@ def print_summary(result, splits):
       continue
     print(f'{split}: {loss}exact_match {t["exact_match"]:.4f}  token_accuracy '
           f'{t["token_accuracy"]:.4f}  bleu {t["bleu"]:.2f}  (n={t["n"]})')
+  for line in retrieval.summary_lines(result.get('retrieval', {})):
+    print(line)
   for row in result.get('extrapolation', []):
     print(f'extrapolation x{row["multiple"]:g} L={row["length"]} {row["mode"]}: loss '
           f'{row["loss"]:.4f} target_loss {row["target_loss"]:.4f} ppl {row["ppl"]:.3f}')
@@ -96,7 +103,8 @@ def check_flags():
       split=_SPLIT.value, max_examples=_MAX_EXAMPLES.value, lengths=_LENGTHS.value,
       modes=_MODES.value, stride=_STRIDE.value, num_beams=_NUM_BEAMS.value,
       length_penalty=_LENGTH_PENALTY.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-      top_p=_TOP_P.value, plot_attention=_PLOT_ATTENTION.value, rope_scaling=_ROPE_SCALING.value)
+      top_p=_TOP_P.value, plot_attention=_PLOT_ATTENTION.value, rope_scaling=_ROPE_SCALING.value,
+      retrieval_examples=_RETRIEVAL_EXAMPLES.value)
   cli_checks.check_eval_run(_WORKDIR.value, split=_SPLIT.value, translate=_TRANSLATE.value,
                             lengths=lengths, stream_split=_STREAM_SPLIT.value,
                             rope_scaling=_ROPE_SCALING.value, plot_attention=_PLOT_ATTENTION.value,
@@ -134,7 +142,7 @@ def main(argv):
         _WORKDIR.value, splits, _MAX_EXAMPLES.value, translate_splits=_TRANSLATE.value,
         lengths=lengths, modes=_MODES.value, stride=_STRIDE.value,
         stream_split=_STREAM_SPLIT.value, rope_scaling=_ROPE_SCALING.value,
-        decode=_decode_options())
+        decode=_decode_options(), retrieval_examples=_RETRIEVAL_EXAMPLES.value)
   except ValueError as e:
     cli_checks.fail('eval', e)
   except (FileNotFoundError, checkpointing.RunFailed) as e:  # no checkpoint, or none readable
@@ -149,7 +157,8 @@ def main(argv):
     print(json.dumps(result, default=str))  # the whole eval.json, so that nothing is lost
     cli_checks.fail('eval', f'could not write the results in {_WORKDIR.value} ({e}); they are '
                     'printed above as JSON', status=1)
-  print(f'wrote {paths.join(_WORKDIR.value, "eval.json")} and {result["loss_curve"]}')
+  pictures = [result[k] for k in ('retrieval_plot', 'loss_curve') if k in result]
+  print(f'wrote {paths.join(_WORKDIR.value, "eval.json")} and {" and ".join(pictures)}')
 
 
 if __name__ == '__main__':

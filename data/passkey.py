@@ -173,7 +173,7 @@ def split_examples(spec: PasskeySpec, split: str) -> list[tuple[str, str]]:
 def retrieval_examples(spec: PasskeySpec, length: int, depth: float,
                        count: int) -> list[tuple[list[str], list[str]]]:
   """`count` evaluation examples of `length` tokens with the key at `depth`: the same for every run
-  of the same value settings (seeded by length and depth), none of them from the splits."""
+  of the same value settings (seeded by length and depth, apart from the splits' seeds)."""
   rng = random.Random(f'passkey/retrieval/{length}/{depth:.6f}')
   return [sample_example(rng, length, depth, spec.values, spec.value_tokens)
           for _ in range(count)]

@@ -1,4 +1,5 @@
-"""The pictures of a run: loss curve, loss per position of extrapolation windows, attention maps."""
+"""The pictures of a run: loss curve, loss per position of extrapolation windows, passkey retrieval
+per length and depth, attention maps."""
 
 import io
 import json
@@ -75,6 +76,53 @@ def plot_per_position(workdir, per_position, title, train_length=None):
   plt = plot_style.pyplot()
   fig = per_position_figure(per_position, title, train_length)
   path = paths.join(workdir, 'extrapolation.png')
+  save_figure(fig, path)
+  plt.close(fig)
+  return path
+
+
+def retrieval_figure(report, title, train_length=None):
+  """The passkey retrieval grid as a heat map, as needle-in-a-haystack pictures draw it (not saved):
+  lengths across, depths down (0% at the top: the key right after <bos>), each cell coloured from
+  red (0) to green (1) and labelled with its accuracy in percent.
+
+  Args:
+    report: {str(length): {str(depth): accuracy}} (`training.retrieval.retrieval`).
+    title: the axes' title.
+    train_length: the training length, named under its column; None leaves it unnamed.
+
+  Returns:
+    The matplotlib figure.
+  """
+  plt = plot_style.pyplot()
+  lengths = sorted(report, key=int)
+  depths = list(report[lengths[0]])
+  grid = np.array([[report[n][d] for n in lengths] for d in depths])  # [depths, lengths]
+  with plt.rc_context(plot_style.STYLE):
+    fig, ax = plt.subplots(figsize=(min(plot_style.WIDTH, 2.4 + 1.2 * len(lengths)), 4.8),
+                           layout='constrained')
+    image = ax.imshow(grid, cmap='RdYlGn', vmin=0.0, vmax=1.0, aspect='auto',
+                      interpolation='nearest')
+    for (i, j), value in np.ndenumerate(grid):
+      ax.text(j, i, f'{100 * value:.0f}', ha='center', va='center', fontsize=8,
+              color='black' if 0.25 < value < 0.85 else 'white')
+    labels = [f'{n}\n{int(n) / train_length:g}x L' if train_length else n for n in lengths]
+    ax.set_xticks(range(len(lengths)), labels)
+    ax.set_yticks(range(len(depths)), [f'{float(d):.0%}' for d in depths])
+    ax.tick_params(length=0)
+    ax.spines[:].set_visible(False)
+    ax.set_xlabel('length (tokens)')
+    ax.set_ylabel('depth of the key')
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, label='retrieval accuracy', fraction=0.08, pad=0.03)
+  return fig
+
+
+def plot_retrieval(workdir, report, title, train_length=None):
+  """Draws `retrieval_figure` into workdir/retrieval.png; returns its path."""
+  plt = plot_style.pyplot()
+  fig = retrieval_figure(report, title, train_length)
+  path = paths.join(workdir, 'retrieval.png')
   save_figure(fig, path)
   plt.close(fig)
   return path
@@ -215,8 +263,13 @@ def write_eval_outputs(workdir, result, run, splits, plot_attention=0):
 
   The extrapolation plot (with lengths), `plot_attention` attention maps of test sentences, and
   the loss curve; their paths are added to `result` (the plot paths drawn after eval.json is
-  written stay out of the file).
+  written stay out of the file). A passkey run's retrieval grid is drawn too.
   """
+  if result.get('retrieval'):
+    result['retrieval_plot'] = plot_retrieval(
+        workdir, result['retrieval'],
+        f'passkey retrieval: {run.config.model.position}, rope_scaling={result["rope_scaling"]}, '
+        f'{result["retrieval_examples"]} examples a cell', train_length=run.config.data.max_length)
   if run.per_position:
     result['extrapolation_plot'] = plot_per_position(
         workdir, run.per_position,

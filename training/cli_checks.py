@@ -28,6 +28,7 @@ from training import distributed
 from training import paths
 from training import validation
 from training import validation_attention
+from training import validation_passkey
 
 ConfigError = validation.ConfigError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -297,7 +298,8 @@ def parse_lengths(texts):
 
 
 def check_eval_flags(*, split, max_examples, lengths, modes, stride, num_beams, length_penalty,
-                     temperature, top_k, top_p, plot_attention, rope_scaling):
+                     temperature, top_k, top_p, plot_attention, rope_scaling,
+                     retrieval_examples=1):
   """eval.py's flags on their own (the run's config is not needed); returns --lengths as floats.
 
   `--temperature=0` is refused, not read as greedy: sampling divides the logits by it; greedy
@@ -327,6 +329,8 @@ def check_eval_flags(*, split, max_examples, lengths, modes, stride, num_beams, 
     raise ConfigError(f'--top_p={top_p} must be in (0, 1] (1 = off)')
   if plot_attention < 0:
     raise ConfigError(f'--plot_attention={plot_attention} must be >= 0 (0 = none)')
+  if retrieval_examples < 1:
+    raise ConfigError(f'--retrieval_examples={retrieval_examples} must be a positive integer')
   if rope_scaling is not None:
     name, colon, factor = rope_scaling.partition(':')
     try:
@@ -352,8 +356,10 @@ def _run_config(workdir):
 
 
 def _check_documents_flags(task, *, translate, plot_attention, decode, max_examples):
-  """Flags that work on sentence pairs, refused for a run on documents (data.task=text_lm)."""
-  why = f"data.task={task!r} holds documents, not sentence pairs"
+  """Flags that work on sentence pairs, refused for a run on documents (data.task=text_lm) or
+  passkey prompts."""
+  why = (f"data.task={task!r} holds {'documents' if task == 'text_lm' else 'retrieval prompts'}, "
+         'not sentence pairs')
   if translate:
     raise ConfigError(f'--translate={",".join(translate)} decodes target sentences; {why}; valid: '
                       'leave it out (loss and perplexity per --split, and --lengths)')
@@ -371,8 +377,9 @@ def _check_documents_flags(task, *, translate, plot_attention, decode, max_examp
 def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_scaling,
                    plot_attention=0, decode='greedy', max_examples=0):
   """eval.py's flags against the run's config.json: the input files unchanged since training (text
-  tasks), split names, the flags a text_lm run cannot use, and --lengths within what the model can
-  embed (a learned table has data.max_length rows) and the stream can fill."""
+  tasks), split names, the flags a text_lm or passkey run cannot use, and --lengths within what
+  the model can embed (a learned table has data.max_length rows) and the stream can fill (a
+  passkey run: its retrieval lengths, 1, 2, 4, 8 x L by default)."""
   config = _run_config(workdir)
   if config is None:
     return
@@ -398,6 +405,9 @@ def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_sca
   if rope_scaling is not None and config.model.position != 'rope':
     raise ConfigError(f'--rope_scaling={rope_scaling} needs a run with model.position=\'rope\'; '
                       f'this one has {config.model.position!r}')
+  if config.data.get('task') == 'passkey':
+    validation_passkey.retrieval_lengths(config, lengths)
+    return
   if not lengths:
     return
   if config.model.arch != 'decoder_only':

@@ -1,5 +1,6 @@
 """Evaluation shared by the training loop and eval.py: summed metrics over a split, and a whole
-run's evaluation (loss and perplexity per split, translation, length extrapolation)."""
+run's evaluation (loss and perplexity per split, translation, length extrapolation, passkey
+retrieval)."""
 
 import functools
 import math
@@ -16,9 +17,11 @@ from training import checkpointing
 from training import distributed
 from training import extrapolation
 from training import paths
+from training import retrieval
 from training import state as state_lib
 from training import steps
 from training import translation
+from training import validation_passkey
 
 
 def evaluate(eval_fn, variables, config, split, num_batches, length=None):
@@ -84,6 +87,20 @@ def parse_rope_scaling(text):
   return name, float(factor) if factor else 1.0
 
 
+def _check_lengths(config, model, lengths):
+  """Raises ValueError, before anything compiles, for --lengths the run cannot take (another arch
+  than decoder_only, a learned table shorter than a length); returns a passkey run's retrieval
+  lengths in tokens (its default 1, 2, 4, 8 x L when `lengths` is empty), else []."""
+  if lengths and config.model.arch != 'decoder_only':
+    raise ValueError(f'--lengths (stream extrapolation) needs a decoder_only run, not '
+                     f'{config.model.arch!r}')
+  passkey_lengths = (validation_passkey.retrieval_lengths(config, lengths)
+                     if retrieval.is_passkey(config) else [])
+  for length in passkey_lengths or [int(m * config.data.max_length) for m in lengths]:
+    model.decoder.position.check_length(length)
+  return passkey_lengths
+
+
 class Run:
   """What `evaluate_run` evaluated, for the pictures drawn afterwards (tools.plots)."""
 
@@ -94,7 +111,7 @@ class Run:
 
 def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), lengths=(),
                  modes=('non_overlapping', 'sliding'), stride=0.5, stream_split='test',
-                 rope_scaling=None, decode=None):
+                 rope_scaling=None, decode=None, retrieval_examples=retrieval.DEFAULT_EXAMPLES):
   """Evaluates the newest checkpoint in `workdir`; returns (the eval.json dict, a `Run`).
 
   Every process evaluates its share of the batches, sentences and windows; the shares are
@@ -106,11 +123,13 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     splits: splits for loss/perplexity and translation.
     max_examples: translate at most this many examples per split (0 = all).
     translate_splits: further splits for translation only (longer sentences; no loss).
-    lengths: extrapolation multiples of the training length (empty = none).
+    lengths: extrapolation multiples of the training length (empty = none); for a passkey run the
+      retrieval report's (empty = 1, 2, 4, 8).
     modes, stride, stream_split: see `training.extrapolation.extrapolate`.
     rope_scaling: None or e.g. 'ntk:4', applied at evaluation only.
     decode: None (greedy) or a dict of `models.decoding.generate` options, e.g.
       {'method': 'beam', 'num_beams': 4, 'length_penalty': 0.6}.
+    retrieval_examples: a passkey run's examples per length and depth.
   """
   config, graphdef, params, step = load_run(workdir)
   tokenizer = pipeline.get_tokenizer(config.data)
@@ -119,11 +138,7 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     name, factor = parse_rope_scaling(rope_scaling)
     positions_lib.with_rope_scaling(model, name, factor)
     graphdef, params = nnx.split(model)
-  if lengths and config.model.arch != 'decoder_only':
-    raise ValueError(f'--lengths (stream extrapolation) needs a decoder_only run, not '
-                     f'{config.model.arch!r}')
-  for multiple in lengths:  # before any compilation: a learned table cannot embed longer inputs
-    model.decoder.position.check_length(int(multiple * config.data.max_length))
+  passkey_lengths = _check_lengths(config, model, lengths)
   decode = dict(decode or {})
   eval_fn = jax.jit(functools.partial(steps.eval_step, graphdef))
   result = {'step': step, 'loss': {}, 'perplexity': {}, 'accuracy': {}, 'translation': {}}
@@ -142,7 +157,12 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     result['translation'][split] = translation.translate(config, model, examples, tokenizer,
                                                          **decode)
   per_position = {}
-  if lengths:
+  if passkey_lengths:
+    result['rope_scaling'] = rope_scaling or 'as trained'
+    result['retrieval'] = retrieval.retrieval(config, model, tokenizer, passkey_lengths,
+                                              examples=retrieval_examples)
+    result['retrieval_examples'] = retrieval_examples
+  elif lengths:
     result['rope_scaling'] = rope_scaling or 'as trained'
     result['extrapolation'], per_position = extrapolation.extrapolate(
         config, model, lengths, modes, stride, stream_split)

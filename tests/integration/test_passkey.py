@@ -1,0 +1,72 @@
+"""The passkey retrieval task end to end, one seed, a few steps: training then eval.py writing the
+retrieval grid into eval.json and retrieval.png, a bad field refused in one line with exit status
+2, and the context-extension path (train.init_from at 4L with each RoPE scaling)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import passkey as passkey_config
+from tests.helpers import ROOT, metric_rows
+from training import evaluation
+from training import loop
+from training import validation
+
+L = 16  # the smallest rows that keep some filler around the key: quick to generate and to run
+
+
+def _config(data_dir, **train):
+  config = validation.resolve(passkey_config.get_config('quick'))
+  config.data.update(data_dir=str(data_dir), max_length=L)
+  config.train.update(steps=2, log_every=1, eval_every=1000, checkpoint_every=1000,
+                      warmup_steps=0, eval_batches=1, **train)
+  validation.validate(config)
+  return config
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+
+
+def test_train_then_eval_writes_the_retrieval_grid(tmp_path):
+  workdir = tmp_path / 'run'
+  loop.train_and_evaluate(_config(tmp_path / 'tfds'), str(workdir))
+  out = _cli(os.path.join(ROOT, 'eval.py'), f'--workdir={workdir}', '--retrieval_examples=2',
+             '--split=validation')
+  assert out.returncode == 0, out.stderr[-2000:]
+  with open(workdir / 'eval.json') as f:
+    result = json.load(f)
+  assert list(result['retrieval']) == ['16', '32', '64', '128']  # 1, 2, 4, 8 x L
+  depths = [f'{d / 10:.1f}' for d in range(11)]
+  for row in result['retrieval'].values():
+    assert list(row) == depths and all(a in (0.0, 0.5, 1.0) for a in row.values())
+  assert result['retrieval_examples'] == 2 and result['translation'] == {}
+  assert os.path.getsize(result['retrieval_plot']) > 1000
+  assert 'length 128:' in out.stdout
+  # A depth outside [0, 1]: one line, exit 2, before anything is compiled or written.
+  bad = _cli(os.path.join(ROOT, 'train.py'), f'--config={ROOT}/configs/passkey.py:quick',
+             f'--workdir={tmp_path / "bad"}', '--config.data.passkey_depths=(0.0, 1.5)')
+  assert bad.returncode == 2 and bad.stderr.count('\n') == 1, bad.stderr[-2000:]
+  assert 'config error: data.passkey_depths=(0.0, 1.5): depth 1.5 is outside [0, 1]' in bad.stderr
+  assert not os.path.exists(tmp_path / 'bad')
+
+
+@pytest.mark.parametrize('scalings', [('none', 'pi', 'ntk', 'yarn')])
+def test_fine_tuning_at_4l_with_each_rope_scaling_runs(tmp_path, scalings):
+  base = _config(tmp_path / 'tfds')
+  loop.train_and_evaluate(base, str(tmp_path / 'base'))
+  for scaling in scalings:
+    tune = _config(tmp_path / 'tfds', init_from=str(tmp_path / 'base'))
+    tune.data.max_length = 4 * L
+    tune.model.rope_scaling = scaling
+    tune.model.rope_scaling_factor = 1.0 if scaling == 'none' else 4.0
+    validation.validate(tune)
+    loop.train_and_evaluate(tune, str(tmp_path / scaling))
+    assert [r['step'] for r in metric_rows(tmp_path / scaling)] == [1, 2]
+  result, _ = evaluation.evaluate_run(str(tmp_path / 'yarn'), ['validation'], lengths=[1.0],
+                                      retrieval_examples=1)
+  assert list(result['retrieval']) == [str(4 * L)] and result['accuracy']['validation'] >= 0.0
