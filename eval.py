@@ -52,8 +52,9 @@ _TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample from the k most likely tokens 
 _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass (1.0 = off).')
 _PLOT_ATTENTION = flags.DEFINE_integer('plot_attention', 0, 'Draw attention heat maps (one panel '
                                        'per head) of this many test sentences (0 = none).')
-_RETRIEVAL_EXAMPLES = flags.DEFINE_integer('retrieval_examples', 100, 'A passkey run: examples per '
-                                          'length and depth of the retrieval report.')
+_RETRIEVAL_EXAMPLES = flags.DEFINE_integer('retrieval_examples', retrieval.DEFAULT_EXAMPLES,
+                                          'A passkey run: examples per length and depth of the '
+                                          'retrieval report.')
 _ROPE_SCALING = flags.DEFINE_string('rope_scaling', None, 'Override RoPE scaling at evaluation '
                                     'only: none, pi:F, ntk:F or yarn:F (F the factor).')
 # Comparing runs moved to its own tool; the old flag names the new command.

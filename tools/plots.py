@@ -266,9 +266,13 @@ def write_eval_outputs(workdir, result, run, splits, plot_attention=0):
   written stay out of the file). A passkey run's retrieval grid is drawn too.
   """
   if result.get('retrieval'):
+    m = run.config.model
+    scaling = result['rope_scaling']
+    if scaling == 'as trained' and m.get('rope_scaling', 'none') != 'none':
+      scaling = f'{m.rope_scaling}:{m.rope_scaling_factor:g} (as trained)'
     result['retrieval_plot'] = plot_retrieval(
         workdir, result['retrieval'],
-        f'passkey retrieval: {run.config.model.position}, rope_scaling={result["rope_scaling"]}, '
+        f'passkey retrieval: {m.position}, rope_scaling={scaling}, '
         f'{result["retrieval_examples"]} examples a cell', train_length=run.config.data.max_length)
   if run.per_position:
     result['extrapolation_plot'] = plot_per_position(
