@@ -27,6 +27,7 @@ from training import checkpointing
 from training import cli_checks
 from training import distributed
 from training import evaluation
+from training import extrapolation
 from training import paths
 from training import retrieval
 
@@ -57,6 +58,13 @@ _RETRIEVAL_EXAMPLES = flags.DEFINE_integer('retrieval_examples', retrieval.DEFAU
                                           'retrieval report.')
 _ROPE_SCALING = flags.DEFINE_string('rope_scaling', None, 'Override RoPE scaling at evaluation '
                                     'only: none, pi:F, ntk:F or yarn:F (F the factor).')
+_POSITION_IDS = flags.DEFINE_enum('position_ids', 'sequential', list(extrapolation.POSITION_IDS),
+                                  '--lengths windows at ids 0..T-1 (sequential), or, for a '
+                                  'model.random_positions_max=N run, at sorted draws from [0, N) '
+                                  'as in its training (random) or spread evenly over it (spaced).')
+_XPOS_BLOCK = flags.DEFINE_integer('xpos_block', None, 'An xPos run evaluated with blockwise '
+                                   'causal attention of this block (0 = plain causal); default: '
+                                   'as trained.')
 # Comparing runs moved to its own tool; the old flag names the new command.
 _COMPARE = flags.DEFINE_list('compare', [], 'Moved: use `python -m tools.compare DIR [DIR ...]`.')
 for _name, _define in (('smooth', flags.DEFINE_string), ('logy', flags.DEFINE_bool),
@@ -109,7 +117,8 @@ def check_flags():
   cli_checks.check_eval_run(_WORKDIR.value, split=_SPLIT.value, translate=_TRANSLATE.value,
                             lengths=lengths, stream_split=_STREAM_SPLIT.value,
                             rope_scaling=_ROPE_SCALING.value, plot_attention=_PLOT_ATTENTION.value,
-                            decode=_DECODE.value, max_examples=_MAX_EXAMPLES.value)
+                            decode=_DECODE.value, max_examples=_MAX_EXAMPLES.value,
+                            position_ids=_POSITION_IDS.value, xpos_block=_XPOS_BLOCK.value)
   if jax.process_index() == 0 and not paths.is_remote(_WORKDIR.value) and os.path.isdir(
       _WORKDIR.value):  # a local probe file; a gs:// workdir is written by the run's own writes
     cli_checks.check_can_write(_WORKDIR.value, 'eval.json')  # before hours of evaluation
@@ -143,6 +152,7 @@ def main(argv):
         _WORKDIR.value, splits, _MAX_EXAMPLES.value, translate_splits=_TRANSLATE.value,
         lengths=lengths, modes=_MODES.value, stride=_STRIDE.value,
         stream_split=_STREAM_SPLIT.value, rope_scaling=_ROPE_SCALING.value,
+        position_ids=_POSITION_IDS.value, xpos_block=_XPOS_BLOCK.value,
         decode=_decode_options(), retrieval_examples=_RETRIEVAL_EXAMPLES.value)
   except ValueError as e:
     cli_checks.fail('eval', e)

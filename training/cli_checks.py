@@ -25,6 +25,7 @@ from data import pipeline
 from data import text_corpus
 from layers import rope
 from training import distributed
+from training import extrapolation
 from training import paths
 from training import validation
 from training import validation_attention
@@ -375,7 +376,8 @@ def _check_documents_flags(task, *, translate, plot_attention, decode, max_examp
 
 
 def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_scaling,
-                   plot_attention=0, decode='greedy', max_examples=0):
+                   plot_attention=0, decode='greedy', max_examples=0, position_ids='sequential',
+                   xpos_block=None):
   """eval.py's flags against the run's config.json: the input files unchanged since training (text
   tasks), split names, the flags a text_lm or passkey run cannot use, and --lengths within what
   the model can embed (a learned table has data.max_length rows) and the stream can fill (a
@@ -405,6 +407,7 @@ def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_sca
   if rope_scaling is not None and config.model.position != 'rope':
     raise ConfigError(f'--rope_scaling={rope_scaling} needs a run with model.position=\'rope\'; '
                       f'this one has {config.model.position!r}')
+  _check_position_overrides(config, lengths, position_ids, xpos_block)
   if config.data.get('task') == 'passkey':
     validation_passkey.retrieval_lengths(config, lengths)
     return
@@ -428,6 +431,32 @@ def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_sca
       raise ConfigError(f'--lengths: {multiple:g} x data.max_length={train_length} = {length} '
                         f'tokens, longer than the {stream_split!r} stream ({stream} tokens); valid: '
                         f'multiples <= {(stream - 1) // train_length}')
+
+
+def _check_position_overrides(config, lengths, position_ids, xpos_block):
+  """--position_ids (stream windows of a randomized-positions run) and --xpos_block (an xPos
+  run; a block > 0 only where the run's kernel takes its mask)."""
+  if position_ids != 'sequential':
+    if not lengths or config.data.get('task') == 'passkey':
+      raise ConfigError(f'--position_ids={position_ids} sets the ids of the --lengths stream '
+                        'windows; valid: with --lengths on a stream run, or sequential')
+    try:
+      extrapolation.check_position_ids(config, position_ids, lengths)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+  if xpos_block is None:
+    return
+  if config.model.position != 'xpos':
+    raise ConfigError(f'--xpos_block={xpos_block} needs a run with model.position=\'xpos\'; '
+                      f'this one has {config.model.position!r}')
+  if xpos_block < 0:
+    raise ConfigError(f'--xpos_block={xpos_block} must be an integer >= 0 (0 = plain causal)')
+  changed = ml_collections.ConfigDict(config.to_dict())
+  changed.model.xpos_block = xpos_block
+  try:
+    validation.validate(validation.resolve(changed))
+  except ConfigError as e:
+    raise ConfigError(f'--xpos_block={xpos_block}: {e}') from None
 
 
 def check_can_write(workdir, name):

@@ -111,7 +111,8 @@ class Run:
 
 def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), lengths=(),
                  modes=('non_overlapping', 'sliding'), stride=0.5, stream_split='test',
-                 rope_scaling=None, decode=None, retrieval_examples=retrieval.DEFAULT_EXAMPLES):
+                 rope_scaling=None, decode=None, retrieval_examples=retrieval.DEFAULT_EXAMPLES,
+                 position_ids='sequential', xpos_block=None):
   """Evaluates the newest checkpoint in `workdir`; returns (the eval.json dict, a `Run`).
 
   Every process evaluates its share of the batches, sentences and windows; the shares are
@@ -130,6 +131,9 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     decode: None (greedy) or a dict of `models.decoding.generate` options, e.g.
       {'method': 'beam', 'num_beams': 4, 'length_penalty': 0.6}.
     retrieval_examples: a passkey run's examples per length and depth.
+    position_ids: the ids of the stream windows (`training.extrapolation.POSITION_IDS`).
+    xpos_block: None (as trained), or xPos's blockwise causal block at evaluation (0: plain
+      causal attention).
   """
   config, graphdef, params, step = load_run(workdir)
   tokenizer = pipeline.get_tokenizer(config.data)
@@ -137,6 +141,9 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
   if rope_scaling is not None:
     name, factor = parse_rope_scaling(rope_scaling)
     positions_lib.with_rope_scaling(model, name, factor)
+    graphdef, params = nnx.split(model)
+  if xpos_block is not None:
+    positions_lib.with_xpos_block(model, xpos_block)
     graphdef, params = nnx.split(model)
   passkey_lengths = _check_lengths(config, model, lengths)
   decode = dict(decode or {})
@@ -164,8 +171,10 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     result['retrieval_examples'] = retrieval_examples
   elif lengths:
     result['rope_scaling'] = rope_scaling or 'as trained'
+    result['position_ids'] = position_ids
+    result['xpos_block'] = 'as trained' if xpos_block is None else xpos_block
     result['extrapolation'], per_position = extrapolation.extrapolate(
-        config, model, lengths, modes, stride, stream_split)
+        config, model, lengths, modes, stride, stream_split, position_ids)
     # Kept for tools.compare's per-position picture with seed bands: {length: loss per position}.
     result['extrapolation_per_position'] = {
         str(n): [round(float(x), 5) for x in curve] for n, curve in per_position.items()}

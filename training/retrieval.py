@@ -73,8 +73,11 @@ def retrieval(config, model, tokenizer, lengths, depths=passkey.EVAL_DEPTHS,
 
 
 def summary_lines(report):
-  """The report as text: a header of depths, then one line per length of accuracies (%)."""
-  depths = list(next(iter(report.values()))) if report else []
+  """The report as text: a header of depths, then one line per length of accuracies (%); none
+  for an empty report (a run that is not a passkey run)."""
+  if not report:
+    return []
+  depths = list(next(iter(report.values())))
   lines = [f'{"retrieval  depth":>16}: ' + ' '.join(f'{float(d):>4.0%}' for d in depths)]
   for length, row in report.items():
     lines.append(f'{"length " + length:>16}: ' + ' '.join(f'{100 * a:4.0f}' for a in row.values()))

@@ -211,6 +211,36 @@ def test_eval_lengths_beyond_the_model_or_the_stream_are_refused(tmp_path, data_
     cli_checks.check_eval_run(str(learned), lengths=[], **{**run, 'rope_scaling': 'ntk:2'})
 
 
+def test_eval_position_overrides_are_checked_against_the_run(tmp_path, data_dir):
+  """--position_ids needs --lengths on a randomized-positions run within its N ids; --xpos_block
+  an xPos run, and a block > 0 a kernel that takes its mask."""
+  run = dict(split=['test'], translate=[], stream_split='test', rope_scaling=None)
+  rope = tmp_path / 'rope'
+  config = _fake_run(rope, data_dir, position='rope', random_positions_max=128)
+  length = config.data.max_length
+  cli_checks.check_eval_run(str(rope), lengths=[1.0, 128 / length], position_ids='random', **run)
+  with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=spaced: a window of '):
+    cli_checks.check_eval_run(str(rope), lengths=[2 * 128 / length], position_ids='spaced', **run)
+  with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=random sets the ids of the '
+                                                   r'--lengths stream windows'):
+    cli_checks.check_eval_run(str(rope), lengths=[], position_ids='random', **run)
+  with pytest.raises(cli_checks.ConfigError, match=r"^--xpos_block=0 needs a run with "
+                                                   r"model.position='xpos'; this one has 'rope'$"):
+    cli_checks.check_eval_run(str(rope), lengths=[1.0], xpos_block=0, **run)
+  xpos = tmp_path / 'xpos'
+  _fake_run(xpos, data_dir, position='xpos', xpos_block=16, attention_impl='blockwise')
+  cli_checks.check_eval_run(str(xpos), lengths=[2.0], xpos_block=0, **run)
+  with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=random draws ids'):
+    cli_checks.check_eval_run(str(xpos), lengths=[1.0], position_ids='random', **run)
+  with pytest.raises(cli_checks.ConfigError, match=r'^--xpos_block=-1 must be an integer >= 0'):
+    cli_checks.check_eval_run(str(xpos), lengths=[1.0], xpos_block=-1, **run)
+  window = tmp_path / 'window'
+  _fake_run(window, data_dir, position='xpos', attention='sliding_window')
+  with pytest.raises(cli_checks.ConfigError, match=r"^--xpos_block=8: model.position='xpos' adds "
+                                                   r'a \[T, S\] mask'):
+    cli_checks.check_eval_run(str(window), lengths=[1.0], xpos_block=8, **run)
+
+
 def test_eval_json_must_be_writable(tmp_path):
   cli_checks.check_can_write(str(tmp_path), 'eval.json')
   assert os.listdir(tmp_path) == []  # the probe leaves nothing behind
