@@ -63,8 +63,8 @@ def draw(groups, summary, out, metrics, *, color_by=None, style_by=None, band_ki
     fig, axes = plt.subplots(1, len(metrics), figsize=(plot_style.WIDTH, 3.6), squeeze=False,
                              layout='constrained')
     axd = {m: ax for m, ax in zip(metrics, axes[0])}
-    handles = []
-    for (_, runs), style in zip(groups, styles):
+    handles, shown = [], []  # a group that logged none of the metrics stays out of the legend
+    for i, ((_, runs), style) in enumerate(zip(groups, styles)):
       line = {'color': style['color'], 'linestyle': style['linestyle']}
       for metric, ax in axd.items():
         curves = [c for c in (curve(r, metric) for r in runs) if len(c[0])]
@@ -74,7 +74,10 @@ def draw(groups, summary, out, metrics, *, color_by=None, style_by=None, band_ki
         ax.plot(steps, mean, **line)
         if len(curves) > 1 and band_kind != 'none':
           ax.fill_between(steps, lo, hi, color=line['color'], alpha=0.12, linewidth=0)
-      handles.append(plt.Line2D([], [], **line))
+        if not shown or shown[-1] != i:
+          shown.append(i)
+          handles.append(plt.Line2D([], [], **line))
+    labels, styles = [labels[i] for i in shown], [styles[i] for i in shown]
     for metric, ax in axd.items():
       ax.set_title(metric)
       ax.set_xlabel('step')
