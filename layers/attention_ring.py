@@ -249,7 +249,7 @@ def ring_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=
   """Exact attention with the length split over the ambient mesh's `sequence` axis.
 
   Call it under a mesh (`with jax.set_mesh(mesh):`) with axes `data`, `fsdp`, `tensor`,
-  `sequence`; the arguments are those of `attention_xla.attention`.
+  `sequence`, `expert`; the arguments are those of `attention_xla.attention`.
 
   Args:
     query: `[B, T, N, H]`.

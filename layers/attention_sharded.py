@@ -7,7 +7,8 @@ call would be gathered onto every device. `per_device(kernel)` wraps such a kern
 specs spelled out from the logical-axis rules of `layers.sharding` (as MaxText wraps splash
 attention):
 
-  batch   split as the rules split 'batch' (default data x fsdp), where the axes divide B;
+  batch   split as the rules split 'batch' (default data x fsdp x expert), where the axes divide
+          B;
   heads   split as the rules split 'heads' (default tensor), where they divide N. Key/value heads
           take the same axes. With fewer KV heads than the heads' shards (MQA, GQA with K < tensor)
           the KV heads are *repeated* to the shard count before the call (each shard then holds

@@ -265,6 +265,8 @@ def write_eval_outputs(workdir, result, run, splits, plot_attention=0):
   the loss curve; their paths are added to `result` (the plot paths drawn after eval.json is
   written stay out of the file). A passkey run's retrieval grid is drawn too.
   """
+  overrides = ''.join(f', {k}={result[k]}' for k in ('xpos_block', 'position_ids')
+                      if k in result and result[k] != 'sequential')
   if result.get('retrieval'):
     m = run.config.model
     scaling = result['rope_scaling']
@@ -272,12 +274,12 @@ def write_eval_outputs(workdir, result, run, splits, plot_attention=0):
       scaling = f'{m.rope_scaling}:{m.rope_scaling_factor:g} (as trained)'
     result['retrieval_plot'] = plot_retrieval(
         workdir, result['retrieval'],
-        f'passkey retrieval: {m.position}, rope_scaling={scaling}, '
+        f'passkey retrieval: {m.position}, rope_scaling={scaling}{overrides}, '
         f'{result["retrieval_examples"]} examples a cell', train_length=run.config.data.max_length)
   if run.per_position:
     result['extrapolation_plot'] = plot_per_position(
         workdir, run.per_position,
-        f'{run.config.model.position}, rope_scaling={result["rope_scaling"]}',
+        f'{run.config.model.position}, rope_scaling={result["rope_scaling"]}{overrides}',
         train_length=run.config.data.max_length)
   paths.write_text(paths.join(workdir, 'eval.json'), json.dumps(result, indent=2))
   if plot_attention:

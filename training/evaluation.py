@@ -149,6 +149,8 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
   decode = dict(decode or {})
   eval_fn = jax.jit(functools.partial(steps.eval_step, graphdef))
   result = {'step': step, 'loss': {}, 'perplexity': {}, 'accuracy': {}, 'translation': {}}
+  if xpos_block is not None:  # every number below is of the model with this block
+    result['xpos_block'] = xpos_block
   for split in splits:
     m = steps.finalize(distributed.gather_sums(evaluate_sums(
         eval_fn, params, config, split, 0, share=(jax.process_index(), jax.process_count()))))
@@ -172,7 +174,6 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
   elif lengths:
     result['rope_scaling'] = rope_scaling or 'as trained'
     result['position_ids'] = position_ids
-    result['xpos_block'] = 'as trained' if xpos_block is None else xpos_block
     result['extrapolation'], per_position = extrapolation.extrapolate(
         config, model, lengths, modes, stride, stream_split, position_ids)
     # Kept for tools.compare's per-position picture with seed bands: {length: loss per position}.

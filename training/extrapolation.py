@@ -1,5 +1,6 @@
 """Length extrapolation: the loss of a token stream in windows of multiples of the training length."""
 
+import functools
 import math
 
 import jax
@@ -37,21 +38,24 @@ def check_position_ids(config, kind, lengths):
                      f'{n / config.data.max_length:g}')
 
 
-def window_position_ids(kind, num_windows, length, max_position, seed=0):
-  """`[W, T]` position ids of W windows of T tokens (`POSITION_IDS`), or None for sequential."""
+def window_position_ids(kind, windows, length, max_position, seed=0):
+  """`[W, T]` position ids (`POSITION_IDS`) of the windows numbered `windows` `[W]`, T tokens each,
+  or None for sequential. A window's random ids are drawn from its own key (the seed folded with
+  its number): the same whatever the batch or the process evaluating it."""
   if kind == 'sequential':
     return None
+  windows = np.asarray(windows)
   if kind == 'spaced':
     ids = np.round(np.arange(length) * max_position / length).astype(np.int32)
-    return np.broadcast_to(ids, (num_windows, length))
-  sequential = jnp.broadcast_to(jnp.arange(length), (num_windows, length))
-  return np.asarray(positions_lib.random_positions(jax.random.key(seed), sequential,
-                                                   max_position))
+    return np.broadcast_to(ids, (len(windows), length))
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), jnp.asarray(windows))
+  one = lambda key: positions_lib.random_positions(key, jnp.arange(length)[None], max_position)[0]
+  return np.asarray(jax.vmap(one)(keys))
 
 
-def _window_losses(model, tokens, in_target, starts, length, batch_size, ids=None):
-  """Per-position losses of windows `tokens[start:start + length + 1]`, at position ids `ids`
-  `[W, L]` (None: 0..L-1).
+def _window_losses(model, tokens, in_target, starts, length, batch_size, ids_of=None, first=0):
+  """Per-position losses of windows `tokens[start:start + length + 1]`, numbered from `first`,
+  at the position ids `ids_of(window numbers)` gives (None: 0..L-1), drawn a batch at a time.
 
   Returns:
     (ce, target) `[num_windows, length]`: next-token cross-entropy, and 1 where the predicted token
@@ -68,7 +72,7 @@ def _window_losses(model, tokens, in_target, starts, length, batch_size, ids=Non
   ce = []
   for i in range(0, len(windows), batch_size):
     chunk = windows[i:i + batch_size]
-    pos = None if ids is None else ids[i:i + batch_size]
+    pos = None if ids_of is None else ids_of(np.arange(first + i, first + i + len(chunk)))
     pad = batch_size - len(chunk)  # fixed shapes: one compilation per length
     if pad:
       chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, 0)])
@@ -77,12 +81,12 @@ def _window_losses(model, tokens, in_target, starts, length, batch_size, ids=Non
   return np.concatenate(ce), masks[:, 1:]
 
 
-def _shared_window_losses(model, tokens, in_target, starts, length, batch_size, ids=None):
+def _shared_window_losses(model, tokens, in_target, starts, length, batch_size, ids_of=None):
   """`_window_losses` of this process's share of the windows, gathered from every process."""
   start, stop = distributed.process_share(len(starts))
   if stop > start:
     ce, tgt = _window_losses(model, tokens, in_target, starts[start:stop], length, batch_size,
-                             None if ids is None else ids[start:stop])
+                             ids_of, first=start)
   else:
     ce, tgt = np.zeros((0, length), np.float32), np.zeros((0, length), in_target.dtype)
   return distributed.gather_rows(ce), distributed.gather_rows(tgt)
@@ -100,25 +104,27 @@ def extrapolate(config, model, multiples, modes, stride, split, position_ids='se
   Returns:
     (rows for eval.json, {length: mean loss per window position} of the non-overlapping windows).
   """
+  check_position_ids(config, position_ids, multiples)
   tokens, in_target = pipeline.stream_tokens(config.data, split)
   rows, per_position = [], {}
   for multiple in multiples:
     length = int(multiple * config.data.max_length)
     batch_size = max(1, 8192 // length)
+    ids_of = None if position_ids == 'sequential' else functools.partial(
+        window_position_ids, position_ids, length=length,
+        max_position=config.model.get('random_positions_max', 0))
     for mode in modes:
       if mode == 'non_overlapping':
         starts = np.arange(0, len(tokens) - length, length)
-        ids = window_position_ids(position_ids, len(starts), length,
-                                  config.model.get('random_positions_max', 0))
-        ce, tgt = _shared_window_losses(model, tokens, in_target, starts, length, batch_size, ids)
+        ce, tgt = _shared_window_losses(model, tokens, in_target, starts, length, batch_size,
+                                        ids_of)
         scored = np.ones_like(ce, bool)
         per_position[length] = ce.mean(0)
       elif mode == 'sliding':
         step = max(1, int(stride * length))
         starts = np.arange(0, len(tokens) - length, step)
-        ids = window_position_ids(position_ids, len(starts), length,
-                                  config.model.get('random_positions_max', 0))
-        ce, tgt = _shared_window_losses(model, tokens, in_target, starts, length, batch_size, ids)
+        ce, tgt = _shared_window_losses(model, tokens, in_target, starts, length, batch_size,
+                                        ids_of)
         scored = np.zeros_like(ce, bool)
         scored[0] = True
         scored[1:, length - step:] = True

@@ -106,9 +106,9 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
   With `loss_chunk` = C > 0 the output projection and loss run in tiles of B·T·C/V tokens
   (training.losses.chunked_metrics): the `[B, T, V]` logits are never materialised.
 
-  With `skip_nonfinite`, a step whose loss or gradient norm is not finite leaves the parameters and
-  optimiser state unchanged (the data and the step counter still advance) and counts in
-  `state['skipped']`.
+  With `skip_nonfinite`, a step whose loss or gradient norm is not finite leaves the parameters,
+  optimiser state and buffers (the MoE selection biases) unchanged (the data and the step counter
+  still advance) and counts in `state['skipped']`.
 
   With MoE layers (layers.moe) the differentiated objective adds, per token of weight,
   `moe_loss` = (aux, z) coefficients times the layers' mean load-balancing and z-losses; the sums

@@ -21,7 +21,7 @@ row: two experts per token on average, top-2's compute).
 Run:     python -m tools.sweep --sweep=configs/ablations/moe.py --sweep_dir=DIR --parallel=2
          python -m tools.sweep --sweep=configs/ablations/moe.py:encoder --sweep_dir=DIR_ENC \\
              --parallel=2
-Compare: python -m tools.compare DIR/* --target_loss=T \\
+Compare: python -m tools.compare DIR --target_loss=T --color_by=none \\
              --metrics=moe_drop_fraction,moe_load_cv
 A smoke run of the same cells, one seed and a few steps: append `quick` (`:quick`,
 `:encoder,quick`).

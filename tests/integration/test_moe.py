@@ -7,12 +7,17 @@ import subprocess
 import sys
 import time
 
+import json
+
+from flax import nnx
 import jax
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 from layers import sharding
+from models import accounting
 from tests.helpers import ROOT, metric_rows, quick_config
 from tests.integration.test_sharding import assert_same_run
 from training import loop
@@ -40,8 +45,20 @@ def test_expert_parallel_training_equals_one_device(data_dir, tmp_path, capacity
   device holds E / mesh.expert experts, and the 20 losses are the one-device run's."""
   one = run(data_dir, tmp_path / 'one', moe_capacity_factor=capacity)
   sharded = run(data_dir, tmp_path / 'mesh', mesh, moe_capacity_factor=capacity)
-  assert set(mesh) <= set(sharding.MESH_AXES) and sharded[-1] < sharded[0]
+  assert sharded[-1] < sharded[0]
   assert_same_run(sharded, one)
+  # The experts are split: each stacked expert weight's first axis over `expert` (and its model
+  # dimension over fsdp where there is one).
+  config = ml_collections.ConfigDict(json.loads((tmp_path / 'mesh' / 'config.json').read_text()))
+  model = accounting.abstract_model(config.model, 40, config.data.max_length)
+  specs = sharding.param_specs(nnx.state(model, nnx.Param), accounting.abstract_mesh(config.mesh),
+                               sharding.rules_of(config.mesh))
+  experts = {'/'.join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(specs)
+             if p[-1] in ('wi', 'wo')}
+  assert len(experts) == 2 * config.model.num_layers
+  fsdp = 'fsdp' if mesh.get('fsdp', 1) > 1 else None
+  for path, spec in experts.items():
+    assert spec[0] == 'expert' and fsdp in tuple(spec), (path, spec)
 
 
 def test_router_bias_survives_sigkill_and_resume(data_dir, tmp_path):

@@ -56,10 +56,11 @@ def test_train_then_eval_writes_the_retrieval_grid(tmp_path):
 
 
 @pytest.mark.parametrize('scalings', [('none', 'pi', 'ntk', 'yarn')])
-def test_fine_tuning_at_4l_with_each_rope_scaling_runs(tmp_path, scalings):
+def test_fine_tuning_at_4l_with_each_rope_scaling_runs(tmp_path, scalings, capsys):
   base = _config(tmp_path / 'tfds')
   loop.train_and_evaluate(base, str(tmp_path / 'base'))
   for scaling in scalings:
+    capsys.readouterr()
     tune = _config(tmp_path / 'tfds', init_from=str(tmp_path / 'base'))
     tune.data.max_length = 4 * L
     tune.model.rope_scaling = scaling
@@ -67,6 +68,10 @@ def test_fine_tuning_at_4l_with_each_rope_scaling_runs(tmp_path, scalings):
     validation.validate(tune)
     loop.train_and_evaluate(tune, str(tmp_path / scaling))
     assert [r['step'] for r in metric_rows(tmp_path / scaling)] == [1, 2]
+    # It started from the base run's parameters (at step 0), not from a fresh draw.
+    assert f'train: parameters from {tmp_path / "base"} (its step 2)' in capsys.readouterr().err
   result, _ = evaluation.evaluate_run(str(tmp_path / 'yarn'), ['validation'], lengths=[1.0],
                                       retrieval_examples=1)
-  assert list(result['retrieval']) == [str(4 * L)] and result['accuracy']['validation'] >= 0.0
+  assert list(result['retrieval']) == [str(4 * L)]
+  assert all(0.0 <= a <= 1.0 for a in result['retrieval'][str(4 * L)].values())
+  assert 0.0 <= result['accuracy']['validation'] <= 1.0

@@ -305,3 +305,30 @@ def test_total_and_active_parameters_equal_the_model(arch, overrides):
   diff = (accounting.forward_flops(cfg, V, 8)['matmul'] -
           accounting.forward_flops(dense, V, 8)['matmul'])
   assert diff == 2 * 8 * moe_blocks * (layer['active'] - dense_ffn)
+
+
+def test_a_skipped_step_keeps_the_biases_and_accumulation_sums_the_loads():
+  """skip_nonfinite: a step whose loss is not finite moves no bias; with gradient accumulation the
+  step's load is the sum over its micro-batches (the biases equal the one-batch step's)."""
+  cfg = model_config(moe_experts=4, moe_top_k=1, moe_aux_loss=0.0, moe_bias_rate=0.25, dropout=0.0)
+  model = models.build(cfg, V, 16, rngs=nnx.Rngs(0))
+  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+  tx = optax.sgd(0.0)
+  state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'buffers': buffers,
+           'opt_state': tx.init(params), 'skipped': jnp.zeros((), jnp.int32)}
+  tokens = jax.random.randint(jax.random.key(1), (4, 9), 1, V)
+  batch = {'inputs': tokens, 'targets': jnp.roll(tokens, -1, 1), 'weights': jnp.ones((4, 9))}
+  nan = jax.tree.map(lambda p: p * jnp.nan, params)
+
+  def steps_of(state, nan):
+    step = lambda s, **kw: steps.train_step(graphdef, tx, jax.random.key(7), s, batch,
+                                            skip_nonfinite=True, **kw)[0]
+    return (step({**state, 'params': nan}), step(state), step(state, accum_steps=2))
+
+  skipped, one, accumulated = quick_jit(steps_of)(state, nan)
+  assert int(skipped['skipped']) == 1
+  for bias in jax.tree.leaves(skipped['buffers']):
+    np.testing.assert_array_equal(bias, 0.0)
+  moved = jax.tree.leaves(one['buffers'])
+  assert len(moved) == cfg.num_layers and all(np.any(b != 0) for b in moved)
+  jax.tree.map(np.testing.assert_array_equal, accumulated['buffers'], one['buffers'])

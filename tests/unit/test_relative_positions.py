@@ -389,13 +389,15 @@ def test_evaluation_position_ids_as_randomized_training_draws_them():
   """eval.py --position_ids: random ids are sorted distinct draws from [0, N) per window (fixed
   seed), spaced ids spread over [0, N), sequential none; runs without randomized positions, and
   windows longer than N, are refused in one line."""
-  random_ids = extrapolation.window_position_ids('random', 3, 16, 128)
+  random_ids = extrapolation.window_position_ids('random', np.arange(3), 16, 128)
   assert random_ids.shape == (3, 16) and random_ids.max() < 128
   assert np.all(np.diff(random_ids, axis=1) > 0) and len({tuple(r) for r in random_ids}) == 3
-  np.testing.assert_array_equal(random_ids, extrapolation.window_position_ids('random', 3, 16, 128))
-  np.testing.assert_array_equal(extrapolation.window_position_ids('spaced', 2, 4, 128),
+  # A window's ids are its own, whichever batch (or process) draws it.
+  np.testing.assert_array_equal(random_ids[1:],
+                                extrapolation.window_position_ids('random', [1, 2], 16, 128))
+  np.testing.assert_array_equal(extrapolation.window_position_ids('spaced', [0, 1], 4, 128),
                                 [[0, 32, 64, 96]] * 2)
-  assert extrapolation.window_position_ids('sequential', 2, 4, 128) is None
+  assert extrapolation.window_position_ids('sequential', [0, 1], 4, 128) is None
   config = validation.resolve(extrapolation_config.get_config())
   config.model.update(position='rope', random_positions_max=256)
   extrapolation.check_position_ids(config, 'random', [1, 2, 4])
