@@ -71,14 +71,18 @@ def per_position_figure(per_position, title, train_length=None):
   return fig
 
 
+def _save_into(workdir, name, fig):
+  """Saves `fig` as workdir/name (local or gs://), closes it; returns the path."""
+  path = paths.join(workdir, name)
+  save_figure(fig, path)
+  plot_style.pyplot().close(fig)
+  return path
+
+
 def plot_per_position(workdir, per_position, title, train_length=None):
   """Draws `per_position_figure` into workdir/extrapolation.png; returns its path."""
-  plt = plot_style.pyplot()
-  fig = per_position_figure(per_position, title, train_length)
-  path = paths.join(workdir, 'extrapolation.png')
-  save_figure(fig, path)
-  plt.close(fig)
-  return path
+  return _save_into(workdir, 'extrapolation.png',
+                    per_position_figure(per_position, title, train_length))
 
 
 def retrieval_figure(report, title, train_length=None):
@@ -120,12 +124,7 @@ def retrieval_figure(report, title, train_length=None):
 
 def plot_retrieval(workdir, report, title, train_length=None):
   """Draws `retrieval_figure` into workdir/retrieval.png; returns its path."""
-  plt = plot_style.pyplot()
-  fig = retrieval_figure(report, title, train_length)
-  path = paths.join(workdir, 'retrieval.png')
-  save_figure(fig, path)
-  plt.close(fig)
-  return path
+  return _save_into(workdir, 'retrieval.png', retrieval_figure(report, title, train_length))
 
 
 def attention_batch(config, example, tokenizer):

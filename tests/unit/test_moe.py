@@ -245,17 +245,25 @@ def test_the_bias_chooses_and_the_probabilities_weigh():
   np.testing.assert_array_equal(stats['load'], [0, 0, 10, 0])
 
 
-def test_a_training_step_moves_each_layers_bias_by_its_own_load():
-  """steps.train_step: every MoE layer's bias after one step is gamma · sign(mean - load) of the
-  assignments that layer routed in the step (read from the same forward pass)."""
-  cfg = model_config(moe_experts=4, moe_top_k=1, moe_aux_loss=0.0, moe_bias_rate=0.25)
-  model = models.build(cfg, V, 16, rngs=nnx.Rngs(0))
-  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
+def biased_training_state(rows, **overrides):
+  """(cfg, graphdef, optimiser, state, batch): a 2-layer MoE model with auxiliary-loss-free biases
+  (gamma 0.25, k = 1), a zero-rate optimiser, and a batch of `rows` x 9 tokens."""
+  cfg = model_config(moe_experts=4, moe_top_k=1, moe_aux_loss=0.0, moe_bias_rate=0.25,
+                     **overrides)
+  graphdef, params, buffers = nnx.split(models.build(cfg, V, 16, rngs=nnx.Rngs(0)), nnx.Param, ...)
   tx = optax.sgd(0.0)
   state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'buffers': buffers,
            'opt_state': tx.init(params), 'skipped': jnp.zeros((), jnp.int32)}
-  tokens = jax.random.randint(jax.random.key(1), (2, 9), 1, V)
-  batch = {'inputs': tokens, 'targets': jnp.roll(tokens, -1, 1), 'weights': jnp.ones((2, 9))}
+  tokens = jax.random.randint(jax.random.key(1), (rows, 9), 1, V)
+  batch = {'inputs': tokens, 'targets': jnp.roll(tokens, -1, 1), 'weights': jnp.ones((rows, 9))}
+  return cfg, graphdef, tx, state, batch
+
+
+def test_a_training_step_moves_each_layers_bias_by_its_own_load():
+  """steps.train_step: every MoE layer's bias after one step is gamma · sign(mean - load) of the
+  assignments that layer routed in the step (read from the same forward pass)."""
+  cfg, graphdef, tx, state, batch = biased_training_state(2)
+  params = state['params']
   rng = jax.random.key(7)
 
   def step_and_loads(state, batch):
@@ -310,15 +318,8 @@ def test_total_and_active_parameters_equal_the_model(arch, overrides):
 def test_a_skipped_step_keeps_the_biases_and_accumulation_sums_the_loads():
   """skip_nonfinite: a step whose loss is not finite moves no bias; with gradient accumulation the
   step's load is the sum over its micro-batches (the biases equal the one-batch step's)."""
-  cfg = model_config(moe_experts=4, moe_top_k=1, moe_aux_loss=0.0, moe_bias_rate=0.25, dropout=0.0)
-  model = models.build(cfg, V, 16, rngs=nnx.Rngs(0))
-  graphdef, params, buffers = nnx.split(model, nnx.Param, ...)
-  tx = optax.sgd(0.0)
-  state = {'step': jnp.zeros((), jnp.int32), 'params': params, 'buffers': buffers,
-           'opt_state': tx.init(params), 'skipped': jnp.zeros((), jnp.int32)}
-  tokens = jax.random.randint(jax.random.key(1), (4, 9), 1, V)
-  batch = {'inputs': tokens, 'targets': jnp.roll(tokens, -1, 1), 'weights': jnp.ones((4, 9))}
-  nan = jax.tree.map(lambda p: p * jnp.nan, params)
+  cfg, graphdef, tx, state, batch = biased_training_state(4, dropout=0.0)
+  nan = jax.tree.map(lambda p: p * jnp.nan, state['params'])
 
   def steps_of(state, nan):
     step = lambda s, **kw: steps.train_step(graphdef, tx, jax.random.key(7), s, batch,
