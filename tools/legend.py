@@ -40,6 +40,14 @@ ABBREVIATIONS = {
     'train.grad_clip_norm': lambda v: f'clip {_num(v)}' if v else 'no clip',
     'data.max_length': lambda v: f'L={v}',
     'model.random_positions_max': lambda v: f'random ids < {_count(v)}' if v else '',
+    'model.moe_experts': lambda v: f'{v} experts' if v else 'dense',
+    'model.moe_d_ff': lambda v: f'expert ff {v}' if v else '',
+    'model.moe_top_k': lambda v: f'top-{v}',
+    'model.moe_capacity_factor': lambda v: f'C {_num(v)}' if v else 'C 0 (dropless)',
+    'model.moe_aux_loss': lambda v: f'aux {_num(v)}' if v else 'no aux loss',
+    'model.moe_bias_rate': lambda v: f'bias {_num(v)}' if v else '',
+    'model.moe_shared_experts': lambda v: f'{v} shared' if v else '',
+    'model.moe_routing': lambda v: 'expert choice' if v == 'experts' else 'token choice',
 }
 # Fields whose values name themselves: `post`, `rope`, `swiglu`, `encoder_decoder`.
 VALUE_ONLY = ('model.arch', 'model.attention', 'model.attention_impl', 'model.position',
@@ -85,7 +93,7 @@ def legend_labels(configs, fields, flags=None, keep=(), max_len=MAX_LABEL):
   for part, words in zip(parts, flags):
     shown = [value for field, value in zip(fields, part) if omit.get(field) != value] or part
     labels.append(SEPARATOR.join([v for v in shown if v] + list(words)))  # '' reads as nothing
-  note = 'unless noted: ' + SEPARATOR.join(omit.values()) if omit else ''
+  note = 'unless noted: ' + SEPARATOR.join(v for v in omit.values() if v) if omit else ''
   return labels, note
 
 

@@ -138,7 +138,7 @@ def test_cli_reports_a_fitting_pallas_config_as_json():
   assert summary['hbm_bytes'] == 95 * 2 ** 30
   assert 0 < summary['per_chip_bytes'] < summary['hbm_bytes']
   assert summary['custom_calls']['tpu_custom_call'] >= 1
-  assert summary['mesh'] == {'data': 1, 'fsdp': 8, 'tensor': 1, 'sequence': 1}
+  assert summary['mesh'] == {'data': 1, 'fsdp': 8, 'tensor': 1, 'sequence': 1, 'expert': 1}
   assert set(summary['collectives']) == set(aot.COLLECTIVES)
   # XLA's count of the train step and the closed form agree within 10% (the Mosaic kernels'
   # FLOPs, about 4·T²·D per layer here, are left out of XLA's).

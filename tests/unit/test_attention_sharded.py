@@ -41,8 +41,10 @@ CASES = {
 
 
 def _mesh(shape, explicit=False):
+  """A mesh of the `data`, `fsdp`, `tensor`, `sequence` sizes `shape` (the other axes 1)."""
   kind = AxisType.Explicit if explicit else AxisType.Auto
-  return jax.make_mesh(shape, sharding.MESH_AXES, axis_types=(kind,) * 4)
+  shape = tuple(shape) + (1,) * (len(sharding.MESH_AXES) - len(shape))
+  return jax.make_mesh(shape, sharding.MESH_AXES, axis_types=(kind,) * len(shape))
 
 
 def _inputs(b, n, k, opts, seed=0):
