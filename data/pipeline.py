@@ -20,19 +20,13 @@ LOSS_ON = ('target', 'all')
 # The toy task names, your own data, the generated passkey retrieval task.
 TASKS = tuple(toy_translation.TASKS) + text_corpus.TASKS + (passkey.TASK,)
 DataError = text_corpus.DataError  # a bad input file or data setting (one line naming the file)
+ToySource = collections.namedtuple('ToySource', 'task data_dir')
 
 
 def _field(data_config, name, default):
   """Reads an optional data_config field (ConfigDict or dict)."""
   return data_config.get(name, default)
 
-
-def _check(name, value, valid):
-  if value not in valid:
-    raise ValueError(f'Unknown {name} {value!r}; valid values: {", ".join(valid)}')
-
-
-ToySource = collections.namedtuple('ToySource', 'task data_dir')
 
 
 def _source(data_config):
@@ -176,142 +170,9 @@ def load_examples(data_config, split: str) -> list[dict]:
   return out
 
 
-def _sequence(src, tgt):
-  """Returns `<bos> src <sep> tgt <eos>` and its target-side mask (1 on tgt and the eos); with an
-  empty src (a text_lm document) `<bos> tgt <eos>`, no <sep>."""
-  if len(src) == 0:
-    tokens = np.concatenate([[BOS], tgt, [EOS]]).astype(np.int32)
-    return tokens, (np.arange(len(tokens)) > 0).astype(np.float32)
-  tokens = np.concatenate([[BOS], src, [SEP], tgt, [EOS]]).astype(np.int32)
-  in_target = (np.arange(len(tokens)) > len(src) + 1).astype(np.float32)
-  return tokens, in_target
+from data.rows import (  # pylint: disable=g-importing-member,unused-import
+    ARCHS, PACKINGS, _check, _fits, _row_length, _sequence, batch_shapes)  # re-exported
 
-
-# Per-example features of each architecture, from source and target ids. Feature-name prefixes
-# ('src_', 'tgt_', none) group the features that share segment ids and positions.
-def _decoder_only(src, tgt, loss_on):
-  tokens, in_target = _sequence(src, tgt)
-  weights = in_target[1:] if loss_on == 'target' else np.ones(len(tokens) - 1, np.float32)
-  return {'inputs': tokens[:-1], 'targets': tokens[1:], 'weights': weights}
-
-
-def _encoder_only(src, tgt, loss_on):
-  del loss_on  # The model's masking step chooses what to predict.
-  tokens, _ = _sequence(src, tgt)
-  return {'inputs': tokens, 'targets': tokens, 'weights': np.ones(len(tokens), np.float32)}
-
-
-def _encoder_decoder(src, tgt, loss_on):
-  del loss_on  # The decoder only predicts the target.
-  return {'src_inputs': np.append(src, EOS).astype(np.int32),
-          'tgt_inputs': np.insert(tgt, 0, BOS).astype(np.int32),
-          'tgt_targets': np.append(tgt, EOS).astype(np.int32),
-          'tgt_weights': np.ones(len(tgt) + 1, np.float32)}
-
-
-ARCHS = {
-    'decoder_only': _decoder_only,
-    'encoder_only': _encoder_only,
-    'encoder_decoder': _encoder_decoder,
-}
-
-
-def _group(feature: str) -> str:
-  """The segment group of a feature: its 'src_'/'tgt_' prefix, or ''."""
-  return feature[:4] if feature[:4] in ('src_', 'tgt_') else ''
-
-
-# Packings turn an IterDataset of pairs ({'source', 'target'} id arrays) into rows of length L.
-def _pad_rows(pairs, length, arch, loss_on, batch_size, seed, shuffle):
-  """packing='none': one pair per row, right-padded to length."""
-  del batch_size, seed, shuffle
-  return pairs.map(lambda pair: _pad_row(pair, length, arch, loss_on))
-
-
-def _pad_row(pair, length, arch, loss_on):
-  """One pair's features right-padded to `length`, with each group's segment ids and positions."""
-  row = {}
-  for name, value in ARCHS[arch](pair['source'], pair['target'], loss_on).items():
-    row[name] = np.zeros(length, value.dtype)
-    row[name][:len(value)] = value
-    group = _group(name)
-    if f'{group}segment_ids' not in row:  # The group's first feature defines its extent.
-      real = np.arange(length) < len(value)
-      row[f'{group}segment_ids'] = real.astype(np.int32)
-      row[f'{group}positions'] = np.where(real, np.arange(length), 0).astype(np.int32)
-  return row
-
-
-def batch_shapes(arch: str, batch_size: int, length: int) -> dict[str, tuple]:
-  """{feature: (shape, dtype)} of the batches `make_iterator` yields for `arch` (every packing
-  gives the same features), without reading data: for abstract (ahead-of-time) compilation."""
-  _check('arch', arch, list(ARCHS))
-  one = np.ones(1, np.int32)
-  row = _pad_row({'source': one, 'target': one}, max(length, 4), arch, 'target')
-  return {name: ((batch_size, length), value.dtype) for name, value in row.items()}
-
-
-def _pack_segments(pairs, length, arch, loss_on, batch_size, seed, shuffle):
-  """packing='segments': first-fit packing of whole pairs; attention must respect segment_ids."""
-  names = list(ARCHS[arch](np.zeros(1, np.int32), np.zeros(1, np.int32), loss_on))
-  packed = grain.experimental.FirstFitPackIterDataset(
-      pairs.map(lambda pair: ARCHS[arch](pair['source'], pair['target'], loss_on)),
-      length_struct={name: length for name in names},
-      # As many open bins as rows in a batch: fuller rows than one bin, little buffering.
-      num_packing_bins=max(batch_size, 2), seed=seed, shuffle_bins=shuffle)
-
-  def rename(row):
-    out = {name: row[name] for name in names}
-    for name in names:
-      group = _group(name)
-      if f'{group}segment_ids' not in out:
-        out[f'{group}segment_ids'] = row[f'{name}_segment_ids'].astype(np.int32)
-        out[f'{group}positions'] = row[f'{name}_positions'].astype(np.int32)
-    return out
-
-  return packed.map(rename)
-
-
-def _stream(pairs, length, arch, loss_on, batch_size, seed, shuffle):
-  """packing='stream': pairs concatenated and cut into rows, no padding, attention across pairs."""
-  del batch_size, seed, shuffle
-  # decoder_only rows hold L+1 stream tokens so that inputs and targets (shifted) both have L.
-  shift = 1 if arch == 'decoder_only' else 0
-
-  def to_stream(pair):
-    tokens, in_target = _sequence(pair['source'], pair['target'])
-    return {'tokens': tokens, 'in_target': in_target}
-
-  chunks = grain.experimental.ConcatThenSplitIterDataset(
-      pairs.map(to_stream), length_struct={'tokens': length + shift, 'in_target': length + shift})
-
-  def to_row(chunk):
-    tokens, real = chunk['tokens'], chunk['tokens_segment_ids'] > 0  # Only a last row has pads.
-    if arch == 'decoder_only' and loss_on == 'target':
-      weights = chunk['in_target'][shift:] * real[shift:]
-    else:
-      weights = real[shift:]
-    return {'inputs': tokens[:length], 'targets': tokens[shift:],
-            'weights': weights.astype(np.float32),
-            'segment_ids': real[:length].astype(np.int32),
-            'positions': np.where(real[:length], np.arange(length), 0).astype(np.int32)}
-
-  return chunks.map(to_row)
-
-
-PACKINGS = {'none': _pad_rows, 'segments': _pack_segments, 'stream': _stream}
-
-
-@functools.lru_cache(maxsize=None)
-def _row_length(arch: str, source_len: int, target_len: int) -> int:
-  """Longest feature of a pair with these lengths (cached: a few hundred distinct pairs)."""
-  dummy = ARCHS[arch](np.zeros(source_len, np.int32), np.zeros(target_len, np.int32), 'all')
-  return max(len(v) for v in dummy.values())
-
-
-def _fits(pair, *, length, arch, packing):
-  """Whether every feature of a pair fits in a row (streams split pairs, so all fit)."""
-  return packing == 'stream' or _row_length(arch, len(pair['source']), len(pair['target'])) <= length
 
 
 class DataIterator:
