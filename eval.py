@@ -59,9 +59,10 @@ _RETRIEVAL_EXAMPLES = flags.DEFINE_integer('retrieval_examples', retrieval.DEFAU
 _ROPE_SCALING = flags.DEFINE_string('rope_scaling', None, 'Override RoPE scaling at evaluation '
                                     'only: none, pi:F, ntk:F or yarn:F (F the factor).')
 _POSITION_IDS = flags.DEFINE_enum('position_ids', 'sequential', list(extrapolation.POSITION_IDS),
-                                  '--lengths windows at ids 0..T-1 (sequential), or, for a '
-                                  'model.random_positions_max=N run, at sorted draws from [0, N) '
-                                  'as in its training (random) or spread evenly over it (spaced).')
+                                  '--lengths windows (or a passkey run\'s retrieval rows) at '
+                                  'ids 0..T-1 (sequential), or, for a model.random_positions_max=N '
+                                  'run, at sorted draws from [0, N) as in its training (random) '
+                                  'or spread evenly over it (spaced).')
 _XPOS_BLOCK = flags.DEFINE_integer('xpos_block', None, 'An xPos run evaluated with blockwise '
                                    'causal attention of this block (0 = plain causal); default: '
                                    'as trained.')

@@ -18,9 +18,10 @@ seed; its workdir is passed), once that cell is done, also with --parallel (cont
 Every key is optional. `grid` is a full Cartesian product; `cells` an explicit list of override
 dicts (for grids that are not full); with both, every cell is crossed with the grid. Overrides are
 dotted config fields -> values. `seeds` set `train.seed` (default [0]). `eval_flags` are eval.py
-flags for every cell (run with `--sweep_eval`, printed by `--dry_run`); `eval_variants` maps a cell
-selector (`field=value[,field=value]`, matched against the cell's overrides) to further eval.py
-runs of the same checkpoint, one per flag string.
+flags for every cell (run with `--sweep_eval`, printed by `--dry_run`), or a dict from cell
+selectors to flags, a cell taking those of every selector it matches ('' matches every cell);
+`eval_variants` maps a cell selector (`field=value[,field=value]`, matched against the cell's
+overrides) to further eval.py runs of the same checkpoint, one per flag string.
 
 A cell's name lists its overrides sorted by field, then its seed:
 `model.norm_position=post,train.warmup_steps=0,seed=1`; names are stable (independent of the order

@@ -134,7 +134,7 @@ def expand(sweep, seeds=None):
 
 def _check_shape(sweep):
   """Raises SweepError on unknown keys, an empty grid field, cells that are not dicts, or an
-  eval_variants selector that is not `field=value[,field=value]`."""
+  eval_variants or eval_flags selector that is not `field=value[,field=value]`."""
   unknown = set(sweep) - set(SWEEP_KEYS)
   if unknown:
     raise SweepError(f'unknown sweep keys {sorted(unknown)}; valid: {", ".join(SWEEP_KEYS)}')
@@ -146,10 +146,14 @@ def _check_shape(sweep):
     bad = next((c for c in cells if not isinstance(c, dict)), cells)
     raise SweepError(f"'cells' must be a list of dicts of overrides ({{'field': value}}); got "
                      f'{bad!r}')
-  for selector in sweep.get('eval_variants') or {}:
+  flags = sweep.get('eval_flags')
+  selectors = [('eval_variants', s) for s in sweep.get('eval_variants') or {}]
+  if isinstance(flags, dict):  # per selected cells; '' selects every cell
+    selectors += [('eval_flags', s) for s in flags if s != '']
+  for key, selector in selectors:
     parts = [p for p in str(selector).split(',') if p.strip()]
     if not parts or any('=' not in p for p in parts):
-      raise SweepError(f"eval_variants selector {selector!r} must be 'field=value[,field=value]'")
+      raise SweepError(f"{key} selector {selector!r} must be 'field=value[,field=value]'")
 
 
 def _resolve_sources(overrides, seed, seen):
@@ -223,7 +227,10 @@ def eval_commands(sweep, sweep_dir, cell, python='python', eval_py='eval.py'):
   """[(suffix, argv)] of a cell's eval.py runs: one per variant, then '' for eval_flags (last:
   the runner renames each variant's eval.json to eval_<suffix>.json; eval.json stays the plain)."""
   workdir = paths.join(sweep_dir, cell['name'])
-  base = [python, eval_py, f'--workdir={workdir}'] + list(sweep.get('eval_flags') or [])
+  flags = sweep.get('eval_flags') or []
+  if isinstance(flags, dict):  # {selector: flags}: the flags of every selector the cell matches
+    flags = [f for selector, some in flags.items() if _selected(selector, cell) for f in some]
+  base = [python, eval_py, f'--workdir={workdir}'] + list(flags)
   runs = []
   for selector, variants in (sweep.get('eval_variants') or {}).items():
     if _selected(selector, cell):

@@ -437,9 +437,13 @@ def _check_position_overrides(config, lengths, position_ids, xpos_block):
   """--position_ids (stream windows of a randomized-positions run) and --xpos_block (an xPos
   run; a block > 0 only where the run's kernel takes its mask)."""
   if position_ids != 'sequential':
-    if not lengths or config.data.get('task') == 'passkey':
+    passkey_run = config.data.get('task') == 'passkey'
+    if not lengths and not passkey_run:
       raise ConfigError(f'--position_ids={position_ids} sets the ids of the --lengths stream '
-                        'windows; valid: with --lengths on a stream run, or sequential')
+                        'windows or of a passkey run\'s retrieval rows; valid: with --lengths on a '
+                        'stream run, or sequential')
+    if passkey_run:  # the retrieval report's lengths, 1, 2, 4, 8 x L by default
+      lengths = list(lengths) or list(validation_passkey.DEFAULT_MULTIPLES)
     try:
       extrapolation.check_position_ids(config, position_ids, lengths)
     except ValueError as e:

@@ -131,7 +131,8 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     decode: None (greedy) or a dict of `models.decoding.generate` options, e.g.
       {'method': 'beam', 'num_beams': 4, 'length_penalty': 0.6}.
     retrieval_examples: a passkey run's examples per length and depth.
-    position_ids: the ids of the stream windows (`training.extrapolation.POSITION_IDS`).
+    position_ids: the ids of the stream windows, or of a passkey run's retrieval rows
+      (`training.extrapolation.POSITION_IDS`).
     xpos_block: None (as trained), or xPos's blockwise causal block at evaluation (0: plain
       causal attention).
   """
@@ -168,8 +169,10 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
   per_position = {}
   if passkey_lengths:
     result['rope_scaling'] = rope_scaling or 'as trained'
+    result['position_ids'] = position_ids
     result['retrieval'] = retrieval.retrieval(config, model, tokenizer, passkey_lengths,
-                                              examples=retrieval_examples)
+                                              examples=retrieval_examples,
+                                              position_ids=position_ids)
     result['retrieval_examples'] = retrieval_examples
   elif lengths:
     result['rope_scaling'] = rope_scaling or 'as trained'

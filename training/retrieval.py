@@ -1,12 +1,15 @@
 """Passkey retrieval accuracy per length and depth (data.task=passkey): the needle-in-a-haystack
 grid of eval.py, `{"<length in tokens>": {"<depth>": accuracy}}`."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from data import passkey
 from training import distributed
+from training import extrapolation
 
 DEFAULT_EXAMPLES = 100  # examples per (length, depth) cell
 
@@ -28,34 +31,41 @@ def _rows(spec, tokenizer, length, depths, count):
   return np.stack(inputs), np.asarray(values, np.int32)
 
 
-def _correct(model, inputs, values, batch_size):
+def _correct(model, inputs, values, batch_size, ids_of=None, first=0):
   """[rows] bool: whether the greedy prediction of every value token is right (teacher forcing:
-  all right exactly when greedy decoding writes the value)."""
+  all right exactly when greedy decoding writes the value). The rows are numbered from `first`;
+  `ids_of(row numbers)` gives their position ids (None: 0..T-1)."""
   k = values.shape[1]
 
   @jax.jit
-  def predict(batch):
-    logits = model({'inputs': batch})  # [B, T, V]
+  def predict(batch, positions):
+    features = {'inputs': batch} if positions is None else {'inputs': batch,
+                                                            'positions': positions}
+    logits = model(features)  # [B, T, V]
     return jnp.argmax(logits[:, -k:], -1)  # the value's positions end every row
 
   out = []
   for i in range(0, len(inputs), batch_size):
     chunk = inputs[i:i + batch_size]
+    pos = None if ids_of is None else ids_of(np.arange(first + i, first + i + len(chunk)))
     pad = batch_size - len(chunk)  # fixed shapes: one compilation per length
     if pad:
       chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, 0)])
-    out.append(np.asarray(predict(chunk))[:batch_size - pad])
+      pos = None if pos is None else np.concatenate([pos, np.repeat(pos[-1:], pad, 0)])
+    out.append(np.asarray(predict(chunk, pos))[:batch_size - pad])
   predicted = np.concatenate(out) if out else np.zeros((0, k), np.int32)
   return np.all(predicted == values, axis=1)
 
 
 def retrieval(config, model, tokenizer, lengths, depths=passkey.EVAL_DEPTHS,
-              examples=DEFAULT_EXAMPLES):
+              examples=DEFAULT_EXAMPLES, position_ids='sequential'):
   """Retrieval accuracy of `model` at each length (tokens) and depth.
 
   Every process scores its share of each length's examples; the shares are gathered, so every
   process holds the whole report. The examples are the same for every run with the same
   data.passkey_values and data.passkey_value_tokens (`data.passkey.retrieval_examples`).
+  `position_ids` (`training.extrapolation.POSITION_IDS`): the rows' ids; random and spaced ids, for
+  a randomized-positions run, are drawn per row as for the stream windows.
 
   Returns:
     {str(length): {depth_key(depth): share of the examples whose value is predicted}}.
@@ -65,7 +75,11 @@ def retrieval(config, model, tokenizer, lengths, depths=passkey.EVAL_DEPTHS,
   for length in lengths:
     inputs, values = _rows(spec, tokenizer, length, depths, examples)
     start, stop = distributed.process_share(len(inputs))
-    correct = _correct(model, inputs[start:stop], values[start:stop], max(1, 8192 // length))
+    ids_of = None if position_ids == 'sequential' else functools.partial(
+        extrapolation.window_position_ids, position_ids, length=length,
+        max_position=config.model.random_positions_max)
+    correct = _correct(model, inputs[start:stop], values[start:stop], max(1, 8192 // length),
+                       ids_of, first=start)
     correct = distributed.gather_rows(correct.astype(np.float32)).reshape(len(depths), examples)
     report[str(length)] = {depth_key(d): float(np.mean(c, dtype=np.float64))
                            for d, c in zip(depths, correct)}

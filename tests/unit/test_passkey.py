@@ -6,6 +6,7 @@ model that reads the value and wrong for one that does not."""
 import os
 import random
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -218,3 +219,48 @@ def test_the_default_report_is_1_2_4_8_times_the_training_length():
   config = _config(max_length=64)
   assert validation_passkey.retrieval_lengths(config, []) == [64, 128, 256, 512]
   assert validation_passkey.retrieval_lengths(config, [0.5, 3]) == [32, 192]
+
+
+def test_retrieval_rows_at_randomized_training_ids(tok, tmp_path):
+  """--position_ids random/spaced: a randomized-positions run's retrieval rows get sorted distinct
+  ids from [0, N) (random: per row, the same whoever evaluates it); sequential rows get none."""
+  config = _config(max_length=16)
+  config.model.random_positions_max = 64
+  seen = []
+
+  def model(batch):
+    """Right exactly when every row's ids are sorted, distinct and in [0, 64)."""
+    logits = _reader(tok, True)(batch)
+    if 'positions' not in batch:
+      seen.append(None)
+      return logits
+    ids = batch['positions']
+    seen.append(ids.shape)
+    good = (jnp.all(jnp.diff(ids, axis=-1) > 0, axis=-1) & (ids.min(-1) >= 0)
+            & (ids.max(-1) < 64))
+    return logits - jnp.where(good, 0.0, 10.0)[:, None, None] * jax.nn.one_hot(
+        jnp.argmax(logits, -1), tok.vocab_size)
+
+  for kind in ('sequential', 'random', 'spaced'):
+    seen.clear()
+    report = retrieval.retrieval(config, model, tok, [16, 32], (0.0, 1.0), examples=3,
+                                 position_ids=kind)
+    assert report == {'16': {'0.0': 1.0, '1.0': 1.0}, '32': {'0.0': 1.0, '1.0': 1.0}}
+    if kind == 'sequential':
+      assert seen == [None, None]  # one trace per length, without ids
+    else:
+      assert [s[-1] for s in seen] == [16, 32]
+  # The check bites: ids beyond the model's N are wrong everywhere.
+  config.model.random_positions_max = 128
+  assert retrieval.retrieval(config, model, tok, [32], (0.0,), examples=3,
+                             position_ids='spaced') == {'32': {'0.0': 0.0}}
+  run = dict(split=['test'], translate=[], stream_split='test', rope_scaling=None)
+  _fake_run(tmp_path / 'rand', position='rope', random_positions_max=256)
+  cli_checks.check_eval_run(str(tmp_path / 'rand'), lengths=[], position_ids='random', **run)
+  with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=spaced: a window of 512 '
+                     r'tokens needs that many ids of model.random_positions_max=256; valid: '
+                     r'--lengths up to 8$'):
+    cli_checks.check_eval_run(str(tmp_path / 'rand'), lengths=[16], position_ids='spaced', **run)
+  _fake_run(tmp_path / 'plain', position='rope')
+  with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=random draws ids from'):
+    cli_checks.check_eval_run(str(tmp_path / 'plain'), lengths=[], position_ids='random', **run)

@@ -82,6 +82,28 @@ def test_every_ablation_file_expands_into_valid_configs(path):
         assert config[section][name] == value
 
 
+def test_eval_flags_per_selected_cells_and_variants():
+  """eval_flags as a list go to every cell; as a dict, a cell takes the flags of every selector it
+  matches ('' matches all); each eval_variants flag adds a run of the same checkpoint."""
+  sweep = {'cells': [{'data.max_length': 64}, {'data.max_length': 256}],
+           'eval_flags': {'': ['--split=test'], 'data.max_length=64': ['--lengths=1,2,4,8'],
+                          'data.max_length=256': ['--lengths=0.25,1']},
+           'eval_variants': {'data.max_length=64': ['--rope_scaling=pi:4']}}
+  short, long_ = sweep_spec.expand(sweep)
+  runs = sweep_spec.eval_commands(sweep, 'D', short)
+  assert [(suffix, argv[2:]) for suffix, argv in runs] == [
+      ('rope_scaling=pi_4', [f'--workdir={os.path.join("D", short["name"])}', '--split=test',
+                             '--lengths=1,2,4,8', '--rope_scaling=pi:4']),
+      ('', [f'--workdir={os.path.join("D", short["name"])}', '--split=test',
+            '--lengths=1,2,4,8'])]
+  assert [argv[3:] for _, argv in sweep_spec.eval_commands(sweep, 'D', long_)] == [
+      ['--split=test', '--lengths=0.25,1']]
+  listed = dict(sweep, eval_flags=['--lengths=1'])
+  assert [a[3:] for _, a in sweep_spec.eval_commands(listed, 'D', long_)] == [['--lengths=1']]
+  with pytest.raises(sweep_spec.SweepError, match="eval_flags selector 'max_length' must be"):
+    sweep_spec.expand(dict(sweep, eval_flags={'max_length': []}))
+
+
 def test_postln_vs_preln_has_the_cells_of_the_study():
   module = sweep_spec.load_sweep_module(os.path.join(ROOT, 'configs', 'ablations',
                                                      'postln_vs_preln.py'))

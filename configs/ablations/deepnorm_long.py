@@ -1,0 +1,44 @@
+"""Does DeepNorm catch up with Pre-LN given time and its own learning rate? 12 layers, 2,000 steps.
+
+In the depth study (configs/ablations/depth.py: 500 steps at one shared rate, 1e-3) DeepNorm at 12
+layers ends 0.41-0.49 nats above Pre-LN. The DeepNet paper (Wang et al. 2022) trains its models
+far longer and implies that DeepNorm's beta-scaled init costs speed at the start, not the final
+loss. Here three 12-layer cells train 4x longer, each at its own best learning rate:
+
+- deepnorm: Post-LN with the residual up-weighted by alpha and the beta-scaled init;
+- pre: Pre-LN;
+- post: Post-LN, which needs the warmup to train at depth 12 at all.
+
+Every cell has the same 100 linear warmup steps (DeepNet trains with warmup too), then a constant
+rate; the rest is the depth study's base (decoder-only LM on the toy stream, d_model 64, 4 heads,
+plain Adam with b2 0.999, no clipping, batch 32, L=64). Tune the rate with the sweep's tuning axis,
+which trains every cell once per rate at seed 0 and its other seeds at the rate with the lowest
+final validation loss:
+
+Run:     python -m tools.sweep --sweep=configs/ablations/deepnorm_long.py --sweep_dir=DIR \
+             --tune=train.learning_rate:5e-4,1e-3,2e-3,4e-3 --parallel=2
+Compare: python -m tools.compare DIR --logy --target_loss=2.0 --target_split=train
+A smoke run of the same cells with a few steps each: --sweep=configs/ablations/deepnorm_long.py:quick
+"""
+
+from configs.ablations import depth
+
+NORM_POSITIONS = ['deepnorm', 'pre', 'post']
+LAYERS, STEPS, WARMUP = 12, 2000, 100
+
+
+def get_config(arg=None):
+  """The depth study's base at 12 layers, 2,000 steps and 100 warmup steps."""
+  config = depth.get_config(arg)
+  quick = 'quick' in (arg or '')
+  config.model.num_layers = LAYERS
+  config.train.steps = STEPS // 100 if quick else STEPS
+  config.train.warmup_steps = WARMUP // 100 if quick else WARMUP
+  config.train.eval_every = 10 if quick else 250
+  return config
+
+
+def get_sweep(arg=None):
+  """{deepnorm, pre, post} at 12 layers, 3 seeds (the rate: --tune)."""
+  del arg
+  return {'grid': {'model.norm_position': NORM_POSITIONS}, 'seeds': [0, 1, 2]}
