@@ -16,7 +16,9 @@ colour.
 
 A tuned sweep's directory (`tools.sweep --tune`, its choices in tune.json) is compared at each
 cell's chosen value, shown in the table's `chosen` column; a second table lists the final
-validation loss of every tuning run, cell x value (tools/tune_table.py).
+validation loss of every tuning run, cell x value (tools/tune_table.py). Runs evaluated by eval.py
+add their tables: loss by length (--lengths, tools/extrapolation_compare.py) and passkey retrieval
+accuracy by length, with every cell's heat map in OUT_retrieval.png (tools/retrieval_compare.py).
 
 Flags (on the raw train loss of each run, documented in the table's footnote):
 - diverged: a non-finite loss, or a spike: after the first 10% of the run's steps, a train loss
@@ -38,6 +40,7 @@ from tools import compare_figure
 from tools import curves as curves_lib
 from tools import extrapolation_compare
 from tools import metric_compare
+from tools import retrieval_compare
 from tools import runs as runs_lib
 from tools import summary as summary_lib
 from tools import summary_table
@@ -66,7 +69,8 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   Returns:
     The markdown table, the groups labelled with their full overrides (then, for a tuned sweep,
     the tuning table of `tools.tune_table`; for runs with eval.json extrapolation rows,
-    `extrapolation_compare`'s table; with `metrics`, `metric_compare`'s).
+    `extrapolation_compare`'s table; for passkey runs with a retrieval report,
+    `retrieval_compare`'s; with `metrics`, `metric_compare`'s).
   """
   runs = [runs_lib.load_run(w) for w in runs_lib.find_runs(paths)]
   # A tuned sweep (tools.sweep --tune): each cell at its chosen value; the tuning runs at the
@@ -85,11 +89,13 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   # Runs evaluated with eval.py --lengths: their table, and their loss per position drawn into
   # OUT_extrapolation.png.
   extrapolation = extrapolation_compare.report(groups, out, band_kind)
+  # Passkey runs evaluated with eval.py: their accuracy by length, heat maps in OUT_retrieval.png.
+  retrieval = retrieval_compare.report(groups, out)
   table = summary_table.markdown_table(summary, target_loss, target_split)
   tuning = tune_table.markdown(choices, groups)
   logged = metric_compare.report(groups, summary, out, metrics, color_by=color_by,
                                  style_by=style_by, band_kind=band_kind)
-  return '\n\n'.join(part for part in (table, tuning, extrapolation, logged) if part)
+  return '\n\n'.join(part for part in (table, tuning, extrapolation, retrieval, logged) if part)
 
 
 def _title(paths, num_runs, num_groups):

@@ -85,36 +85,41 @@ def plot_per_position(workdir, per_position, title, train_length=None):
                     per_position_figure(per_position, title, train_length))
 
 
-def retrieval_figure(report, title, train_length=None):
-  """The passkey retrieval grid as a heat map, as needle-in-a-haystack pictures draw it (not saved):
-  lengths across, depths down (0% at the top: the key right after <bos>), each cell coloured from
-  red (0) to green (1) and labelled with its accuracy in percent.
+def draw_retrieval(ax, report, train_length=None, fontsize=8):
+  """Draws a passkey retrieval grid on `ax`, as needle-in-a-haystack pictures do: lengths across,
+  depths down (0% at the top: the key right after <bos>), each cell coloured from red (0) to green
+  (1) and labelled with its accuracy in percent; returns the image (for a colour bar).
 
   Args:
+    ax: matplotlib axes.
     report: {str(length): {str(depth): accuracy}} (`training.retrieval.retrieval`).
-    title: the axes' title.
     train_length: the training length, named under its column; None leaves it unnamed.
-
-  Returns:
-    The matplotlib figure.
+    fontsize: of the percentages in the cells.
   """
-  plt = plot_style.pyplot()
   lengths = sorted(report, key=int)
   depths = list(report[lengths[0]])
   grid = np.array([[report[n][d] for n in lengths] for d in depths])  # [depths, lengths]
+  image = ax.imshow(grid, cmap='RdYlGn', vmin=0.0, vmax=1.0, aspect='auto',
+                    interpolation='nearest')
+  for (i, j), value in np.ndenumerate(grid):
+    ax.text(j, i, f'{100 * value:.0f}', ha='center', va='center', fontsize=fontsize,
+            color='black' if 0.25 < value < 0.85 else 'white')
+  labels = [f'{n}\n{int(n) / train_length:g}x L' if train_length else n for n in lengths]
+  ax.set_xticks(range(len(lengths)), labels)
+  ax.set_yticks(range(len(depths)), [f'{float(d):.0%}' for d in depths])
+  ax.tick_params(length=0)
+  ax.spines[:].set_visible(False)
+  return image
+
+
+def retrieval_figure(report, title, train_length=None):
+  """One run's passkey retrieval grid (`draw_retrieval`) with axis names and a colour bar (not
+  saved); returns the matplotlib figure."""
+  plt = plot_style.pyplot()
   with plt.rc_context(plot_style.STYLE):
-    fig, ax = plt.subplots(figsize=(min(plot_style.WIDTH, 2.4 + 1.2 * len(lengths)), 4.8),
+    fig, ax = plt.subplots(figsize=(min(plot_style.WIDTH, 2.4 + 1.2 * len(report)), 4.8),
                            layout='constrained')
-    image = ax.imshow(grid, cmap='RdYlGn', vmin=0.0, vmax=1.0, aspect='auto',
-                      interpolation='nearest')
-    for (i, j), value in np.ndenumerate(grid):
-      ax.text(j, i, f'{100 * value:.0f}', ha='center', va='center', fontsize=8,
-              color='black' if 0.25 < value < 0.85 else 'white')
-    labels = [f'{n}\n{int(n) / train_length:g}x L' if train_length else n for n in lengths]
-    ax.set_xticks(range(len(lengths)), labels)
-    ax.set_yticks(range(len(depths)), [f'{float(d):.0%}' for d in depths])
-    ax.tick_params(length=0)
-    ax.spines[:].set_visible(False)
+    image = draw_retrieval(ax, report, train_length)
     ax.set_xlabel('length (tokens)')
     ax.set_ylabel('depth of the key')
     ax.set_title(title)

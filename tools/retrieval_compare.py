@@ -1,0 +1,109 @@
+"""Passkey retrieval across runs (tools.compare): the accuracy per length as mean [min, max] across
+seeds, and every cell's heat map averaged over its seeds, from each workdir's eval.json `retrieval`
+(eval.py on a data.task=passkey run).
+
+A run's accuracy at a length is the mean over the report's depths (0-100% in 10% steps, the same
+number of examples at each). A cell's evaluation variants (a sweep's eval_variants, kept as
+eval_<flag>.json) get rows and panels of their own, `cell [eval rope_scaling=pi_4]`.
+"""
+
+import math
+import textwrap
+
+import numpy as np
+
+from tools import extrapolation_compare
+from tools import plot_style
+from tools import plots
+
+PANEL_COLUMNS = 4
+
+
+def _accuracy_by_length(report):
+  """{length in tokens: mean accuracy over depths} of one retrieval report."""
+  return {int(n): float(np.mean(list(by_depth.values()))) for n, by_depth in report.items()}
+
+
+def cell_rows(groups):
+  """[(row label, training length, [retrieval report per seed])] of every group and evaluation
+  file holding a retrieval report, in the groups' order."""
+  out = []
+  for label, runs in groups:
+    for name in extrapolation_compare.eval_names(runs):
+      reports = [(extrapolation_compare.load_eval(r['workdir'], name) or {}).get('retrieval')
+                 for r in runs]
+      reports = [r for r in reports if r]
+      if reports:
+        length = runs[0].get('config', {}).get('data.max_length')
+        out.append((extrapolation_compare.row_label(label, name), length, reports))
+  return out
+
+
+def _stat(values):
+  """'mean [min, max]' in percent across seeds ('m' for one)."""
+  values = [100 * v for v in values]
+  if len(values) == 1:
+    return f'{values[0]:.1f}'
+  return f'{np.mean(values):.1f} [{min(values):.0f}, {max(values):.0f}]'
+
+
+def markdown_table(rows):
+  """The accuracy by length of every row of `cell_rows` ('' when there is none)."""
+  if not rows:
+    return ''
+  lengths = sorted({n for _, _, reports in rows for rep in reports
+                    for n in _accuracy_by_length(rep)})
+  head = ['cell', 'seeds', 'trained at'] + [f'{n} tokens' for n in lengths]
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for label, train_length, reports in rows:
+    by_length = [_accuracy_by_length(rep) for rep in reports]
+    cells = [label, str(len(reports)), str(train_length)]
+    for n in lengths:
+      values = [b[n] for b in by_length if n in b]
+      cells.append(_stat(values) if len(values) == len(by_length) else '-')
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  lines += ['', 'Passkey retrieval accuracy (%): at each length the mean over the key depths '
+            '0-100%; mean [min, max] across seeds.']
+  return '\n'.join(lines)
+
+
+def mean_report(reports):
+  """The seeds' reports averaged cell by cell (the lengths and depths every report has)."""
+  lengths = [n for n in reports[0] if all(n in r for r in reports)]
+  return {n: {d: float(np.mean([r[n][d] for r in reports])) for d in reports[0][n]
+              if all(d in r[n] for r in reports)} for n in lengths}
+
+
+def figure(rows):
+  """Every row's heat map (mean over seeds), PANEL_COLUMNS to a line; the matplotlib figure."""
+  plt = plot_style.pyplot()
+  columns = min(PANEL_COLUMNS, len(rows))
+  lines = math.ceil(len(rows) / columns)
+  with plt.rc_context(plot_style.STYLE):
+    fig, axes = plt.subplots(lines, columns, figsize=(plot_style.WIDTH * columns / 4 + 0.6,
+                                                      3.1 * lines), layout='constrained',
+                             squeeze=False)
+    image = None
+    for ax, (label, train_length, reports) in zip(axes.flat, rows):
+      image = plots.draw_retrieval(ax, mean_report(reports), train_length, fontsize=5.5)
+      ax.set_title('\n'.join(textwrap.wrap(f'{label} ({len(reports)} seeds)', 34)), fontsize=7.5)
+      ax.tick_params(labelsize=6.5)
+    for ax in axes.flat[len(rows):]:
+      ax.set_visible(False)
+    fig.supxlabel('length (tokens)', fontsize=9)
+    fig.supylabel('depth of the key', fontsize=9)
+    fig.colorbar(image, ax=axes, label='retrieval accuracy (mean over seeds)', shrink=0.6)
+  return fig
+
+
+def report(groups, out):
+  """Draws `figure` next to `out` (NAME_retrieval.png) and returns the markdown table ('' and no
+  picture when no run has a retrieval report)."""
+  rows = cell_rows(groups)
+  if not rows:
+    return ''
+  fig = figure(rows)
+  stem = out[:-4] if out.endswith('.png') else out
+  plots.save_figure(fig, f'{stem}_retrieval.png')
+  plot_style.pyplot().close(fig)
+  return markdown_table(rows)
