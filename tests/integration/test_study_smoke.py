@@ -1,0 +1,75 @@
+"""One-seed smoke runs of the long-context study files, every kind of cell for a few steps, through
+the sweep runner and tools.compare as the studies run: the passkey study (position cells, the
+randomized-positions evaluation variants, RoPE fine-tunes at 4L started from the RoPE cell) and the
+long DeepNorm comparison. A wrapper of each sweep file points it at the test's data directory."""
+
+import io
+import json
+import os
+
+from tests.helpers import ROOT
+from tools import compare
+from tools import sweep_runner
+
+WRAPPER = '''
+import importlib.util
+
+_spec = importlib.util.spec_from_file_location('study', {path!r})
+study = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(study)
+
+
+def get_config(arg=None):
+  config = study.get_config(arg)
+  config.data.data_dir = {data_dir!r}
+  return config
+
+
+def get_sweep(arg=None):
+  return study.get_sweep(arg)
+'''
+
+
+def _wrapped(tmp_path, name, data_dir):
+  path = tmp_path / f'{name}_smoke.py'
+  path.write_text(WRAPPER.format(path=os.path.join(ROOT, 'configs', 'ablations', f'{name}.py'),
+                                 data_dir=str(data_dir)))
+  return f'{path}:quick'
+
+
+def _run(spec, sweep_dir, **kwargs):
+  out = io.StringIO()
+  sweep_runner.run_sweep(spec, str(sweep_dir), out=out, **kwargs)
+  assert 'failed' not in out.getvalue(), out.getvalue()
+  return out.getvalue()
+
+
+def test_passkey_study_smoke(tmp_path):
+  sweep_dir = tmp_path / 'passkey'
+  _run(_wrapped(tmp_path, 'passkey_positions', tmp_path / 'tfds'), sweep_dir, run_eval=True)
+  cells = sorted(os.listdir(sweep_dir))
+  assert len(cells) == 3, cells  # rope, randomized rope, the YaRN fine-tune
+  randomized = sweep_dir / 'model.position=rope,model.random_positions_max=512,seed=0'
+  for name in ('eval.json', 'eval_position_ids=random.json', 'eval_position_ids=spaced.json'):
+    with open(randomized / name) as f:
+      assert list(json.load(f)['retrieval']) == ['64', '128', '256', '512']
+  tuned = [c for c in cells if c.startswith('data.max_length=256,model.rope_scaling=yarn')]
+  with open(sweep_dir / tuned[0] / 'eval.json') as f:
+    assert list(json.load(f)['retrieval']) == ['64', '256']  # L and 4L of the base
+  table = compare.compare([str(sweep_dir)], str(tmp_path / 'cmp.png'))
+  assert '| 64 tokens | 128 tokens | 256 tokens | 512 tokens |' in table
+  assert table.count('[eval position_ids=') == 2 and '[eval rope_scaling=yarn_4]' in table
+  assert os.path.getsize(tmp_path / 'cmp_retrieval.png') > 10_000
+
+
+def test_deepnorm_long_smoke(tmp_path, data_dir):
+  sweep_dir = tmp_path / 'deepnorm'
+  _run(_wrapped(tmp_path, 'deepnorm_long', data_dir), sweep_dir, seeds=[0])
+  cells = sorted(os.listdir(sweep_dir))
+  assert cells == [f'model.norm_position={p},seed=0' for p in ('deepnorm', 'post', 'pre')]
+  for cell in cells:
+    with open(sweep_dir / cell / 'config.json') as f:
+      config = json.load(f)
+    assert config['model']['num_layers'] == 12 and config['train']['warmup_steps'] == 1
+  table = compare.compare([str(sweep_dir)], str(tmp_path / 'cmp.png'))
+  assert 'norm_position=deepnorm' in table
