@@ -25,7 +25,7 @@ SMALL = ['--config.train.batch_size=32', '--config.train.log_every=10',
          '--config.train.schedule=constant']
 
 
-def cli(*args, timeout=120):
+def cli(*args, timeout=300):  # generous: a shared 2-core machine may run slower than CI
   return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                         timeout=timeout)
 
