@@ -167,7 +167,7 @@ REFERENCE = {'model.position': 'alibi', 'model.random_positions_max': 0}
 RATIO_TOP = 1.5
 
 
-def _legend(groups):
+def legend_labels(groups):
   """(short legend label per group, note) from `tools.legend`, as tools.compare's figure has."""
   configs = [runs[0].get('config') or {} for _, runs in groups]
   fields = runs_lib.differing_fields([r for _, runs in groups for r in runs])
@@ -213,7 +213,7 @@ def figure(groups, band_kind='minmax'):
   if not lengths:
     return None
   plt = plot_style.pyplot()
-  labels, note = _legend(groups)
+  labels, note = legend_labels(groups)
   ref = _reference(groups)
   rows = 1 if ref is None else 2
   fig, axes = plt.subplots(rows, len(lengths), figsize=(3.3 * len(lengths) + 2.4, 2.7 * rows + 0.5),

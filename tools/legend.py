@@ -48,6 +48,10 @@ ABBREVIATIONS = {
     'model.moe_bias_rate': lambda v: f'bias {_num(v)}' if v else '',
     'model.moe_shared_experts': lambda v: f'{v} shared' if v else '',
     'model.moe_routing': lambda v: 'expert choice' if v == 'experts' else 'token choice',
+    'model.rope_scaling': lambda v: f'{v} scaling' if v != 'none' else 'no scaling',
+    'model.rope_scaling_factor': lambda v: f'x{_num(v)}' if v != 1 else '',
+    # A fine-tune: from the source run's workdir name (its cell, in a sweep).
+    'train.init_from': lambda v: f'from {str(v).rstrip("/").rsplit("/", 1)[-1]}' if v else '',
 }
 # Fields whose values name themselves: `post`, `rope`, `swiglu`, `encoder_decoder`.
 VALUE_ONLY = ('model.arch', 'model.attention', 'model.attention_impl', 'model.position',

@@ -24,18 +24,20 @@ def _accuracy_by_length(report):
   return {int(n): float(np.mean(list(by_depth.values()))) for n, by_depth in report.items()}
 
 
-def cell_rows(groups):
+def cell_rows(groups, labels=None):
   """[(row label, training length, [retrieval report per seed])] of every group and evaluation
-  file holding a retrieval report, in the groups' order."""
+  file holding a retrieval report, in the groups' order; `labels` (one per group) replace the
+  groups' own."""
   out = []
-  for label, runs in groups:
+  for i, (label, runs) in enumerate(groups):
     for name in extrapolation_compare.eval_names(runs):
       reports = [(extrapolation_compare.load_eval(r['workdir'], name) or {}).get('retrieval')
                  for r in runs]
       reports = [r for r in reports if r]
       if reports:
         length = runs[0].get('config', {}).get('data.max_length')
-        out.append((extrapolation_compare.row_label(label, name), length, reports))
+        out.append((extrapolation_compare.row_label(labels[i] if labels else label, name),
+                    length, reports))
   return out
 
 
@@ -102,7 +104,8 @@ def report(groups, out):
   rows = cell_rows(groups)
   if not rows:
     return ''
-  fig = figure(rows)
+  # The panels are titled by the legend's short labels (the table keeps the full overrides).
+  fig = figure(cell_rows(groups, extrapolation_compare.legend_labels(groups)[0]))
   stem = out[:-4] if out.endswith('.png') else out
   plots.save_figure(fig, f'{stem}_retrieval.png')
   plot_style.pyplot().close(fig)

@@ -51,9 +51,14 @@ def test_values_read_short():
   assert legend.abbreviate('train.warmup_steps', 100) == 'warmup 100'
   assert legend.abbreviate('train.steps', 1000) == '1k steps'
   assert legend.abbreviate('model.norm_position', 'post') == 'post'
+  assert legend.abbreviate('model.rope_scaling_factor', 4.0) == 'x4'
+  assert legend.abbreviate('model.rope_scaling', 'none') == 'no scaling'
+  assert legend.abbreviate('model.rope_scaling', 'yarn') == 'yarn scaling'
+  assert legend.abbreviate('train.init_from', 'runs/extend/model.position=rope,seed=0') == (
+      'from model.position=rope,seed=0')
+  assert legend.abbreviate('train.init_from', '') == ''
   # Fields without an abbreviation keep their last name; booleans read as a word or its negation.
-  assert legend.abbreviate('model.rope_scaling_factor', 4.0) == 'rope_scaling_factor=4'
-  assert legend.abbreviate('model.rope_scaling', 'none') == 'rope_scaling=none'
+  assert legend.abbreviate('model.fire_threshold', 64.0) == 'fire_threshold=64'
   assert legend.abbreviate('model.scan_layers', True) == 'scan_layers'
   assert legend.abbreviate('model.scan_layers', False) == 'no scan_layers'
 
