@@ -43,6 +43,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   #   rezero    ReZero (Bachlechner et al. 2020): x + g·f(x), scalar gate g = 0 at init per
   #             sublayer, no norm anywhere (model.norm unused); the gates are in the diagnostics
   model.norm_position = 'pre'
+  model.deepnorm_scales = 'alpha_beta'  # deepnorm: alpha_beta (the paper) | alpha (beta 1, the
+  #                                       standard init) | beta (alpha 1): one scaling alone
   model.ffn = 'relu'  # relu | gelu | swiglu | geglu
   num_layers, d_model, num_heads, d_ff = SIZES[args.get('size', 'small')]
   model.num_layers = num_layers  # Transformer blocks (per stack)

@@ -24,6 +24,10 @@ DEEPNORM_ROLES = ('single', 'encoder', 'decoder')
 # every feed-forward matrix; queries and keys keep theirs (Wang et al. 2022, Figure 2).
 _DEEPNORM_ATTENTION = ('value', 'out')
 _DEEPNORM_FFN = ('wi', 'wo', 'gate', 'up', 'down')
+# model.deepnorm_scales: which of DeepNorm's two scalings apply (the second and third isolate one,
+# as an ablation): both, alpha alone (beta 1: the standard init), beta alone (alpha 1: Post-LN's
+# residual).
+DEEPNORM_SCALES = ('alpha_beta', 'alpha', 'beta')
 
 
 def deepnorm_constants(role, num_layers, num_decoder_layers=None):
@@ -73,7 +77,7 @@ class Block(nnx.Module):
   - deepnorm (DeepNet, Wang et al. 2022): norm(alpha·x + f(x)), Post-LN with the residual
     up-weighted by alpha, and the value, output and feed-forward projections initialised scaled by
     beta (`deepnorm_constants`), which bounds the model update and trains Post-LN at depth. No
-    final norm.
+    final norm. `model.deepnorm_scales` keeps one of the two alone, as an ablation.
   - sandwich (Sandwich-LN, Ding et al. 2021, CogView): x + norm_out(f(norm(x))), Pre-LN plus a norm
     on each sublayer's output before the add, which keeps the residual stream's values from
     growing. Final norm, as Pre-LN.
@@ -135,6 +139,10 @@ class Block(nnx.Module):
     if position == 'deepnorm':
       self.alpha, beta = deepnorm if deepnorm is not None else deepnorm_constants(
           'single', cfg.num_layers)
+      scales = cfg.get('deepnorm_scales', 'alpha_beta')
+      options.choice('model.deepnorm_scales', scales, DEEPNORM_SCALES)
+      self.alpha = self.alpha if 'alpha' in scales else 1.0
+      beta = beta if 'beta' in scales else 1.0
       for layer in (self.self_attention, self.cross_attention):
         if layer is not None:
           _scale_kernels(layer, _DEEPNORM_ATTENTION, beta)

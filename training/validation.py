@@ -77,6 +77,12 @@ def _validate_model(config):
   _choice('model.position', m.position, positions.POSITIONS)
   _choice('model.norm', m.norm, norms.NORMS)
   _choice('model.norm_position', m.norm_position, block.NORM_POSITIONS)
+  scales = m.get('deepnorm_scales', 'alpha_beta')  # a config.json from before the field
+  _choice('model.deepnorm_scales', scales, block.DEEPNORM_SCALES)
+  if scales != 'alpha_beta' and m.norm_position != 'deepnorm':
+    raise ConfigError(f'model.deepnorm_scales={scales!r} ablates DeepNorm, which '
+                      f"model.norm_position={m.norm_position!r} does not use; valid here: "
+                      "'alpha_beta' (or model.norm_position='deepnorm')")
   _choice('model.ffn', m.ffn, feed_forward.FFNS)
   for name in ('num_layers', 'd_model', 'num_heads', 'num_kv_heads', 'd_ff'):
     value = m[name]

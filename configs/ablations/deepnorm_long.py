@@ -19,12 +19,23 @@ Run:     python -m tools.sweep --sweep=configs/ablations/deepnorm_long.py --swee
              --tune=train.learning_rate:5e-4,1e-3,2e-3,4e-3 --parallel=2
 Compare: python -m tools.compare DIR --logy --target_loss=2.0 --target_split=train
 A smoke run of the same cells with a few steps each: --sweep=configs/ablations/deepnorm_long.py:quick
+
+Which scaling makes DeepNorm start slowly? `:scales` trains DeepNorm with both scalings, alpha
+alone and beta alone (model.deepnorm_scales) for the first 500 steps, at the rate the tuning above
+chose for DeepNorm (2e-3), 3 seeds; the rate is constant after the warmup, so step 500 here is step
+500 of the long runs:
+
+Run:     python -m tools.sweep --sweep=configs/ablations/deepnorm_long.py:scales --sweep_dir=DIR2 \
+             --parallel=2
 """
 
 from configs.ablations import depth
 
 NORM_POSITIONS = ['deepnorm', 'pre', 'post']
 LAYERS, STEPS, WARMUP = 12, 2000, 100
+SCALES_STEPS, SCALES_RATE = 500, 2e-3  # :scales, the start alone at DeepNorm's tuned rate
+DEEPNORM_SCALES = ['alpha_beta', 'alpha', 'beta']  # both (the paper), alpha alone, beta alone
+OTHER_ARGS = ('scales', 'scales,quick')  # the sweep file's other forms (tests/unit/test_sweep.py)
 
 
 def get_config(arg=None):
@@ -32,13 +43,20 @@ def get_config(arg=None):
   config = depth.get_config(arg)
   quick = 'quick' in (arg or '')
   config.model.num_layers = LAYERS
-  config.train.steps = STEPS // 100 if quick else STEPS
+  steps = SCALES_STEPS if 'scales' in (arg or '') else STEPS
+  config.train.steps = steps // 100 if quick else steps
+  if 'scales' in (arg or ''):
+    config.train.learning_rate = SCALES_RATE
   config.train.warmup_steps = WARMUP // 100 if quick else WARMUP
   config.train.eval_every = 10 if quick else 250
   return config
 
 
 def get_sweep(arg=None):
-  """{deepnorm, pre, post} at 12 layers, 3 seeds (the rate: --tune)."""
-  del arg
+  """{deepnorm, pre, post} at 12 layers, 3 seeds (the rate: --tune); with `scales`: DeepNorm with
+  each of model.deepnorm_scales."""
+  if 'scales' in (arg or ''):
+    return {'grid': {'model.norm_position': ['deepnorm'],
+                     'model.deepnorm_scales': DEEPNORM_SCALES},
+            'seeds': [0, 1, 2]}
   return {'grid': {'model.norm_position': NORM_POSITIONS}, 'seeds': [0, 1, 2]}

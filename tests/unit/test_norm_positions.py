@@ -84,6 +84,32 @@ def test_deepnorm_block_is_post_ln_with_alpha_and_beta():
   np.testing.assert_allclose(deep(x), want, atol=1e-5)
 
 
+@pytest.mark.parametrize('scales', ['alpha', 'beta'])
+def test_deepnorm_scales_keep_one_scaling_alone(scales):
+  """The ablation: 'alpha' keeps the up-weighted residual with Post-LN's init, 'beta' the scaled
+  init with Post-LN's residual (alpha 1)."""
+  alpha, beta = block.deepnorm_constants('single', 1)
+  post = block.Block(model_config(norm_position='post'), rngs=nnx.Rngs(0))
+  deep = block.Block(model_config(norm_position='deepnorm', deepnorm_scales=scales),
+                     rngs=nnx.Rngs(0))
+  want_alpha, want_beta = (alpha, 1.0) if scales == 'alpha' else (1.0, beta)
+  assert deep.alpha == pytest.approx(want_alpha)
+  np.testing.assert_allclose(deep.self_attention.value.kernel[...],
+                             want_beta * post.self_attention.value.kernel[...], rtol=1e-6)
+  np.testing.assert_allclose(deep.ffn.wo.kernel[...], want_beta * post.ffn.wo.kernel[...],
+                             rtol=1e-6)
+
+
+def test_deepnorm_scales_is_checked_before_building():
+  config = validation.resolve(default.get_config())
+  config.model.deepnorm_scales = 'gamma'
+  with pytest.raises(validation.ConfigError, match="deepnorm_scales='gamma'.*alpha, alpha_beta, beta"):
+    validation.validate(config)
+  config.model.deepnorm_scales = 'alpha'  # under the default 'pre': nothing to ablate
+  with pytest.raises(validation.ConfigError, match="model.norm_position='pre' does not use"):
+    validation.validate(config)
+
+
 def test_deepnorm_encoder_decoder_uses_the_encoder_and_decoder_constants():
   cfg = model_config(arch='encoder_decoder', norm_position='deepnorm', num_layers=6)
   post_cfg = model_config(arch='encoder_decoder', norm_position='post', num_layers=6)
