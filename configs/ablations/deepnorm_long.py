@@ -29,6 +29,7 @@ Run:     python -m tools.sweep --sweep=configs/ablations/deepnorm_long.py:scales
              --parallel=2
 """
 
+from configs import default
 from configs.ablations import depth
 
 NORM_POSITIONS = ['deepnorm', 'pre', 'post']
@@ -40,12 +41,14 @@ OTHER_ARGS = ('scales', 'scales,quick')  # the sweep file's other forms (tests/u
 
 def get_config(arg=None):
   """The depth study's base at 12 layers, 2,000 steps and 100 warmup steps."""
-  config = depth.get_config(arg)
-  quick = 'quick' in (arg or '')
+  args = default.parse_arg(arg)
+  rest = ','.join(k if v is True else f'{k}={v}' for k, v in args.items() if k != 'scales')
+  config = depth.get_config(rest or None)
+  quick = bool(args.get('quick'))
   config.model.num_layers = LAYERS
-  steps = SCALES_STEPS if 'scales' in (arg or '') else STEPS
+  steps = SCALES_STEPS if args.get('scales') else STEPS
   config.train.steps = steps // 100 if quick else steps
-  if 'scales' in (arg or ''):
+  if args.get('scales'):
     config.train.learning_rate = SCALES_RATE
   config.train.warmup_steps = WARMUP // 100 if quick else WARMUP
   config.train.eval_every = 10 if quick else 250
@@ -55,7 +58,7 @@ def get_config(arg=None):
 def get_sweep(arg=None):
   """{deepnorm, pre, post} at 12 layers, 3 seeds (the rate: --tune); with `scales`: DeepNorm with
   each of model.deepnorm_scales."""
-  if 'scales' in (arg or ''):
+  if default.parse_arg(arg).get('scales'):
     return {'grid': {'model.norm_position': ['deepnorm'],
                      'model.deepnorm_scales': DEEPNORM_SCALES},
             'seeds': [0, 1, 2]}
