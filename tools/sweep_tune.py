@@ -219,7 +219,20 @@ class CellTuning:
                        for v, r in zip(self.axis.values, self.records))
     what = (f'{self.axis.field}={sweep_spec.format_value(self.chosen)}' if self.chosen is not None
             else f'nothing chosen ({self.note})')
-    return f'tune: {self.label or "(the base config)"}: {what}; final valid loss {losses}'
+    edge = grid_edge(self.axis.values, self.chosen)
+    warn = f' ({edge} value of the grid: one beyond it may do better)' if edge else ''
+    return f'tune: {self.label or "(the base config)"}: {what}{warn}; final valid loss {losses}'
+
+
+def grid_edge(values, chosen):
+  """'the smallest' or 'the largest' where `chosen` is that end of a numeric grid of three or more
+  values (the best may then lie beyond the grid), else None."""
+  numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+  if chosen is None or not numeric or len(values) < 3:
+    return None
+  if chosen == min(values):
+    return 'the smallest'
+  return 'the largest' if chosen == max(values) else None
 
 
 def _loss_text(record):

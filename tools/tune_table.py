@@ -63,7 +63,8 @@ def _table(path, doc, labels):
   head = ['cell'] + [sweep_spec.format_value(v) for v in values] + ['chosen']
   lines = [f'Tuning of {field} ({paths_lib.join(path, sweep_tune.CHOICE_FILE)}): the final '
            f'validation loss of each cell\'s seed {doc.get("tuning_seed")} at every value; the '
-           'chosen value (bold) has the lowest among the runs that finished.', '',
+           'chosen value (bold) has the lowest among the runs that finished; "(edge)": the '
+           'smallest or largest value of the grid, so one beyond it may do better.', '',
            _line(head), '|' + '---|' * len(head)]
   for entry in doc.get('cells', []):
     workdirs = [paths_lib.join(path, name) for name in entry.get('runs') or []]
@@ -72,7 +73,7 @@ def _table(path, doc, labels):
     for run in entry.get('tuning', []):
       text = _loss_text(run)
       cells.append(f'**{text}**' if run['value'] == entry.get('chosen') else text)
-    cells.append(_chosen_text(entry))
+    cells.append(_chosen_text(entry, values))
     lines.append(_line(cells))
   return '\n'.join(lines)
 
@@ -88,9 +89,10 @@ def _loss_text(run):
   return '-' if status is None else 'unfinished'
 
 
-def _chosen_text(entry):
+def _chosen_text(entry, values):
   if entry.get('chosen') is not None:
-    return sweep_spec.format_value(entry['chosen'])
+    edge = ' (edge)' if sweep_tune.grid_edge(values, entry['chosen']) else ''
+    return sweep_spec.format_value(entry['chosen']) + edge
   return f'none: {entry["note"]}' if entry.get('note') else 'not yet'
 
 

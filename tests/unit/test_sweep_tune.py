@@ -115,14 +115,30 @@ def test_a_cell_decides_from_its_workdirs_final_evaluation(tmp_path):
   tuning.decide({a: 'done', b: 'skipped', c: 'diverged'}, str(tmp_path), steps)
   assert tuning.chosen == 0.001 and tuning.note == ''
   assert [r['status'] for r in tuning.records] == ['done', 'done', 'diverged']
-  assert 'norm_position=post: train.learning_rate=0.001; final valid loss 0.001: 2.5000, ' \
-         '0.002: 2.6000, 0.004: diverged' in tuning.summary()
+  assert 'norm_position=post: train.learning_rate=0.001 (the smallest value of the grid: one ' \
+         'beyond it may do better); final valid loss 0.001: 2.5000, 0.002: 2.6000, ' \
+         '0.004: diverged' in tuning.summary()
   # A tuning run that failed: nothing is chosen, and the other seeds cannot run.
   again = sweep_tune.CellTuning(axis, {'model.norm_position': 'post'}, [0, 1])
   again.decide({a: 'done', b: 'failed (rc 1)', c: 'diverged'}, str(tmp_path), steps)
   assert again.chosen is None and again.note == f'tuning run {b}: failed (rc 1)'
   seed_1 = again.seed_cells()[0]
   assert again.resolve(seed_1) == (seed_1, f'no {LR} chosen: tuning run {b}: failed (rc 1)')
+
+
+def test_a_choice_at_the_grids_edge_is_flagged():
+  assert sweep_tune.grid_edge([5e-4, 1e-3, 2e-3], 2e-3) == 'the largest'
+  assert sweep_tune.grid_edge([2e-3, 1e-3, 5e-4], 2e-3) == 'the largest'  # any order
+  assert sweep_tune.grid_edge([5e-4, 1e-3, 2e-3], 5e-4) == 'the smallest'
+  assert sweep_tune.grid_edge([5e-4, 1e-3, 2e-3], 1e-3) is None
+  assert sweep_tune.grid_edge([1e-3, 2e-3], 2e-3) is None  # two values have no inside
+  assert sweep_tune.grid_edge(['relu', 'gelu', 'swiglu'], 'relu') is None  # no order
+  assert sweep_tune.grid_edge([5e-4, 1e-3, 2e-3], None) is None
+  axis = sweep_tune.Axis(LR, [0.001, 0.002, 0.004])
+  tuning = sweep_tune.CellTuning(axis, {'model.norm_position': 'pre'}, [0, 1])
+  tuning.chosen = 0.004
+  assert 'train.learning_rate=0.004 (the largest value of the grid: one beyond it may do better)' \
+      in tuning.summary()
 
 
 # --- The plan -------------------------------------------------------------------------------------
