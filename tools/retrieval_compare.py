@@ -24,21 +24,31 @@ def _accuracy_by_length(report):
   return {int(n): float(np.mean(list(by_depth.values()))) for n, by_depth in report.items()}
 
 
-def cell_rows(groups, labels=None):
+def cell_rows(groups):
   """[(row label, training length, [retrieval report per seed])] of every group and evaluation
-  file holding a retrieval report, in the groups' order; `labels` (one per group) replace the
-  groups' own."""
+  file holding a retrieval report, in the groups' order."""
+  return _labelled(_reports(groups), groups)
+
+
+def _reports(groups):
+  """[(group index, evaluation name, training length, [retrieval report per seed])]: every
+  evaluation file read once."""
   out = []
-  for i, (label, runs) in enumerate(groups):
+  for i, (_, runs) in enumerate(groups):
     for name in extrapolation_compare.eval_names(runs):
       reports = [(extrapolation_compare.load_eval(r['workdir'], name) or {}).get('retrieval')
                  for r in runs]
       reports = [r for r in reports if r]
       if reports:
-        length = runs[0].get('config', {}).get('data.max_length')
-        out.append((extrapolation_compare.row_label(labels[i] if labels else label, name),
-                    length, reports))
+        out.append((i, name, runs[0].get('config', {}).get('data.max_length'), reports))
   return out
+
+
+def _labelled(found, groups, labels=None):
+  """`_reports`' rows labelled by `labels` (one per group; None: the groups' own labels)."""
+  labels = labels or [label for label, _ in groups]
+  return [(extrapolation_compare.row_label(labels[i], name), length, reports)
+          for i, name, length, reports in found]
 
 
 def _stat(values):
@@ -101,12 +111,12 @@ def figure(rows):
 def report(groups, out):
   """Draws `figure` next to `out` (NAME_retrieval.png) and returns the markdown table ('' and no
   picture when no run has a retrieval report)."""
-  rows = cell_rows(groups)
-  if not rows:
+  found = _reports(groups)
+  if not found:
     return ''
   # The panels are titled by the legend's short labels (the table keeps the full overrides).
-  fig = figure(cell_rows(groups, extrapolation_compare.legend_labels(groups)[0]))
+  fig = figure(_labelled(found, groups, extrapolation_compare.legend_labels(groups)[0]))
   stem = out[:-4] if out.endswith('.png') else out
   plots.save_figure(fig, f'{stem}_retrieval.png')
   plot_style.pyplot().close(fig)
-  return markdown_table(rows)
+  return markdown_table(_labelled(found, groups))
