@@ -10,6 +10,7 @@ tabulates the tuning runs: cell x value -> final validation loss, the chosen val
 """
 
 from training import paths as paths_lib  # local or gs://
+from tools import extrapolation_compare
 from tools import runs as runs_lib
 from tools import sweep_spec
 from tools import sweep_tune
@@ -55,7 +56,11 @@ def markdown(choices, groups):
   """The tuning table of each choice file (cells named as in the summary table, when their runs
   are compared), or '' without choice files."""
   labels = {run['workdir']: label for label, runs in groups for run in runs}
-  return '\n\n'.join(_table(path, doc, labels) for path, doc in choices)
+  tables = []
+  for path, doc in choices:
+    tables.append(_table(path, doc, labels))
+    tables.append(_extrapolation_table(path, doc, labels))
+  return '\n\n'.join(table for table in tables if table)
 
 
 def _table(path, doc, labels):
@@ -67,15 +72,45 @@ def _table(path, doc, labels):
            'smallest or largest value of the grid, so one beyond it may do better.', '',
            _line(head), '|' + '---|' * len(head)]
   for entry in doc.get('cells', []):
-    workdirs = [paths_lib.join(path, name) for name in entry.get('runs') or []]
-    label = next((labels[w] for w in workdirs if w in labels), entry.get('cell') or '(base)')
-    cells = [label]
+    cells = [_cell_label(path, entry, labels)]
     for run in entry.get('tuning', []):
       text = _loss_text(run)
       cells.append(f'**{text}**' if run['value'] == entry.get('chosen') else text)
     cells.append(_chosen_text(entry, values))
     lines.append(_line(cells))
   return '\n'.join(lines)
+
+
+def _extrapolation_table(path, doc, labels):
+  """Cell x value -> 'r2 / r4 / r8' of each tuning run's eval.json, or '' when no tuning run has
+  extrapolation rows."""
+  ratios = [f'r{k}' for k in extrapolation_compare.RATIOS]
+  rows, found = [], False
+  for entry in doc.get('cells', []):
+    cells = [_cell_label(path, entry, labels)]
+    for run in entry.get('tuning', []):
+      result = extrapolation_compare.load_eval(paths_lib.join(path, run['run']))
+      metrics = extrapolation_compare.run_metrics(result)
+      if metrics['loss_L'] is None:
+        cells.append('-')
+        continue
+      found = True
+      text = ' / '.join('-' if metrics[r] is None else f'{metrics[r]:.2f}' for r in ratios)
+      cells.append(f'**{text}**' if run['value'] == entry.get('chosen') else text)
+    rows.append(_line(cells))
+  if not found:
+    return ''
+  head = ['cell'] + [sweep_spec.format_value(v) for v in doc['values']]
+  return '\n'.join([f'Extrapolation of the same tuning runs at every value of {doc["field"]}: '
+                    f'{" / ".join(ratios)} (loss at kL over the loss at L, '
+                    f'{extrapolation_compare.MODE} windows); the chosen value in bold.', '',
+                    _line(head), '|' + '---|' * len(head)] + rows)
+
+
+def _cell_label(path, entry, labels):
+  """The cell's label in the summary table, or its overrides when its runs are not compared."""
+  workdirs = [paths_lib.join(path, name) for name in entry.get('runs') or []]
+  return next((labels[w] for w in workdirs if w in labels), entry.get('cell') or '(base)')
 
 
 def _loss_text(run):

@@ -288,7 +288,9 @@ def test_dry_run_prints_the_other_seeds_once_the_tuning_runs_have_ended(tmp_path
 
 # --- tools.compare --------------------------------------------------------------------------------
 
-def test_compare_shows_each_cell_at_its_chosen_rate_and_the_tuning_table(tmp_path):
+def _tuned_sweep(tmp_path):
+  """A tuned sweep directory: pre and post, each tuned at 0.001 and 0.002 with seed 0 (post
+  diverged at 0.002), then seed 1 at the chosen rate."""
   sw = tmp_path / 'sw'
   losses = {('pre', 0.001): 2.3, ('pre', 0.002): 2.1, ('post', 0.001): 2.2,
             ('post', 0.002): math.nan}
@@ -312,6 +314,11 @@ def test_compare_shows_each_cell_at_its_chosen_rate_and_the_tuning_table(tmp_pat
                   'chosen': chosen[norm], 'runs': runs, 'note': ''})
   (sw / 'tune.json').write_text(json.dumps({'field': LR, 'values': [0.001, 0.002],
                                             'tuning_seed': 0, 'seeds': [0, 1], 'cells': cells}))
+  return sw
+
+
+def test_compare_shows_each_cell_at_its_chosen_rate_and_the_tuning_table(tmp_path):
+  sw = _tuned_sweep(tmp_path)
   text = compare.compare([str(sw)], str(tmp_path / 'cmp.png'))
   lines = text.splitlines()
   assert lines[0].startswith('| cell | seeds | chosen learning_rate | final train |')
@@ -325,6 +332,25 @@ def test_compare_shows_each_cell_at_its_chosen_rate_and_the_tuning_table(tmp_pat
   assert table[2:4] == ['| norm_position=pre | 2.3000 | **2.1000** | 0.002 |',
                         '| norm_position=post | **2.2000** | diverged | 0.001 |']
   assert 'Tuning of train.learning_rate' in text
+  assert 'Extrapolation of the same tuning runs' not in text  # no eval.json
+
+
+def test_compare_tabulates_the_tuning_runs_extrapolation_at_every_rate(tmp_path):
+  sw = _tuned_sweep(tmp_path)
+  # Pre-LN's tuning runs evaluated at 1, 2, 4, 8 x L: losses 1, 1.1, 1.2, 1.6 at 0.001 and
+  # 1, 1.2, 1.5, 2.0 at 0.002 (the chosen rate); post's have no eval.json.
+  for lr, losses in ((0.001, (1.0, 1.1, 1.2, 1.6)), (0.002, (1.0, 1.2, 1.5, 2.0))):
+    rows = [{'multiple': float(k), 'length': 8 * k, 'mode': 'non_overlapping', 'loss': loss,
+             'target_loss': loss} for k, loss in zip((1, 2, 4, 8), losses)]
+    workdir = sw / f'model.norm_position=pre,{LR}={lr},seed=0'
+    (workdir / 'eval.json').write_text(json.dumps({'extrapolation': rows}))
+  lines = compare.compare([str(sw)], str(tmp_path / 'cmp.png')).splitlines()
+  head = next(i for i, l in enumerate(lines) if l.startswith('Extrapolation of the same tuning'))
+  assert 'r2 / r4 / r8' in lines[head]
+  assert lines[head + 2:head + 6] == ['| cell | 0.001 | 0.002 |', '|---|---|---|',
+                                      '| norm_position=pre | 1.10 / 1.20 / 1.60 | '
+                                      '**1.20 / 1.50 / 2.00** |',
+                                      '| norm_position=post | - | - |']
 
 
 def _set_lr(workdir, lr):
