@@ -77,13 +77,18 @@ class Outcome(NamedTuple):
 
 def run_cell(ctx, cell, steps):
   """Trains `cell` to `steps` with train.py (resuming its newest checkpoint), then, with
-  `ctx.run_eval`, runs its eval.py commands; a finished or diverged cell is not run again.
+  `ctx.run_eval`, runs its eval.py commands; a finished or diverged cell is not trained again, but
+  a finished one stopped before its evaluations ended runs the ones it lacks.
 
   Returns:
     The cell's `Outcome`.
   """
   workdir = paths.join(ctx.sweep_dir, cell['name'])
   status, latest = cell_status(workdir, steps)
+  if status == 'done' and ctx.run_eval and missing_evals(ctx, cell):
+    start = time.perf_counter()
+    how = 'done already; evaluations resumed' + run_evals(ctx, cell, only_missing=True)
+    return Outcome('skipped', how, time.perf_counter() - start)
   if status in ('done', 'diverged'):
     return Outcome('skipped' if status == 'done' else 'diverged', f'{status} already')
   if ctx.children.signum:  # no new cell once the sweep is stopping
@@ -116,12 +121,33 @@ def _result(rc, status, signum):
   return f'failed (rc {rc})'
 
 
-def run_evals(ctx, cell):
-  """Runs the cell's eval.py commands (`sweep_spec.eval_commands`), keeping each variant's
-  eval.json as eval_<suffix>.json; returns what the progress line adds ('' when all went well)."""
+def _eval_file(suffix):
+  return f'eval_{suffix}.json' if suffix else 'eval.json'
+
+
+def missing_evals(ctx, cell):
+  """The suffixes of the cell's eval.py commands whose file its workdir lacks. Each variant writes
+  eval.json before the runner renames it, and the plain evaluation runs last, so an eval.json is
+  the plain one only when no variant's file is missing: the plain evaluation runs again then."""
+  workdir = paths.join(ctx.sweep_dir, cell['name'])
+  commands = sweep_spec.eval_commands(ctx.sweep, ctx.sweep_dir, cell, sys.executable, EVAL_PY)
+  missing = [suffix for suffix, _ in commands
+             if not paths.exists(paths.join(workdir, _eval_file(suffix)))]
+  if missing and '' not in missing and any(suffix == '' for suffix, _ in commands):
+    missing.append('')
+  return missing
+
+
+def run_evals(ctx, cell, only_missing=False):
+  """Runs the cell's eval.py commands (`sweep_spec.eval_commands`; with `only_missing`, those of
+  `missing_evals`), keeping each variant's eval.json as eval_<suffix>.json; returns what the
+  progress line adds ('' when all went well)."""
   workdir = paths.join(ctx.sweep_dir, cell['name'])
   notes = ''
   commands = sweep_spec.eval_commands(ctx.sweep, ctx.sweep_dir, cell, sys.executable, EVAL_PY)
+  if only_missing:
+    wanted = set(missing_evals(ctx, cell))
+    commands = [(suffix, argv) for suffix, argv in commands if suffix in wanted]
   for suffix, argv in commands:
     if ctx.children.signum:
       return notes + '; eval not started (stopped)'

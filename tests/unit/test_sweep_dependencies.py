@@ -1,5 +1,6 @@
 """tools.sweep: a cell started from another cell's parameters (train.init_from={'cell': {...}}) gets
-that cell's workdir and runs only after it, also side by side (--parallel)."""
+that cell's workdir and runs only after it, also side by side (--parallel); the evaluations of
+finished cells, and a rerun that runs those a stopped sweep left undone."""
 
 import io
 import os
@@ -125,3 +126,42 @@ def test_eval_json_is_the_plain_evaluation_and_each_variant_keeps_its_own(tmp_pa
   tune = next(p for p in (tmp_path / 'sw').iterdir() if 'rope_scaling=pi' in p.name)
   assert (tune / 'eval.json').read_text() == '--lengths=1,2'
   assert not list(tune.glob('eval_*.json'))
+
+
+def test_a_rerun_runs_only_the_evaluations_a_stopped_sweep_left_undone(tmp_path):
+  """A sweep stopped after a cell trained, and after a variant's eval.py wrote eval.json but before
+  its rename, runs that variant and the plain evaluation again, and trains nothing."""
+  spec = _write(tmp_path, SWEEP.replace(
+      "'seeds': [0, 1]}",
+      "'seeds': [0], 'eval_flags': ['--lengths=1,2'],\n"
+      "          'eval_variants': {'data.max_length=64': ['--rope_scaling=pi:2', "
+      "'--rope_scaling=ntk:2']}}"))
+  launched = []
+
+  def launch(argv, log_path, env):
+    del log_path, env
+    workdir = next(a for a in argv if a.startswith('--workdir=')).split('=', 1)[1]
+    launched.append((os.path.basename(workdir), ' '.join(argv[3:])))
+    if argv[1].endswith('eval.py'):
+      with open(os.path.join(workdir, 'eval.json'), 'w') as f:
+        f.write(' '.join(argv[3:]))
+    else:
+      os.makedirs(os.path.join(workdir, 'checkpoints', '20'))
+    return 0
+
+  sweep_dir = tmp_path / 'sw'
+  sweep_runner.run_sweep(spec, str(sweep_dir), run_eval=True, launch=launch, out=io.StringIO())
+  base = sweep_dir / 'data.max_length=64,seed=0'
+  (base / 'eval_rope_scaling=ntk_2.json').rename(base / 'eval.json')  # the stop's leftovers
+  launched.clear()
+  out = io.StringIO()
+  sweep_runner.run_sweep(spec, str(sweep_dir), run_eval=True, launch=launch, out=out)
+  assert launched == [('data.max_length=64,seed=0', '--lengths=1,2 --rope_scaling=ntk:2'),
+                      ('data.max_length=64,seed=0', '--lengths=1,2')]
+  assert 'evaluations resumed' in out.getvalue()
+  assert (base / 'eval.json').read_text() == '--lengths=1,2'
+  assert (base / 'eval_rope_scaling=ntk_2.json').read_text() == (
+      '--lengths=1,2 --rope_scaling=ntk:2')
+  launched.clear()
+  sweep_runner.run_sweep(spec, str(sweep_dir), run_eval=True, launch=launch, out=io.StringIO())
+  assert not launched  # nothing is left to do
