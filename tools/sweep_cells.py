@@ -85,9 +85,10 @@ def run_cell(ctx, cell, steps):
   """
   workdir = paths.join(ctx.sweep_dir, cell['name'])
   status, latest = cell_status(workdir, steps)
-  if status == 'done' and ctx.run_eval and missing_evals(ctx, cell):
+  missing = missing_evals(ctx, cell) if status == 'done' and ctx.run_eval else []
+  if missing:
     start = time.perf_counter()
-    how = 'done already; evaluations resumed' + run_evals(ctx, cell, only_missing=True)
+    how = 'done already; evaluations resumed' + run_evals(ctx, cell, only=missing)
     return Outcome('skipped', how, time.perf_counter() - start)
   if status in ('done', 'diverged'):
     return Outcome('skipped' if status == 'done' else 'diverged', f'{status} already')
@@ -138,16 +139,15 @@ def missing_evals(ctx, cell):
   return missing
 
 
-def run_evals(ctx, cell, only_missing=False):
-  """Runs the cell's eval.py commands (`sweep_spec.eval_commands`; with `only_missing`, those of
-  `missing_evals`), keeping each variant's eval.json as eval_<suffix>.json; returns what the
-  progress line adds ('' when all went well)."""
+def run_evals(ctx, cell, only=None):
+  """Runs the cell's eval.py commands (`sweep_spec.eval_commands`; with `only`, those whose
+  suffix it lists, e.g. `missing_evals`), keeping each variant's eval.json as
+  eval_<suffix>.json; returns what the progress line adds ('' when all went well)."""
   workdir = paths.join(ctx.sweep_dir, cell['name'])
   notes = ''
   commands = sweep_spec.eval_commands(ctx.sweep, ctx.sweep_dir, cell, sys.executable, EVAL_PY)
-  if only_missing:
-    wanted = set(missing_evals(ctx, cell))
-    commands = [(suffix, argv) for suffix, argv in commands if suffix in wanted]
+  if only is not None:
+    commands = [(suffix, argv) for suffix, argv in commands if suffix in only]
   for suffix, argv in commands:
     if ctx.children.signum:
       return notes + '; eval not started (stopped)'
