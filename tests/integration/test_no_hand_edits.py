@@ -156,29 +156,38 @@ def jax_leaves(tree):
   return jax.tree.leaves(tree)
 
 
+LATE_STEPS = 40  # at about 0.2 s a step here, far beyond the 4 s of the latest signal
+
+
 @pytest.mark.parametrize('delay', [0.3, 1.5, 4.0])
 def test_ctrl_c_during_start_up_is_one_line_and_exit_130(data_dir, tmp_path, uninterrupted,
                                                          delay):
   """At 0.3 s the imports run, at 1.5 s JAX starts, at 4 s the state compiles (or the loop,
-  installed by then, saves and stops): each ends in one line with status 130."""
+  installed by then, saves and stops): each ends in one line with status 130. The run has
+  LATE_STEPS steps, so that it cannot end before the latest signal (6 steps once did, with a warm
+  machine); with a constant rate its first 6 steps are the uninterrupted run's."""
   import signal  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
   args = [sys.executable, 'train.py', '--config=configs/decoder_only.py:quick',
-          f'--workdir={tmp_path}', f'--config.data.data_dir={data_dir}', '--config.train.steps=6',
+          f'--workdir={tmp_path}', f'--config.data.data_dir={data_dir}',
+          f'--config.train.steps={LATE_STEPS}',
           '--config.train.checkpoint_every=2', '--config.train.log_every=1',
           '--config.train.eval_every=2', '--config.train.warmup_steps=0',
           '--config.train.schedule=constant']
   proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True)
   time.sleep(delay)
+  assert proc.poll() is None, 'the run ended before the signal: give it more steps'
   proc.send_signal(signal.SIGINT)
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == 130, err[-2000:]
   assert 'Traceback' not in err, err[-2000:]
   assert err.strip().splitlines()[-1].startswith('train: stopped by SIGINT'), err[-2000:]
   if delay == 4.0:  # the latest stop (a checkpoint may exist): the same command resumes
-    assert train_cli(tmp_path, data_dir, 6).returncode == 0
-    assert rows(tmp_path) == uninterrupted
+    assert train_cli(tmp_path, data_dir, LATE_STEPS).returncode == 0
+    resumed = rows(tmp_path)
+    assert resumed[:len(uninterrupted)] == uninterrupted
+    assert resumed[-1][0] == LATE_STEPS
 
 
 def test_a_killed_sweep_runner_takes_its_cells_with_it(data_dir, tmp_path):
