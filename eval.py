@@ -29,6 +29,7 @@ from training import distributed
 from training import evaluation
 from training import extrapolation
 from training import paths
+from training import recall
 from training import retrieval
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'A train.py workdir (a local path or gs://).')
@@ -99,7 +100,8 @@ def print_summary(result, splits):
       continue
     print(f'{split}: {loss}exact_match {t["exact_match"]:.4f}  token_accuracy '
           f'{t["token_accuracy"]:.4f}  bleu {t["bleu"]:.2f}  (n={t["n"]})')
-  for line in retrieval.summary_lines(result.get('retrieval', {})):
+  for line in (retrieval.summary_lines(result.get('retrieval', {}))
+               + recall.summary_lines(result.get('recall', {}))):
     print(line)
   for row in result.get('extrapolation', []):
     print(f'extrapolation x{row["multiple"]:g} L={row["length"]} {row["mode"]}: loss '

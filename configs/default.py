@@ -177,6 +177,7 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   data.task = 'base'  # base (the toy translation task) | text_pairs (your TSV files of
   #                     source<TAB>target lines) | text_lm (your text files, one document per line)
   #                     | passkey (passkey retrieval in filler of the toy language, generated)
+  #                     | mqar | induction | selective_copy | memorize (synthetic, generated)
   data.max_length = 64  # training length in tokens
   data.data_dir = './tfds_data'  # where the dataset is generated (first use) and read
   # text_pairs / text_lm: your files, local or gs://, prepared once into
@@ -194,6 +195,15 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   data.passkey_depths = (0.0, 1.0)  # passkey: (low, high) of the training depths, drawn uniformly:
   #                                   the share of the filler before the key, 0 (right after <bos>)
   #                                   to 1 (right before the query)
+  # mqar | induction | selective_copy | memorize (data/synthetic.py): generated rows of
+  # data.max_length tokens, decoder_only, loss and accuracy on the scored tokens alone.
+  data.synthetic = ml_collections.ConfigDict()
+  data.synthetic.pairs = 16  # mqar, memorize: key-value pairs a row; induction: tokens of the
+  #                            repeated segment; selective_copy: data tokens to copy
+  data.synthetic.keys = 64  # mqar: key vocabulary; memorize: keys of the fixed map (its size)
+  data.synthetic.values = 64  # value vocabulary (mqar, memorize); token vocabulary (induction,
+  #                             selective_copy): chance accuracy 1/values
+  data.synthetic.queries = 0  # mqar: keys asked again a row (0 = every pair)
   data.packing = 'none'  # none (one pair per padded row) | segments (packed, attention per pair)
   #                        | stream (packed, attention across pairs: LM / extrapolation studies)
   # S disjoint shards of the training split, each giving batch_size / S rows of every batch: with

@@ -1,5 +1,6 @@
 """grain input pipeline: sentence pairs (the toy task, your TSV files), documents (your text
-files) or passkey prompts -> padded, packed or streamed batches per architecture."""
+files), passkey prompts or synthetic task rows -> padded, packed or streamed batches per
+architecture."""
 
 import collections
 import functools
@@ -11,14 +12,15 @@ import tensorflow_datasets as tfds
 
 from data import passkey
 from data import remote_dir
+from data import synthetic
 from data import text_corpus
 from data import tokenizer as tokenizer_lib
 from data import toy_translation
 
 BOS, EOS, SEP = tokenizer_lib.BOS, tokenizer_lib.EOS, tokenizer_lib.SEP
 LOSS_ON = ('target', 'all')
-# The toy task names, your own data, the generated passkey retrieval task.
-TASKS = tuple(toy_translation.TASKS) + text_corpus.TASKS + (passkey.TASK,)
+# The toy task names, your own data, the generated passkey retrieval and synthetic tasks.
+TASKS = tuple(toy_translation.TASKS) + text_corpus.TASKS + (passkey.TASK,) + synthetic.TASKS
 DataError = text_corpus.DataError  # a bad input file or data setting (one line naming the file)
 ToySource = collections.namedtuple('ToySource', 'task data_dir')
 
@@ -32,13 +34,15 @@ def _field(data_config, name, default):
 def _source(data_config):
   """The hashable identity of the configured corpus (the per-process caches are keyed by it): a
   ToySource, a text_corpus.CorpusSpec for data.task text_pairs / text_lm, or a
-  passkey.PasskeySpec."""
+  passkey.PasskeySpec, or a synthetic.SyntheticSpec."""
   task = _field(data_config, 'task', 'base')
   _check('task', task, TASKS)
   if task in text_corpus.TASKS:
     return text_corpus.spec_from_config(data_config)
   if task == passkey.TASK:
     return passkey.spec_from_config(data_config)
+  if task in synthetic.TASKS:
+    return synthetic.spec_from_config(data_config)
   # A gs:// data_dir is read through a local mirror (data.remote_dir).
   return ToySource(task, remote_dir.local_data_dir(_field(data_config, 'data_dir', './tfds_data'),
                                                    task))
@@ -52,10 +56,15 @@ def is_passkey(source) -> bool:
   return isinstance(source, passkey.PasskeySpec)
 
 
+def is_synthetic(source) -> bool:
+  return isinstance(source, synthetic.SyntheticSpec)
+
+
 def has_pairs(data_config) -> bool:
   """Whether the task's examples are (source, target) pairs (translation can be scored); text_lm
-  holds documents, passkey retrieval prompts (scored by `training.retrieval`)."""
-  return _field(data_config, 'task', 'base') not in ('text_lm', passkey.TASK)
+  holds documents, passkey retrieval prompts (scored by `training.retrieval`), the synthetic
+  tasks rows of tokens scored where they say."""
+  return _field(data_config, 'task', 'base') not in ('text_lm', passkey.TASK) + synthetic.TASKS
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,6 +74,8 @@ def _prepared(source) -> str:
     return text_corpus.prepare(source)
   if is_passkey(source):
     return passkey.prepare(source)
+  if is_synthetic(source):
+    return synthetic.prepare(source)
   return toy_translation.prepare(source.data_dir, source.task)
 
 
@@ -74,6 +85,8 @@ def _tokenizer(source):
     return text_corpus.load_tokenizer(_prepared(source))
   if is_passkey(source):
     return passkey.load_tokenizer(source)
+  if is_synthetic(source):
+    return synthetic.load_tokenizer(source)
   return toy_translation.load_tokenizer(source.data_dir, source.task)
 
 
@@ -101,6 +114,8 @@ def split_names(data_config) -> list[str]:
     return list(text_corpus.SPLITS)
   if is_passkey(source):
     return list(passkey.SPLITS)
+  if is_synthetic(source):
+    return list(synthetic.SPLITS)
   return list(toy_translation.TASKS[source.task].splits)
 
 
@@ -120,6 +135,8 @@ def _read_split(source, split: str) -> tuple[tuple[str, str], ...]:
     return tuple(text_corpus.read_split(_prepared(source), split))
   if is_passkey(source):
     return tuple(passkey.read_split(source, split))
+  if is_synthetic(source):
+    return tuple(synthetic.read_split(source, split))
   _prepared(source)
   data = tfds.data_source(f'toy_translation/{source.task}', data_dir=source.data_dir, split=split)
   records = data.__getitems__(range(len(data)))
@@ -134,8 +151,12 @@ def _encode(tokenizer, src, tgt):
 
 @functools.lru_cache(maxsize=None)
 def _encoded_split(source, split: str) -> tuple[dict[str, np.ndarray], ...]:
-  """The split as {'source', 'target'} int32 id arrays (no specials), cached per process."""
+  """The split as {'source', 'target'} int32 id arrays (no specials), cached per process; a
+  synthetic task's as {'ids', 'scored'} (`data.synthetic.encode`)."""
   tokenizer = _tokenizer(source)
+  if is_synthetic(source):
+    return tuple(synthetic.encode(tokenizer, words, scored)
+                 for words, scored in _read_split(source, split))
   out = []
   for src, tgt in _read_split(source, split):
     src_ids, tgt_ids = _encode(tokenizer, src, tgt)
@@ -254,8 +275,10 @@ def make_iterator(data_config, split: str, batch_size: int, *, arch: str = 'deco
     raise ValueError("Unsupported packing 'stream' for arch 'encoder_decoder'; "
                      "valid values: none, segments")
   shard = _encoded_split(source, split)[shard_index::shard_count]
+  # Passkey and synthetic rows are generated to fit: a stream's fit (all) for them.
+  whole_rows = is_passkey(source) or is_synthetic(source)
   fits = functools.partial(_fits, length=length, arch=arch,
-                           packing='stream' if is_passkey(source) else packing)  # all fit
+                           packing='stream' if whole_rows else packing)
   num_dropped = sum(not fits(pair) for pair in shard)
   if num_dropped:
     logging.warning('%s/%s: %d of %d pairs longer than %d tokens are dropped (packing %s).',
@@ -270,6 +293,11 @@ def make_iterator(data_config, split: str, batch_size: int, *, arch: str = 'deco
   pairs = pairs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   if is_passkey(source):  # decoder_only rows, loss on the value only (validation checks both)
     rows = pairs.map(lambda pair: passkey.row(pair['source'], pair['target'], length))
+  elif is_synthetic(source):  # decoder_only rows of data.max_length, loss on the scored tokens
+    if length != source.length:
+      raise ValueError(f'data.task={source.task!r} rows hold data.max_length={source.length} '
+                       f'tokens; a length of {length} was asked for')
+    rows = pairs.map(lambda ex: synthetic.row(ex['ids'], ex['scored'], length))
   else:
     rows = PACKINGS[packing](pairs, length, arch, loss_on, batch_size, seed, shuffle)
   batches = rows.batch(batch_size, drop_remainder=drop_remainder)

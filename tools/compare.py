@@ -2,7 +2,7 @@
 
     python -m tools.compare DIR [DIR ...] [--out=PNG] [--smooth=ema:0.9] [--logy] [--logx]
         [--target_loss=3.0 [--target_split=train]] [--color_by=FIELD] [--style_by=FIELD]
-        [--band=minmax|std|none] [--metrics=moe_drop_fraction,moe_load_cv]
+        [--band=minmax|std|none] [--metrics=moe_drop_fraction,moe_load_cv] [--baseline=CELL]
 
 Runs are workdirs (metrics.jsonl, config.json, run_info.json); a sweep directory stands for every
 workdir inside it. Runs whose configs differ only in `train.seed` form one group, drawn as the mean
@@ -19,6 +19,12 @@ cell's chosen value, shown in the table's `chosen` column; a second table lists 
 validation loss of every tuning run, cell x value (tools/tune_table.py). Runs evaluated by eval.py
 add their tables: loss by length (--lengths, tools/extrapolation_compare.py) and passkey retrieval
 accuracy by length, with every cell's heat map in OUT_retrieval.png (tools/retrieval_compare.py).
+
+Statistics (tools/stats.py): every cell's final validation loss and eval.json metrics as a mean
+with a 95% t interval across seeds, in a table and in OUT_stats.json; with --baseline=CELL (a
+cell's name as the table prints it) a t-test of every cell against it, paired by seed where both
+ran the same seeds, else Welch's, and a verdict at 5%: better, worse or n.s. The final validation
+loss's verdict also reads in the picture's legend.
 
 Flags (on the raw train loss of each run, documented in the table's footnote):
 - diverged: a non-finite loss, or a spike: after the first 10% of the run's steps, a train loss
@@ -42,13 +48,15 @@ from tools import extrapolation_compare
 from tools import metric_compare
 from tools import retrieval_compare
 from tools import runs as runs_lib
+from tools import stats as stats_lib
 from tools import summary as summary_lib
 from tools import summary_table
 from tools import tune_table
 
 
 def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=None,
-            target_split='valid', color_by=None, style_by=None, band_kind='minmax', metrics=()):
+            target_split='valid', color_by=None, style_by=None, band_kind='minmax', metrics=(),
+            baseline=None):
   """Loads the runs under `paths`, draws `out` (PNG) and returns the markdown summary table.
 
   Args:
@@ -65,12 +73,14 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
     band_kind: the spread across seeds: 'minmax', 'std' or 'none'.
     metrics: logged training metrics beside the loss to draw over training into OUT_metrics.png
       and tabulate (`tools.metric_compare`).
+    baseline: a cell's label: every other cell is tested against it (`tools.stats`).
 
   Returns:
     The markdown table, the groups labelled with their full overrides (then, for a tuned sweep,
     the tuning table of `tools.tune_table`; for runs with eval.json extrapolation rows,
     `extrapolation_compare`'s table; for passkey runs with a retrieval report,
-    `retrieval_compare`'s; with `metrics`, `metric_compare`'s).
+    `retrieval_compare`'s; with `metrics`, `metric_compare`'s; then `tools.stats`' table, whose
+    numbers are written to OUT_stats.json).
   """
   runs = [runs_lib.load_run(w) for w in runs_lib.find_runs(paths)]
   # A tuned sweep (tools.sweep --tune): each cell at its chosen value; the tuning runs at the
@@ -82,6 +92,9 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   curves_lib.band([(np.zeros(1), np.zeros(1))], band_kind)
   groups = summary_lib.group_runs(runs)
   summary = summary_lib.summarize(groups, target_loss, target_split)
+  stats = stats_lib.cell_stats(groups, baseline)  # a bad --baseline before any drawing
+  for row in summary:
+    row['verdict'] = stats[row['label']].get('final_valid', {}).get('verdict')
   metric_compare.check_metrics(groups, metrics)  # a bad --metrics before any drawing
   compare_figure.plot(groups, summary, out, smoothing=smoothing, logy=logy, logx=logx,
                       title=_title(paths, len(runs), len(groups)), color_by=color_by,
@@ -95,7 +108,11 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   tuning = tune_table.markdown(choices, groups)
   logged = metric_compare.report(groups, summary, out, metrics, color_by=color_by,
                                  style_by=style_by, band_kind=band_kind)
-  return '\n\n'.join(part for part in (table, tuning, extrapolation, retrieval, logged) if part)
+  stats_lib.write(stats, out)
+  tested = (f'Statistics (numbers in {stats_lib.stats_path(out)}):\n\n'
+            + stats_lib.markdown(stats, baseline))
+  return '\n\n'.join(part for part in (table, tuning, extrapolation, retrieval, logged, tested)
+                     if part)
 
 
 def _title(paths, num_runs, num_groups):
@@ -131,6 +148,9 @@ def define_flags():
                       'colour alone does not tell the groups apart; none: solid lines.')
   flags.DEFINE_list('metrics', [], 'Logged training metrics to draw over training beside the '
                     'loss (OUT_metrics.png) and tabulate, e.g. moe_drop_fraction,moe_load_cv.')
+  flags.DEFINE_string('baseline', None, 'A cell\'s name as the table prints it (its overrides '
+                      'without the seed): every other cell gets a verdict against it, better, '
+                      'worse or n.s. at 5% (paired t-test by seed, else Welch).')
   flags.DEFINE_string('band', 'minmax', 'The band around each group\'s mean across seeds: minmax, '
                       'std (mean -/+ one standard deviation) or none.')
 
@@ -148,7 +168,7 @@ def main(argv):
     table = compare(paths, out, smoothing=FLAGS.smooth, logy=FLAGS.logy, logx=FLAGS.logx,
                     target_loss=FLAGS.target_loss, target_split=FLAGS.target_split,
                     color_by=FLAGS.color_by, style_by=FLAGS.style_by, band_kind=FLAGS.band,
-                    metrics=FLAGS.metrics)
+                    metrics=FLAGS.metrics, baseline=FLAGS.baseline)
   except (FileNotFoundError, ValueError) as e:
     print(str(e), file=sys.stderr)
     sys.exit(2)

@@ -162,11 +162,14 @@ def _steady_tokens_per_sec(rows):
 
 def flag_words(row):
   """The legend's flags of a summary row: ['diverged 1/3', 'plateau'] (a count where not all
-  seeds)."""
+  seeds), and the final validation loss's verdict against a baseline ('n.s.', 'better', 'worse')
+  where `tools.stats` gave one."""
   words = []
   hits = (('diverged', sum(d is not None for d in row['diverged'])),
           ('plateau', sum(row['plateaued'])))
   for word, count in hits:
     if count:
       words.append(word if count == row['seeds'] else f'{word} {count}/{row["seeds"]}')
+  if row.get('verdict') in ('better', 'worse', 'n.s.'):  # against --baseline (tools.stats)
+    words.append(row['verdict'])
   return words

@@ -13,8 +13,15 @@ def markdown_table(summary, target_loss=None, target_split='valid'):
   has_init = any(v is not None for row in summary for v in row['init_grad_ratio'])
   tuned = sorted({f for row in summary for f in row.get('tuned') or ()})
   head = _header(target_loss, target_split, has_init, tuned)
+  tested = any(row.get('verdict') for row in summary)  # tools.compare --baseline
+  if tested:
+    head.insert(head.index('best valid'), 'final valid vs baseline')
   lines = [_line(head), '|' + '---|' * len(head)]
-  lines += [_line(_cells(row, target_loss, has_init, tuned)) for row in summary]
+  for row in summary:
+    cells = _cells(row, target_loss, has_init, tuned)
+    if tested:
+      cells.insert(head.index('best valid'), row.get('verdict') or '-')
+    lines.append(_line(cells))
   lines += ['', _footnote(has_init, tuned)]
   return '\n'.join(lines)
 

@@ -357,10 +357,10 @@ def _run_config(workdir):
 
 
 def _check_documents_flags(task, *, translate, plot_attention, decode, max_examples):
-  """Flags that work on sentence pairs, refused for a run on documents (data.task=text_lm) or
-  passkey prompts."""
-  why = (f"data.task={task!r} holds {'documents' if task == 'text_lm' else 'retrieval prompts'}, "
-         'not sentence pairs')
+  """Flags that work on sentence pairs, refused for a run on documents (data.task=text_lm),
+  passkey prompts or synthetic task rows."""
+  holds = {'text_lm': 'documents', 'passkey': 'retrieval prompts'}.get(task, 'synthetic task rows')
+  why = f'data.task={task!r} holds {holds}, not sentence pairs'
   if translate:
     raise ConfigError(f'--translate={",".join(translate)} decodes target sentences; {why}; valid: '
                       'leave it out (loss and perplexity per --split, and --lengths)')

@@ -1,6 +1,6 @@
 """Evaluation shared by the training loop and eval.py: summed metrics over a split, and a whole
 run's evaluation (loss and perplexity per split, translation, length extrapolation, passkey
-retrieval)."""
+retrieval, mqar recall)."""
 
 import functools
 import math
@@ -17,6 +17,7 @@ from training import checkpointing
 from training import distributed
 from training import extrapolation
 from training import paths
+from training import recall
 from training import retrieval
 from training import state as state_lib
 from training import steps
@@ -182,6 +183,8 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     # Kept for tools.compare's per-position picture with seed bands: {length: loss per position}.
     result['extrapolation_per_position'] = {
         str(n): [round(float(x), 5) for x in curve] for n, curve in per_position.items()}
+  if recall.is_mqar(config):
+    result['recall'] = recall.recall(config, model, tokenizer)
   main_split = 'test' if 'test' in splits else splits[-1]
   if main_split in result['translation']:
     result['exact_match'] = result['translation'][main_split]['exact_match']

@@ -25,6 +25,7 @@ from data import text_corpus
 from training import state as state_lib
 from training import validation_attention
 from training import validation_passkey
+from training import validation_synthetic
 
 # The valid values live where they are used; validation only names them.
 SCHEDULES = state_lib.SCHEDULES
@@ -187,6 +188,7 @@ def _validate_data(config):
     raise ConfigError(f'data.max_length={d.max_length!r} must be an integer >= 8')
   _choice('data.task', d.task, pipeline.TASKS)
   validation_passkey.check_config(config)  # its fields, or that no other task sets them
+  validation_synthetic.check_config(config)  # the same for the synthetic tasks' knobs
   if d.task in text_corpus.TASKS:
     _validate_text_data(config)
   else:

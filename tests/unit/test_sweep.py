@@ -252,5 +252,6 @@ def test_compare_fills_fields_added_since_with_their_defaults(tmp_path):
               [(s, 4.0 - 0.01 * s) for s in range(10, 101, 10)], [(100, 3.0)], seed=seed,
               fields=fields)
   table = compare.compare([str(tmp_path / 'sw')], str(tmp_path / 'cmp.png'))
-  rows = [line for line in table.splitlines() if line.startswith('| ') and '---' not in line][1:]
+  first = table.split('\n\n')[0]  # the summary table (the statistics table follows)
+  rows = [line for line in first.splitlines() if line.startswith('| ') and '---' not in line][1:]
   assert len(rows) == 1 and rows[0].split(' | ')[1] == '2', table
