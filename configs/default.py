@@ -177,6 +177,7 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   data.task = 'base'  # base (the toy translation task) | text_pairs (your TSV files of
   #                     source<TAB>target lines) | text_lm (your text files, one document per line)
   #                     | passkey (passkey retrieval in filler of the toy language, generated)
+  #                     | python_code (the local Python stdlib's source files, one document each)
   #                     | mqar | induction | selective_copy | memorize (synthetic, generated)
   data.max_length = 64  # training length in tokens
   data.data_dir = './tfds_data'  # where the dataset is generated (first use) and read
@@ -184,6 +185,9 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   # data_dir/<task>/vocab<V>-<shared|separate>-<hash of the files and settings>, with the
   # SentencePiece tokenizer (trained on the train file) beside the dataset.
   data.files = ml_collections.ConfigDict({'train': '', 'validation': '', 'test': ''})
+  # python_code: the local Python stdlib's .py files (tests left out), one document each, as a
+  # text_lm corpus (data/python_code.py); nothing is downloaded.
+  data.code_max_files = 0  # python_code: keep the first N files of each split (0 = all)
   data.vocab_size = 1000  # text tasks: pieces per SentencePiece model, the 6 special ones included
   data.shared_vocab = True  # text_pairs: one model for source and target (else one per side, their
   #                           ids side by side: V = 2 * vocab_size - 6)

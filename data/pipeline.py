@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from data import passkey
+from data import python_code
 from data import remote_dir
 from data import synthetic
 from data import text_corpus
@@ -20,7 +21,9 @@ from data import toy_translation
 BOS, EOS, SEP = tokenizer_lib.BOS, tokenizer_lib.EOS, tokenizer_lib.SEP
 LOSS_ON = ('target', 'all')
 # The toy task names, your own data, the generated passkey retrieval and synthetic tasks.
-TASKS = tuple(toy_translation.TASKS) + text_corpus.TASKS + (passkey.TASK,) + synthetic.TASKS
+TASKS = (tuple(toy_translation.TASKS) + text_corpus.TASKS + (python_code.TASK, passkey.TASK)
+         + synthetic.TASKS)
+DOCUMENT_TASKS = ('text_lm', python_code.TASK)  # one document an example, no sentence pairs
 DataError = text_corpus.DataError  # a bad input file or data setting (one line naming the file)
 ToySource = collections.namedtuple('ToySource', 'task data_dir')
 
@@ -37,8 +40,8 @@ def _source(data_config):
   passkey.PasskeySpec, or a synthetic.SyntheticSpec."""
   task = _field(data_config, 'task', 'base')
   _check('task', task, TASKS)
-  if task in text_corpus.TASKS:
-    return text_corpus.spec_from_config(data_config)
+  if task in text_corpus.TASKS or task == python_code.TASK:
+    return text_spec(data_config)
   if task == passkey.TASK:
     return passkey.spec_from_config(data_config)
   if task in synthetic.TASKS:
@@ -46,6 +49,15 @@ def _source(data_config):
   # A gs:// data_dir is read through a local mirror (data.remote_dir).
   return ToySource(task, remote_dir.local_data_dir(_field(data_config, 'data_dir', './tfds_data'),
                                                    task))
+
+
+def text_spec(data_config):
+  """The text_corpus.CorpusSpec of a text_pairs, text_lm or python_code config (the stdlib files
+  written on first use), else None."""
+  task = _field(data_config, 'task', 'base')
+  if task == python_code.TASK:
+    return python_code.spec_from_config(data_config)
+  return text_corpus.spec_from_config(data_config) if task in text_corpus.TASKS else None
 
 
 def is_text(source) -> bool:
@@ -64,7 +76,8 @@ def has_pairs(data_config) -> bool:
   """Whether the task's examples are (source, target) pairs (translation can be scored); text_lm
   holds documents, passkey retrieval prompts (scored by `training.retrieval`), the synthetic
   tasks rows of tokens scored where they say."""
-  return _field(data_config, 'task', 'base') not in ('text_lm', passkey.TASK) + synthetic.TASKS
+  task = _field(data_config, 'task', 'base')
+  return task not in DOCUMENT_TASKS + (passkey.TASK,) + synthetic.TASKS
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,12 +188,13 @@ def load_examples(data_config, split: str) -> list[dict]:
     Dicts with 'source', 'target' (str) and 'source_ids', 'target_ids' (list[int], no bos/eos/sep).
 
   Raises:
-    ValueError: data.task 'text_lm' or 'passkey' (nothing to translate).
+    ValueError: a task of documents, prompts or synthetic rows (nothing to translate).
   """
   _check_split(data_config, split)
   if not has_pairs(data_config):
     task = _field(data_config, 'task', 'base')
-    raise ValueError(f'data.task={task!r} holds {"documents" if task == "text_lm" else "prompts"}, '
+    holds = 'documents' if task in DOCUMENT_TASKS else 'prompts'
+    raise ValueError(f'data.task={task!r} holds {holds}, '
                      'not sentence pairs: nothing to translate; valid: loss/perplexity splits')
   source = _source(data_config)
   tokenizer = _tokenizer(source)

@@ -36,6 +36,8 @@ def toy_vocab_size():
 def task_vocab_size(data_config):
   """V of the configured task's tokenizer, without preparing data: the toy vocabulary, or for
   text_pairs / text_lm the SentencePiece vocabulary data.vocab_size and data.shared_vocab give."""
+  if data_config.get('task', 'base') == 'python_code':  # one SentencePiece model
+    return data_config.get('vocab_size', 1000)
   if data_config.get('task', 'base') in text_corpus.TASKS:
     return text_corpus.tokenizer_vocab_size(text_corpus.spec_from_config(data_config))
   return toy_vocab_size()

@@ -29,8 +29,9 @@ the file lists fields in) and filesystem-safe. Each cell trains in `SWEEP_DIR/<n
 `train.py --config=<sweep file> --config.FIELD=VALUE ...`.
 
 `--tune=train.learning_rate:5e-4,1e-3,2e-3` trains every cell at each value with the first seed,
-keeps the value with the lowest final validation loss, trains the other seeds at it alone, and
-records the choices in SWEEP_DIR/tune.json (tools/sweep_tune.py: the rule, the file).
+keeps the smallest value whose final validation loss is within --tune_tolerance (0.003 nats by
+default) of the lowest, trains the other seeds at it alone, and records the choices in
+SWEEP_DIR/tune.json (tools/sweep_tune.py: the rule, the file).
 
 SIGINT (Ctrl-C) or SIGTERM to the runner is forwarded to the cells running at that moment, which
 save a checkpoint and stop; the runner waits for them, starts no further cell (nor eval), and
@@ -70,6 +71,9 @@ def define_flags():
                       'each cell trains at every value with the first seed; its other seeds train '
                       'at the value with the lowest final validation loss; the choices go to '
                       '--sweep_dir/tune.json.')
+  flags.DEFINE_float('tune_tolerance', None, '--tune\'s choice: the smallest value whose final '
+                     'validation loss is within this many nats of the lowest (default 0.003, the '
+                     'seed spread at one rate; 0 = the plain lowest).')
 
 
 def main(argv):
@@ -89,7 +93,8 @@ def main(argv):
   try:
     results = sweep_runner.run_sweep(FLAGS.sweep, FLAGS.sweep_dir, seeds=FLAGS.seeds,
                                      dry_run=FLAGS.dry_run, parallel=FLAGS.parallel,
-                                     run_eval=FLAGS.sweep_eval, tune=FLAGS.tune)
+                                     run_eval=FLAGS.sweep_eval, tune=FLAGS.tune,
+                                     tune_tolerance=FLAGS.tune_tolerance)
   except SweepError as e:
     cli_checks.fail('sweep error', e)
   except sweep_runner.Stopped as e:

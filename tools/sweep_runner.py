@@ -29,7 +29,7 @@ class Stopped(Exception):
 
 
 def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eval=False,
-              tune=None, launch=None, out=sys.stdout, children=None):
+              tune=None, tune_tolerance=None, launch=None, out=sys.stdout, children=None):
   """Runs (or with `dry_run` prints) every cell of the sweep file `spec` ('path[:arg]').
 
   Cells already finished (final-step checkpoint) are skipped, and so are cells that stopped on a
@@ -47,6 +47,7 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
     tune: None, or `FIELD:V1,V2,...`: each cell at every value with the first seed, its other
       seeds at the value with the lowest final validation loss (tools/sweep_tune.py), the choices
       recorded in `sweep_dir/tune.json`.
+    tune_tolerance: the tuning choice's tolerance in nats (None: `sweep_tune.TOLERANCE`).
     launch: `launch(argv, log_path, env) -> exit code` (tests replace it); default
       `children.launch`.
     children: the `tools.processes.Children` whose signal stops the sweep (default a new one,
@@ -66,7 +67,8 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
   sweep = sweep_spec.get_sweep(module, arg)
   cells, tunings, axis = sweep_spec.expand(sweep, seeds), [], None
   if tune is not None:
-    axis = sweep_tune.parse(tune, module, arg, sweep)
+    axis = sweep_tune.parse(tune, module, arg, sweep, sweep_tune.TOLERANCE
+                            if tune_tolerance is None else tune_tolerance)
     cells, tunings = sweep_tune.plan(cells, axis)
   # Validate every cell before the first one runs: a typo in the last cell should not surface
   # after hours of the others. (A tuned cell's other seeds differ from its tuning runs in the

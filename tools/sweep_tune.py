@@ -11,9 +11,15 @@ resumed when interrupted). Once all of a cell's tuning runs have ended, `choose`
 and the cell's other seeds train at that value (`cell_name(overrides + {FIELD: chosen}, seed)`);
 other cells run meanwhile.
 
-The rule (`RULE`): the lowest validation loss at the last step, the final evaluation (train.py
-always evaluates at its last step), among the tuning runs that finished; a run that diverged or
-did not finish is never chosen; ties go to the value listed first. The final loss rather than the
+The rule (`RULE`): among the tuning runs that finished, the smallest value whose validation loss
+at the last step (the final evaluation: train.py always evaluates at its last step) is within the
+tolerance (`--tune_tolerance`, default `TOLERANCE` nats) of the lowest; for values that are not
+numbers, the first listed within it. A run that diverged or did not finish is never chosen. On a
+flat signal the lowest loss is noise among the top values: one seed's final loss moves by about
+the seed spread (0.003 nats on the toy stream at one rate), so a gap smaller than that does not
+say which value is better, and the smallest such value (for a learning rate, the most
+conservative) is taken. With tolerance 0 it is the plain lowest loss, ties to the value listed
+first. The final loss rather than the
 best over evaluations: it is the loss of the model the run ends with, and the lowest of several
 noisy evaluations favours the noisiest (highest) rates. A cell whose tuning runs did not all end
 (failed, stopped) or where none finished with a finite loss chooses nothing: its other seeds are
@@ -42,30 +48,36 @@ from tools import sweep_spec
 from tools.sweep_spec import SweepError
 
 CHOICE_FILE = 'tune.json'
-RULE = ('the lowest validation loss at the last step (the final evaluation) among the tuning '
-        "seed's runs that finished; a run that diverged or did not finish is never chosen; ties: "
-        'the value listed first')
+TOLERANCE = 0.003  # nats: the seed spread of the final validation loss at one rate (toy stream)
+RULE = ("among the tuning seed's runs that finished, the smallest value whose validation loss at "
+        'the last step (the final evaluation) is within the tolerance of the lowest (values that '
+        'are not numbers: the first listed within it); a run that diverged or did not finish is '
+        'never chosen')
 ENDED = ('done', 'skipped', 'diverged')  # results of a tuning run that leave a choice to make
 _FORM = 'valid: FIELD:V1,V2,..., e.g. --tune=train.learning_rate:5e-4,1e-3,2e-3'
 
 
 class Axis(NamedTuple):
-  """The tuned config field and its values (typed as the field is)."""
+  """The tuned config field, its values (typed as the field is) and the choice's tolerance."""
   field: str
   values: list
+  tolerance: float = TOLERANCE
 
 
 # --- The flag -------------------------------------------------------------------------------------
 
-def parse(text, module, arg, sweep):
+def parse(text, module, arg, sweep, tolerance=TOLERANCE):
   """`--tune=FIELD:V1,V2,...` -> Axis, checked against the sweep file's config and cells.
 
   Raises:
     SweepError: (one line) on a malformed flag, an empty value list, a field the config lacks, a
       field the sweep file already sets, `train.seed`, a value that is not of the field's type,
-      or a value listed twice.
+      or a value listed twice; a tolerance that is not a finite number >= 0.
   """
   flag = f'--tune={text}'
+  if not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) or tolerance < 0:
+    raise SweepError(f'--tune_tolerance={tolerance!r} must be a number >= 0 (nats of final '
+                     f'validation loss; 0 = the plain lowest), e.g. {TOLERANCE}')
   field, sep, rest = text.partition(':')
   field = field.strip()
   if not field:
@@ -85,7 +97,7 @@ def parse(text, module, arg, sweep):
   values = [_convert(t, current, field, flag) for t in texts]
   if len(set(map(repr, values))) < len(values):
     raise SweepError(f'{flag}: a value is listed twice')
-  return Axis(field, values)
+  return Axis(field, values, float(tolerance))
 
 
 def _swept_in(field, sweep):
@@ -182,7 +194,7 @@ class CellTuning:
     if unended:
       self.note = f'tuning run {unended[0][0]}: {unended[0][1]}'
       return
-    best = choose(self.records)
+    best = choose(self.records, self.axis.values, self.axis.tolerance)
     if best is None:
       self.note = 'no tuning run finished with a finite validation loss'
       return
@@ -274,9 +286,9 @@ def read_record(workdir, steps):
   return {'status': status, 'valid_loss': valid}
 
 
-def choose(records):
-  """The index of the chosen record by `RULE` ([{'status', 'valid_loss'}] in the values' order),
-  or None when no run finished with a finite validation loss."""
+def choose(records, values=None, tolerance=0.0):
+  """The index of the chosen record by `RULE` ([{'status', 'valid_loss'}] in the order of
+  `values`), or None when no run finished with a finite validation loss."""
   best = None
   for i, r in enumerate(records):
     loss = r.get('valid_loss')
@@ -284,7 +296,14 @@ def choose(records):
       continue
     if best is None or loss < records[best]['valid_loss']:
       best = i
-  return best
+  if best is None or not tolerance:
+    return best
+  near = [i for i, r in enumerate(records) if r.get('status') == 'done'
+          and r.get('valid_loss') is not None and math.isfinite(r['valid_loss'])
+          and r['valid_loss'] <= records[best]['valid_loss'] + tolerance]
+  numeric = values is not None and all(
+      isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+  return min(near, key=lambda i: values[i]) if numeric else near[0]
 
 
 # --- The choice file ------------------------------------------------------------------------------
@@ -309,7 +328,7 @@ class ChoiceFile:
   def __init__(self, sweep_dir, axis, tunings):
     self.path = paths.join(sweep_dir, CHOICE_FILE)
     self.axis, self.tunings = axis, tunings
-    self.head = {'field': axis.field, 'values': axis.values,
+    self.head = {'field': axis.field, 'values': axis.values, 'tolerance': axis.tolerance,
                  'tuning_seed': tunings[0].seeds[0] if tunings else None,
                  'seeds': tunings[0].seeds if tunings else [], 'rule': RULE}
     old = read_choices(sweep_dir) or {}

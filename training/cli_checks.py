@@ -269,12 +269,13 @@ def check_corpus(config, workdir):
   Changed files would be prepared into a new folder with a new tokenizer, silently paired with the
   run's model. Raises text_corpus.DataError naming the file that changed.
   """
-  if config.data.get('task') not in text_corpus.TASKS:
+  spec = pipeline.text_spec(config.data)
+  if spec is None:
     return
   path = paths.join(workdir, 'run_info.json')
   recorded = paths.read_json(path).get('corpus') if paths.exists(path) else None
   if recorded:  # runs from before the record: nothing to compare with
-    text_corpus.check_fingerprint(recorded, text_corpus.spec_from_config(config.data))
+    text_corpus.check_fingerprint(recorded, spec)
 
 
 # --- eval.py ---------------------------------------------------------------------------------
@@ -359,7 +360,8 @@ def _run_config(workdir):
 def _check_documents_flags(task, *, translate, plot_attention, decode, max_examples):
   """Flags that work on sentence pairs, refused for a run on documents (data.task=text_lm),
   passkey prompts or synthetic task rows."""
-  holds = {'text_lm': 'documents', 'passkey': 'retrieval prompts'}.get(task, 'synthetic task rows')
+  holds = {'text_lm': 'documents', 'python_code': 'documents',
+           'passkey': 'retrieval prompts'}.get(task, 'synthetic task rows')
   why = f'data.task={task!r} holds {holds}, not sentence pairs'
   if translate:
     raise ConfigError(f'--translate={",".join(translate)} decodes target sentences; {why}; valid: '

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from data import pipeline
+from data import python_code
 from data import text_corpus
 from layers import sharding
 import models
@@ -329,8 +330,11 @@ def _write_run_info(run):
   run.info_path = paths.join(run.workdir, 'run_info.json')
   info = paths.read_json(run.info_path) if paths.exists(run.info_path) else {}
   info.update(num_params=sum(group_sizes.values()), params_by_group=group_sizes)
-  if config.data.get('task') in text_corpus.TASKS:
-    info.setdefault('corpus', text_corpus.fingerprint(text_corpus.spec_from_config(config.data)))
+  spec = pipeline.text_spec(config.data)
+  if spec is not None:
+    info.setdefault('corpus', text_corpus.fingerprint(spec))
+  if config.data.get('task') == python_code.TASK:  # the interpreter and file list trained on
+    info.setdefault('python_code', python_code.corpus_of(config.data).record())
   if run.lead:
     writers.write_json(run.info_path, info)
   run.info = info

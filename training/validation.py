@@ -189,14 +189,37 @@ def _validate_data(config):
   _choice('data.task', d.task, pipeline.TASKS)
   validation_passkey.check_config(config)  # its fields, or that no other task sets them
   validation_synthetic.check_config(config)  # the same for the synthetic tasks' knobs
+  _validate_code_data(config)
   if d.task in text_corpus.TASKS:
     _validate_text_data(config)
   else:
     given = sorted(k for k, v in (d.get('files', None) or {}).items() if v)
     if given:
       raise ConfigError(f'data.files.{given[0]}={d.files[given[0]]!r} is read only by '
-                        f"data.task='text_pairs' or 'text_lm' (data.task={d.task!r} is the toy "
-                        "task); valid here: '' (or set data.task)")
+                        f"data.task='text_pairs' or 'text_lm' (data.task={d.task!r} brings its "
+                        "own data); valid here: '' (or set data.task)")
+
+
+def _validate_code_data(config):
+  """data.task=python_code: the stdlib corpus (data/python_code.py), a text_lm corpus of its own;
+  data.code_max_files is read by it alone."""
+  d, m = config.data, config.model
+  max_files = d.get('code_max_files', 0)
+  if d.task != 'python_code':
+    if max_files != 0:
+      raise ConfigError(f"data.code_max_files={max_files!r} is read only by data.task="
+                        f"'python_code' (data.task={d.task!r}); valid here: 0")
+    return
+  if not isinstance(max_files, int) or isinstance(max_files, bool) or max_files < 0:
+    raise ConfigError(f'data.code_max_files={max_files!r} must be an integer >= 0 (files per '
+                      'split; 0 = every file)')
+  vocab = d.get('vocab_size', None)
+  if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 6:
+    raise ConfigError(f'data.vocab_size={vocab!r} must be an integer > 6 (the SentencePiece '
+                      'pieces, the 6 special tokens included), e.g. 1000')
+  if m.arch not in ('decoder_only', 'encoder_only'):
+    raise ConfigError(f"data.task='python_code' (documents, no sentence pairs) is not valid for "
+                      f'model.arch={m.arch!r}; valid archs: decoder_only, encoder_only')
 
 
 def _validate_text_data(config):

@@ -46,10 +46,11 @@ def _parse(tmp_path, tune, text=SWEEP):
 # --- The flag -------------------------------------------------------------------------------------
 
 def test_values_take_the_type_of_the_field(tmp_path):
-  assert _parse(tmp_path, 'train.learning_rate:5e-4,1e-3, 2') == (LR, [0.0005, 0.001, 2.0])
-  assert _parse(tmp_path, 'train.warmup_steps:0,10') == ('train.warmup_steps', [0, 10])
-  assert _parse(tmp_path, 'model.use_bias:True,false') == ('model.use_bias', [True, False])
-  assert _parse(tmp_path, 'model.ffn:relu,gelu') == ('model.ffn', ['relu', 'gelu'])
+  assert _parse(tmp_path, 'train.learning_rate:5e-4,1e-3, 2') == (LR, [0.0005, 0.001, 2.0],
+                                                                  sweep_tune.TOLERANCE)
+  assert _parse(tmp_path, 'train.warmup_steps:0,10')[:2] == ('train.warmup_steps', [0, 10])
+  assert _parse(tmp_path, 'model.use_bias:True,false')[:2] == ('model.use_bias', [True, False])
+  assert _parse(tmp_path, 'model.ffn:relu,gelu')[:2] == ('model.ffn', ['relu', 'gelu'])
 
 
 @pytest.mark.parametrize('tune, message', [
@@ -124,6 +125,22 @@ def test_a_cell_decides_from_its_workdirs_final_evaluation(tmp_path):
   assert again.chosen is None and again.note == f'tuning run {b}: failed (rc 1)'
   seed_1 = again.seed_cells()[0]
   assert again.resolve(seed_1) == (seed_1, f'no {LR} chosen: tuning run {b}: failed (rc 1)')
+
+
+def test_on_a_flat_signal_the_smallest_value_within_the_tolerance_is_chosen(tmp_path):
+  done = lambda loss: {'status': 'done', 'valid_loss': loss}  # pylint: disable=unnecessary-lambda-assignment
+  records = [done(1.2040), done(1.2030), done(1.2015), {'status': 'diverged', 'valid_loss': 1.0}]
+  values = [5e-4, 1e-3, 2e-3, 4e-3]
+  assert sweep_tune.choose(records, values, 0.0) == 2  # the plain lowest
+  assert sweep_tune.choose(records, values, 0.003) == 0  # 1.2040 is within 0.003 of 1.2015
+  assert sweep_tune.choose(records, values, 0.002) == 1
+  assert sweep_tune.choose(records[::-1], values[::-1], 0.003) == 3  # the smallest, not the first
+  assert sweep_tune.choose(records, ['a', 'b', 'c', 'd'], 0.003) == 0  # not numbers: first listed
+  # A clear gap is no flat signal: the best stands.
+  assert sweep_tune.choose([done(1.30), done(1.20)], [5e-4, 1e-3], 0.003) == 1
+  with pytest.raises(sweep_spec.SweepError, match='--tune_tolerance=-1 must be a number >= 0'):
+    _, module = _module(tmp_path, SWEEP)
+    sweep_tune.parse(f'{LR}:1e-3', module, None, sweep_spec.get_sweep(module), -1)
 
 
 def test_a_choice_at_the_grids_edge_is_flagged():
