@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from flax import nnx
 
 from data import pipeline
@@ -25,6 +26,9 @@ from training import translation
 from training import validation_passkey
 
 
+RANDOM_IDS_SEED = 0  # the fixed key of a randomized-positions run's evaluation ids
+
+
 def evaluate(eval_fn, variables, config, split, num_batches, length=None):
   """Mean loss/accuracy over the first `num_batches` batches (0 = all) of `split`, in order."""
   return steps.finalize(evaluate_sums(eval_fn, variables, config, split, num_batches, length))
@@ -39,12 +43,25 @@ def evaluate_sums(eval_fn, variables, config, split, num_batches, length=None, s
                               drop_remainder=False, length=length)
   index, count = share
   total = {'loss_sum': 0.0, 'correct_sum': 0.0, 'weight_sum': 0.0}
+  random_max = config.model.get('random_positions_max', 0)
   for i, batch in enumerate(it):
     if num_batches and i >= num_batches:
       break
     if i % count == index:
+      if random_max:
+        batch = random_ids(batch, i, random_max)
       total = jax.tree.map(jnp.add, total, eval_fn(variables, batch))
   return total
+
+
+def random_ids(batch, index, max_position):
+  """A randomized-positions run's evaluation batch at sorted random ids from [0, N), as it trains
+  (Ruoss et al.), drawn with a fixed key folded with the batch's index: every evaluation of every
+  run sees the same ids, so validation losses (and `tools.sweep --tune`) compare the model on
+  inputs like its training's rather than at ids 0..T-1 it rarely saw."""
+  key = jax.random.fold_in(jax.random.key(RANDOM_IDS_SEED), index)
+  return {name: (np.asarray(positions_lib.random_positions(key, value, max_position))
+                 if name.endswith('positions') else value) for name, value in batch.items()}
 
 
 def load_run(workdir):
@@ -153,6 +170,8 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
   result = {'step': step, 'loss': {}, 'perplexity': {}, 'accuracy': {}, 'translation': {}}
   if xpos_block is not None:  # every number below is of the model with this block
     result['xpos_block'] = xpos_block
+  if config.model.get('random_positions_max', 0):  # the split losses' ids (`random_ids`)
+    result['split_position_ids'] = 'random (sorted, fixed key)'
   for split in splits:
     m = steps.finalize(distributed.gather_sums(evaluate_sums(
         eval_fn, params, config, split, 0, share=(jax.process_index(), jax.process_count()))))

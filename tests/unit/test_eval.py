@@ -29,3 +29,34 @@ def test_greedy_translate_equals_python_argmax_loop():
       want.append(nxt)
       seq.append(nxt)
     assert out == want
+
+
+def test_a_randomized_positions_run_is_validated_at_fixed_sorted_random_ids(data_dir):
+  """Validation (and eval.py's split losses) of a run with model.random_positions_max = N read its
+  batches at sorted draws from [0, N), the same every time, not at 0..T-1."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from training import evaluation  # pylint: disable=g-import-not-at-top
+  config = validation.resolve(decoder_only.get_config('quick'))
+  config.data.data_dir = str(data_dir)
+  config.data.packing = 'stream'
+  seen = []
+
+  def eval_fn(variables, batch):
+    del variables
+    seen.append(batch['positions'])
+    return {'loss_sum': 0.0, 'correct_sum': 0.0, 'weight_sum': 1.0}
+
+  evaluation.evaluate_sums(eval_fn, None, config, 'validation', 2)
+  plain = list(seen)
+  assert all((p == np.arange(p.shape[1])).all() for p in plain)  # no randomization: 0..T-1
+  config.model.random_positions_max = 8 * config.data.max_length
+  seen.clear()
+  evaluation.evaluate_sums(eval_fn, None, config, 'validation', 2)
+  first = list(seen)
+  seen.clear()
+  evaluation.evaluate_sums(eval_fn, None, config, 'validation', 2)
+  for a, b in zip(first, seen):
+    np.testing.assert_array_equal(a, b)  # a fixed key: the same ids every evaluation
+    assert (np.diff(a, axis=1) > 0).all() and a.max() < config.model.random_positions_max
+  assert not np.array_equal(first[0], first[1])  # a draw per batch
+  assert first[0].max() >= config.data.max_length  # beyond the training length, as in training
