@@ -98,8 +98,10 @@ class MoE(nnx.Module, options.Configurable):
   `[E, D, F]` / `[E, F, D]` (logical axes 'expert', 'embed', 'mlp'), and a float32 router.
 
   Token choice (`routing='tokens'`): softmax over the E router logits, each token's top-k experts,
-  combine weights the top-k probabilities renormalised to sum to 1 (Mixtral's convention; Switch's
-  k = 1 then weighs by 1). With `capacity_factor` C > 0 each expert takes at most
+  combine weights the top-k probabilities renormalised to sum to 1 (Mixtral's convention), except
+  for k = 1, where the expert's output is weighed by its unnormalised probability p_i(x) (Switch's
+  form: renormalised, the single weight would always be 1, and the router would learn from the
+  balancing losses alone). With `capacity_factor` C > 0 each expert takes at most
   ceil(C·k·T/E) assignments per group (one batch row); the slots go first to every token's first
   choice in position order, then to the second choices in position order, and so on (GShard's
   order): an assignment past the capacity is dropped, and a token all of whose assignments are
@@ -114,7 +116,8 @@ class MoE(nnx.Module, options.Configurable):
 
   Auxiliary-loss-free balancing (`bias_rate` = gamma > 0, DeepSeek-V3): a per-expert bias b (a
   `RouterBias`, zeros at initialisation) is added to the probabilities for choosing the top-k only;
-  the combine weights stay the unbiased probabilities of the chosen experts, renormalised. After
+  the combine weights stay the unbiased probabilities of the chosen experts (renormalised for
+  k > 1). After
   every training step b_e += gamma · sign(mean load - load_e) (`update_bias`, called by
   training.steps with the step's loads): an overloaded expert is chosen less, an idle one more.
 
@@ -279,7 +282,9 @@ class MoE(nnx.Module, options.Configurable):
     else:  # the bias chooses; the probabilities weigh
       _, top_i = jax.lax.top_k(probs + self.router_bias[...], k)
       top_p = jnp.take_along_axis(probs, top_i, -1)
-    weights = top_p / jnp.sum(top_p, -1, keepdims=True)  # renormalised (Mixtral)
+    # k > 1: renormalised to sum 1 (Mixtral). k = 1: the gate itself (Switch), since the
+    # renormalised single weight is always 1 and would give the router no gradient from the task.
+    weights = top_p if k == 1 else top_p / jnp.sum(top_p, -1, keepdims=True)
     chosen = jax.nn.one_hot(top_i, e, dtype=jnp.float32)  # [B, T, k, E]
     load = jnp.sum(chosen, (0, 1, 2))  # [E]
     if capacity_factor is None:

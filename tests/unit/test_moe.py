@@ -94,13 +94,17 @@ def test_a_token_with_every_choice_dropped_gets_zero():
   x = jax.random.normal(jax.random.key(3), (1, 4, D))
   logits = jnp.tile(jnp.array([5.0, 0.0]), (1, 4, 1))  # everyone wants e0; 1 slot
   y, stats = routed(m, 0.5)(x, logits)
-  np.testing.assert_allclose(y[0, 0], expert_out(m, 0, x[0, 0]), atol=1e-5, rtol=1e-5)
+  gate = jax.nn.softmax(jnp.array([5.0, 0.0]))[0]  # top-1: the unnormalised gate (Switch)
+  np.testing.assert_allclose(y[0, 0], gate * expert_out(m, 0, x[0, 0]), atol=1e-5, rtol=1e-5)
   np.testing.assert_array_equal(y[0, 1:], 0.0)
   np.testing.assert_allclose(stats['drop_fraction'], 0.75)
 
 
-def test_router_learns_through_the_combine_weights():
-  m = make(top_k=2)
+@pytest.mark.parametrize('top_k', [1, 2])
+def test_router_learns_through_the_combine_weights(top_k):
+  """Top-2 through the renormalised weights, top-1 through Switch's unnormalised gate (a
+  renormalised single weight is 1 and would pass no task gradient to the router)."""
+  m = make(top_k=top_k)
   x = jax.random.normal(jax.random.key(4), (2, 5, D))
   grad = on(m, nnx.grad(lambda m: jnp.sum(jnp.sin(m(x)))))()
   assert float(jnp.abs(grad['router'][...]).max()) > 1e-4
@@ -234,14 +238,16 @@ def test_bias_update_follows_the_sign_rule():
 
 
 def test_the_bias_chooses_and_the_probabilities_weigh():
-  """A bias far above the probabilities sends every token (k = 1) to expert 2, weighted 1
-  (renormalised), whatever the router prefers; the aux loss still sees the unbiased
-  probabilities."""
+  """A bias far above the probabilities sends every token (k = 1) to expert 2, weighted by its
+  unbiased probability (Switch's top-1 gate), whatever the router prefers; the aux loss still sees
+  the unbiased probabilities."""
   m = make(top_k=1, bias_rate=0.1)
   m.router_bias[...] = jnp.asarray([0.0, 0.0, 5.0, 0.0])
   x = jax.random.normal(jax.random.key(3), (2, 5, D))
-  y, stats = on(m, lambda m, x: m.token_choice(x, jnp.einsum('BTD,DE->BTE', x, m.router[...])))(x)
-  np.testing.assert_allclose(y, expert_out(m, 2, x), atol=1e-5)
+  logits = jnp.einsum('BTD,DE->BTE', x, m.router[...])
+  y, stats = on(m, lambda m, x: m.token_choice(x, logits))(x)
+  gate = jax.nn.softmax(logits, -1)[..., 2:3]  # [B, T, 1]
+  np.testing.assert_allclose(y, gate * expert_out(m, 2, x), atol=1e-5)
   np.testing.assert_array_equal(stats['load'], [0, 0, 10, 0])
 
 
