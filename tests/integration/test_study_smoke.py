@@ -78,3 +78,27 @@ def test_deepnorm_long_smoke(tmp_path, data_dir):
     assert config['model']['num_layers'] == 12 and config['train']['warmup_steps'] == 1
   table = compare.compare([str(sweep_dir)], str(tmp_path / 'cmp.png'))
   assert '| deepnorm | 1 |' in table, table  # one group, named by its directory; one run
+
+
+def test_mqar_attention_study_smoke(tmp_path):
+  """Dense and linear attention on the quick MQAR rows, evaluated (recall by pairs and distance),
+  then compared against the dense cell with the statistics table and its JSON."""
+  sweep_dir = tmp_path / 'mqar'
+  keep = ("(lambda sweep: dict(sweep, cells=[c for c in sweep['cells'] if c['model.attention'] "
+          "in ('dense', 'linear') and c['model.num_kv_heads'] == 0]))")
+  _run(_wrapped(tmp_path, 'mqar_attention', tmp_path / 'tfds', keep), sweep_dir, seeds=[0],
+       run_eval=True)
+  cells = sorted(os.listdir(sweep_dir))
+  assert cells == ['model.attention=dense,model.num_kv_heads=0,seed=0',
+                   'model.attention=linear,model.num_kv_heads=0,seed=0'], cells
+  with open(sweep_dir / cells[0] / 'eval.json') as f:
+    result = json.load(f)
+  assert list(result['recall']['by_pairs']) == ['1', '2', '4', '8']  # quick: 4 pairs in 32 tokens
+  assert 0.0 <= result['accuracy']['test'] <= 1.0 and result['recall']['by_distance']
+  table = compare.compare([str(sweep_dir)], str(tmp_path / 'cmp.png'),
+                          baseline='attention=dense')
+  with open(tmp_path / 'cmp_stats.json') as f:
+    found = json.load(f)
+  assert found['attention=linear']['recall_pairs@4']['verdict'] == 'n/a'  # one seed: no test
+  assert found['attention=dense']['accuracy.test']['verdict'] == 'baseline'
+  assert '| accuracy.test | attention=linear |' in table

@@ -1,0 +1,55 @@
+"""Attention variants on multi-query associative recall (Zoology, Arora et al. 2023): which
+variants can look a key up, by number of pairs and by key-query distance?
+
+configs/mqar.py (decoder-only, 2 layers, D = 64, 4 heads, RoPE; rows of L = 128 tokens with 16
+key-value pairs, every key asked again in the noise after them; 2,000 steps). Zoology found that
+attention solves MQAR at small width while a fixed-size state (linear attention, gated
+convolutions) fails as the pairs grow. Each variant trains on 16 pairs; eval.py's `recall` scores
+it at 4, 8, 16 and 32 pairs (the curve over difficulty) and by key-query distance.
+
+The variants (decoder-only, so causal forms; Linformer has none): dense, GQA (2 KV heads), MQA
+(1), a sliding window of 16 tokens (a query sees the 16 before it: the context's pairs lie up to
+127 tokens back), Longformer (the same window and a global <bos>), BigBird (blocks of 16, two
+random blocks), Performer (64 random features), linear attention (elu + 1). `:width` adds D = 128
+for dense and linear (Zoology's axis: a wider state holds more pairs).
+
+Run:     python -m tools.sweep --sweep=configs/ablations/mqar_attention.py --sweep_dir=DIR \
+             --sweep_eval [--seeds=0,1,2]
+Compare: python -m tools.compare DIR --baseline=attention=dense,num_kv_heads=0
+Smoke:   --sweep=configs/ablations/mqar_attention.py:quick (a few steps a cell)
+`:pair` runs the dense and linear cells alone (the same cell names: more seeds of the headline
+contrast without the other variants).
+"""
+
+from configs import mqar
+
+# Cells: (attention, KV heads; 0 = as many as the query heads).
+VARIANTS = (('dense', 0), ('dense', 2), ('dense', 1), ('sliding_window', 0), ('longformer', 0),
+            ('bigbird', 0), ('performer', 0), ('linear', 0))
+WIDTHS = (64, 128)  # :width: dense and linear at each
+OTHER_ARGS = ('width', 'width,quick', 'pair', 'pair,quick')  # the sweep file's other forms (tests/unit/test_sweep.py)
+
+
+def get_config(arg=None):
+  """configs/mqar.py with each variant's sizes set for 128-token rows."""
+  config = mqar.get_config(arg)
+  m = config.model
+  m.window = 16
+  m.global_tokens = (0,)
+  m.bigbird_block = 16
+  m.bigbird_random_blocks = 2
+  m.performer_features = 64
+  return config
+
+
+def get_sweep(arg=None):
+  """One cell per variant (`:width`: dense and linear at each width), 5 seeds; eval.py scores
+  recall by pairs and distance."""
+  if arg and 'width' in arg:
+    cells = [{'model.attention': name, 'model.d_model': width, 'model.d_ff': 4 * width}
+             for name in ('dense', 'linear') for width in WIDTHS]
+  elif arg and 'pair' in arg:  # the headline pair alone (more seeds at less cost)
+    cells = [{'model.attention': name, 'model.num_kv_heads': 0} for name in ('dense', 'linear')]
+  else:
+    cells = [{'model.attention': name, 'model.num_kv_heads': kv} for name, kv in VARIANTS]
+  return {'cells': cells, 'seeds': [0, 1, 2, 3, 4], 'eval_flags': []}
