@@ -22,6 +22,7 @@ import ml_collections
 
 from configs import default
 from data import pipeline
+from data import python_code
 from data import text_corpus
 from layers import rope
 from training import distributed
@@ -273,7 +274,17 @@ def check_corpus(config, workdir):
   if spec is None:
     return
   path = paths.join(workdir, 'run_info.json')
-  recorded = paths.read_json(path).get('corpus') if paths.exists(path) else None
+  info = paths.read_json(path) if paths.exists(path) else {}
+  code = info.get('python_code')
+  if code and config.data.get('task') == python_code.TASK:  # the interpreter and files first
+    now = python_code.corpus_of(config.data).record()
+    if (now['python'], now['files_hash']) != (code['python'], code['files_hash']):
+      raise text_corpus.DataError(
+          f"data.task='python_code': this run trained on the stdlib of Python {code['python']} "
+          f"(files hash {code['files_hash']}); this interpreter and data.code_max_files give "
+          f"Python {now['python']} (files hash {now['files_hash']}); valid: the same "
+          'interpreter and data.code_max_files, or a new workdir')
+  recorded = info.get('corpus')
   if recorded:  # runs from before the record: nothing to compare with
     text_corpus.check_fingerprint(recorded, spec)
 
