@@ -1,10 +1,11 @@
 """Memorisation (the MAD suite, Poli et al. 2024): a decoder-only Transformer learns one fixed map
 of keys to values that no row states, so what it recalls is what its parameters hold.
 
-Rows of L = 64 tokens: 32 distinct keys of a map of 1,024, each followed by its value (256 value
-words); the loss and accuracy are on the values (data/synthetic.py). The map is the same in every
-split, so the test accuracy is the share of the map the model has stored: it grows with the
-feed-forward width (model.d_ff) and with experts (model.moe_experts).
+Rows of L = 64 tokens: 20 distinct keys of a map of 4,096 (each key two tokens of 64 parts), each
+followed by its value (256 value words); the loss and accuracy are on the values
+(data/synthetic.py). The map is the same in every split, so the test accuracy is the share of the
+map the model has stored, which needs parameters: feed-forward width (model.d_ff) or experts
+(model.moe_experts).
 
 Train: python train.py --config=configs/memorize.py --workdir=DIR [--config.model.d_ff=1024]
 Eval:  python eval.py --workdir=DIR
@@ -17,8 +18,8 @@ def get_config(arg=None):
   config = default.get_config(arg)
   config.data.task = 'memorize'
   config.data.max_length = 64
-  config.data.synthetic.pairs = 32
-  config.data.synthetic.keys = 1024
+  config.data.synthetic.pairs = 20
+  config.data.synthetic.keys = 4096
   config.data.synthetic.values = 256
   config.model.arch = 'decoder_only'
   config.model.position = 'rope'

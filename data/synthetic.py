@@ -18,7 +18,10 @@ accuracy are on the scored tokens alone (the weights are 1 there, 0 elsewhere):
   blanks `.`, then `<copy>` and the data tokens in order. Scored: the copied tokens.
 - memorize (Poli et al. 2024, "MAD"): one fixed map of `keys` keys to values, drawn once and shared
   by every row of every split; a row is `pairs` distinct keys each followed by its value. The
-  rows never tell the map, so the accuracy measures what the parameters hold.
+  rows never tell the map, so the accuracy measures what the parameters hold. A key is two
+  tokens (`key_parts` words each, key i = parts (i // P, i % P)), so that the map cannot sit in
+  one embedding row per key: the network must compute it from the two parts, which is what
+  feed-forward width and experts buy.
 
 Examples are stored as two texts: the row's words after `<bos>` and the indices (in those words)
 of the scored tokens.
@@ -27,6 +30,7 @@ of the scored tokens.
 import dataclasses
 import fcntl
 import functools
+import math
 import os
 import random
 import tempfile
@@ -100,7 +104,7 @@ def spec_from_config(data_config) -> SyntheticSpec:
 
 def vocabulary(spec: SyntheticSpec) -> list[str]:
   """The tokenizer's words: every key word a task can use, the value words and the markers."""
-  keys = spec.keys if spec.task in READ_BY['keys'] else 0
+  keys = {'mqar': spec.keys, 'memorize': key_parts(spec.keys)}.get(spec.task, 0)
   return ([key_word(i) for i in range(keys)] + [value_word(i) for i in range(spec.values)]
           + [BLANK, COPY])
 
@@ -115,7 +119,7 @@ def min_length(task: str, pairs: int, queried: int = 0) -> int:
     return 2 * pairs  # the segment twice (its last token a target only), <bos> in the noise's place
   if task == 'selective_copy':
     return 2 * pairs + 1  # as many blanks as data at least, <copy>, the copy (last: target)
-  return 2 * pairs  # memorize: the pairs (the last value a target only)
+  return 3 * pairs  # memorize: two key parts and a value a pair (the last value a target only)
 
 
 def min_values(task: str, pairs: int) -> int:
@@ -174,14 +178,19 @@ def memorize_map(keys: int, values: int) -> tuple[int, ...]:
   return tuple(rng.randrange(values) for _ in range(keys))
 
 
+def key_parts(keys: int) -> int:
+  """P, the memorize task's key-part vocabulary: the smallest with P x P >= keys."""
+  return math.isqrt(keys - 1) + 1 if keys > 1 else 1
+
+
 def _memorize(rng, spec, pairs, queried):
   del queried
-  table = memorize_map(spec.keys, spec.values)
+  table, parts = memorize_map(spec.keys, spec.values), key_parts(spec.keys)
   words = []
   for k in rng.sample(range(spec.keys), pairs):
-    words += [key_word(k), value_word(table[k])]
+    words += [key_word(k // parts), key_word(k % parts), value_word(table[k])]
   noise = spec.length - len(words)  # the row's remaining words: blanks, never scored
-  return words + [BLANK] * noise, list(range(1, 2 * pairs, 2))
+  return words + [BLANK] * noise, list(range(2, 3 * pairs, 3))
 
 
 GENERATORS = {'mqar': _mqar, 'induction': _induction, 'selective_copy': _selective_copy,

@@ -76,16 +76,21 @@ def test_selective_copy_copies_the_scattered_tokens_in_order():
 
 
 def test_memorize_uses_one_map_for_every_row_and_split():
-  spec = _spec('memorize', length=16, pairs=6, keys=40, values=10)
+  """Keys are two part tokens (7 x 7 >= 40: parts k0..k6), distinct in a row, and every split
+  reads the same map."""
+  spec = _spec('memorize', length=20, pairs=6, keys=40, values=10)
   table = synthetic.memorize_map(40, 10)
+  assert synthetic.key_parts(40) == 7 and synthetic.key_parts(49) == 7
+  assert synthetic.key_parts(50) == 8
   seen = {}
   for split in ('train', 'test'):
     for words, scored in synthetic.split_examples(spec, split)[:200]:
       words, scored = words.split(), [int(i) for i in scored.split()]
-      assert len(set(words[i - 1] for i in scored)) == 6  # distinct keys a row: nothing to copy
-      for i in scored:
-        assert words[i] == synthetic.value_word(table[int(words[i - 1][1:])])
-        seen.setdefault(words[i - 1], set()).add(words[i])
+      keys = [7 * int(words[i - 2][1:]) + int(words[i - 1][1:]) for i in scored]
+      assert len(set(keys)) == 6 and max(keys) < 40  # distinct keys a row: nothing to copy
+      for i, k in zip(scored, keys):
+        assert words[i] == synthetic.value_word(table[k])
+        seen.setdefault(k, set()).add(words[i])
   assert all(len(v) == 1 for v in seen.values()) and len(seen) == 40
 
 
@@ -150,6 +155,8 @@ BAD_CONFIGS = [
     ('selective_copy', {'pairs': 16}, 'data.max_length=32 cannot hold a selective_copy row .* '
                                       'valid: data.max_length >= 33'),
     ('memorize', {'keys': 3}, 'data.synthetic.keys=3 is too small for 4 distinct keys'),
+    ('memorize', {'pairs': 6}, 'data.max_length=16 cannot hold a memorize row with 6 pairs .* '
+                               'valid: data.max_length >= 18'),
 ]
 
 
