@@ -24,7 +24,8 @@ Statistics (tools/stats.py): every cell's final validation loss and eval.json me
 with a 95% t interval across seeds, in a table and in OUT_stats.json; with --baseline=CELL (a
 cell's name as the table prints it) a t-test of every cell against it, paired by seed where both
 ran the same seeds, else Welch's, and a verdict at 5%: better, worse or n.s. The final validation
-loss's verdict also reads in the picture's legend.
+loss's verdict also reads in the picture's legend; OUT_intervals.png draws each cell's mean and
+interval as a dot, coloured by its verdict (tools/stats_figure.py).
 
 Flags (on the raw train loss of each run, documented in the table's footnote):
 - diverged: a non-finite loss, or a spike: after the first 10% of the run's steps, a train loss
@@ -49,6 +50,7 @@ from tools import metric_compare
 from tools import retrieval_compare
 from tools import runs as runs_lib
 from tools import stats as stats_lib
+from tools import stats_figure
 from tools import summary as summary_lib
 from tools import summary_table
 from tools import tune_table
@@ -109,7 +111,9 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   logged = metric_compare.report(groups, summary, out, metrics, color_by=color_by,
                                  style_by=style_by, band_kind=band_kind)
   stats_lib.write(stats, out)
-  tested = (f'Statistics (numbers in {stats_lib.stats_path(out)}):\n\n'
+  drawn = stats_figure.draw(stats, out, baseline)
+  tested = (f'Statistics (numbers in {stats_lib.stats_path(out)}'
+            + (f'; picture: {drawn}' if drawn else '') + '):\n\n'
             + stats_lib.markdown(stats, baseline))
   return '\n\n'.join(part for part in (table, tuning, extrapolation, retrieval, logged, tested)
                      if part)

@@ -71,6 +71,7 @@ def test_same_distribution_reads_ns_and_ten_standard_errors_read_better_or_worse
   assert entry['p'] < 1e-4 and found['norm_position=same']['final_valid']['p'] > 0.05
   assert '| final_valid | norm_position=same |' in table and ' n.s. ' in table
   assert 'final valid vs baseline' in table  # the main table names the verdict too
+  assert (tmp_path / 'cmp_intervals.png').stat().st_size > 10_000  # the dots with intervals
 
 
 def test_a_bad_baseline_is_one_line(tmp_path):
