@@ -102,3 +102,20 @@ def test_mqar_attention_study_smoke(tmp_path):
   assert found['attention=linear']['recall_pairs@4']['verdict'] == 'n/a'  # one seed: no test
   assert found['attention=dense']['accuracy.test']['verdict'] == 'baseline'
   assert '| accuracy.test | attention=linear |' in table
+
+
+def test_memorize_moe_study_smoke(tmp_path):
+  """The dense 256 and MoE top-1 cells of the memorisation study, evaluated and compared."""
+  sweep_dir = tmp_path / 'memorize'
+  keep = ("(lambda sweep: dict(sweep, cells=[c for c in sweep['cells'] if c['model.d_ff'] == 256 "
+          "and c.get('model.moe_top_k', 1) == 1]))")
+  _run(_wrapped(tmp_path, 'memorize_moe', tmp_path / 'tfds', keep), sweep_dir, seeds=[0],
+       run_eval=True)
+  cells = sorted(os.listdir(sweep_dir))
+  assert cells == ['model.d_ff=256,model.moe_capacity_factor=2.0,model.moe_experts=4,'
+                   'model.moe_top_k=1,seed=0', 'model.d_ff=256,seed=0'], cells
+  for cell in cells:
+    with open(sweep_dir / cell / 'eval.json') as f:
+      assert 0.0 <= json.load(f)['accuracy']['test'] <= 1.0
+  table = compare.compare([str(sweep_dir)], str(tmp_path / 'cmp.png'))
+  assert '| accuracy.test |' in table and os.path.getsize(tmp_path / 'cmp_intervals.png') > 5_000
