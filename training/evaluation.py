@@ -119,6 +119,19 @@ def _check_lengths(config, model, lengths):
   return passkey_lengths
 
 
+def _split_metrics(eval_fn, params, config, splits):
+  """{'loss', 'perplexity', 'accuracy'}: {split: value} over every batch of each split, each
+  process evaluating its share."""
+  out = {'loss': {}, 'perplexity': {}, 'accuracy': {}}
+  for split in splits:
+    m = steps.finalize(distributed.gather_sums(evaluate_sums(
+        eval_fn, params, config, split, 0, share=(jax.process_index(), jax.process_count()))))
+    out['loss'][split] = m['loss']
+    out['perplexity'][split] = math.exp(min(m['loss'], 50.0))
+    out['accuracy'][split] = m['accuracy']
+  return out
+
+
 class Run:
   """What `evaluate_run` evaluated, for the pictures drawn afterwards (tools.plots)."""
 
@@ -167,17 +180,11 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
   passkey_lengths = _check_lengths(config, model, lengths)
   decode = dict(decode or {})
   eval_fn = jax.jit(functools.partial(steps.eval_step, graphdef))
-  result = {'step': step, 'loss': {}, 'perplexity': {}, 'accuracy': {}, 'translation': {}}
+  result = {'step': step, **_split_metrics(eval_fn, params, config, splits), 'translation': {}}
   if xpos_block is not None:  # every number below is of the model with this block
     result['xpos_block'] = xpos_block
   if config.model.get('random_positions_max', 0):  # the split losses' ids (`random_ids`)
     result['split_position_ids'] = 'random (sorted, fixed key)'
-  for split in splits:
-    m = steps.finalize(distributed.gather_sums(evaluate_sums(
-        eval_fn, params, config, split, 0, share=(jax.process_index(), jax.process_count()))))
-    result['loss'][split] = m['loss']
-    result['perplexity'][split] = math.exp(min(m['loss'], 50.0))
-    result['accuracy'][split] = m['accuracy']
   # text_lm documents have no target to translate (an explicit --translate says so in one line).
   scored = list(splits) if pipeline.has_pairs(config.data) else []
   for split in scored + [s for s in translate_splits if s not in splits]:

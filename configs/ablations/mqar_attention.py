@@ -21,18 +21,25 @@ Smoke:   --sweep=configs/ablations/mqar_attention.py:quick (a few steps a cell)
 contrast without the other variants).
 """
 
+from configs import default
 from configs import mqar
 
-# Cells: (attention, KV heads; 0 = as many as the query heads).
-VARIANTS = (('dense', 0), ('dense', 2), ('dense', 1), ('sliding_window', 0), ('longformer', 0),
-            ('bigbird', 0), ('performer', 0), ('linear', 0))
+# Cells: (attention, KV heads; None = as many as the query heads).
+VARIANTS = (('dense', None), ('dense', 2), ('dense', 1), ('sliding_window', None),
+            ('longformer', None), ('bigbird', None), ('performer', None), ('linear', None))
+CELL_ARGS = ('width', 'pair')  # choose the cells (get_sweep), not the config
 WIDTHS = (64, 128)  # :width: dense and linear at each
 OTHER_ARGS = ('width', 'width,quick', 'pair', 'pair,quick')  # the sweep file's other forms (tests/unit/test_sweep.py)
 
 
 def get_config(arg=None):
-  """configs/mqar.py with each variant's sizes set for 128-token rows."""
-  config = mqar.get_config(arg)
+  """configs/mqar.py with each variant's sizes set for 128-token rows (`quick` passed on)."""
+  args = default.parse_arg(arg)
+  for name in CELL_ARGS:  # read here too: train.py refuses an argument its config does not read
+    args.get(name)
+  passed = {k: args.get(k) for k in ('quick', 'size') if k in args}  # configs/mqar.py's own
+  rest = ','.join(k if v is True else f'{k}={v}' for k, v in passed.items())
+  config = mqar.get_config(rest or None)
   m = config.model
   m.window = 16
   m.global_tokens = (0,)
@@ -45,11 +52,13 @@ def get_config(arg=None):
 def get_sweep(arg=None):
   """One cell per variant (`:width`: dense and linear at each width), 5 seeds; eval.py scores
   recall by pairs and distance."""
-  if arg and 'width' in arg:
+  args = default.parse_arg(arg)
+  if args.get('width'):
     cells = [{'model.attention': name, 'model.d_model': width, 'model.d_ff': 4 * width}
              for name in ('dense', 'linear') for width in WIDTHS]
-  elif arg and 'pair' in arg:  # the headline pair alone (more seeds at less cost)
-    cells = [{'model.attention': name, 'model.num_kv_heads': 0} for name in ('dense', 'linear')]
+  elif args.get('pair'):  # the headline pair alone (more seeds at less cost)
+    cells = [{'model.attention': name} for name in ('dense', 'linear')]
   else:
-    cells = [{'model.attention': name, 'model.num_kv_heads': kv} for name, kv in VARIANTS]
+    cells = [{'model.attention': name, **({} if kv is None else {'model.num_kv_heads': kv})}
+             for name, kv in VARIANTS]
   return {'cells': cells, 'seeds': [0, 1, 2, 3, 4], 'eval_flags': []}
