@@ -204,9 +204,9 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   data.synthetic = ml_collections.ConfigDict()
   data.synthetic.pairs = 16  # mqar, memorize: key-value pairs a row; induction: tokens of the
   #                            repeated segment; selective_copy: data tokens to copy
-  data.synthetic.keys = 64  # mqar: key vocabulary; memorize: keys of the fixed map (its size)
-  data.synthetic.values = 64  # value vocabulary (mqar, memorize); token vocabulary (induction,
-  #                             selective_copy): chance accuracy 1/values
+  data.synthetic.key_vocab = 64  # mqar: key vocabulary; memorize: keys of the fixed map (its size)
+  data.synthetic.value_vocab = 64  # value vocabulary (mqar, memorize); token vocabulary
+  #                                  (induction, selective_copy): chance accuracy 1/value_vocab
   data.synthetic.queries = 0  # mqar: keys asked again a row (0 = every pair)
   data.packing = 'none'  # none (one pair per padded row) | segments (packed, attention per pair)
   #                        | stream (packed, attention across pairs: LM / extrapolation studies)

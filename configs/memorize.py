@@ -16,5 +16,5 @@ from configs import synthetic
 
 def get_config(arg=None):
   return synthetic.get_task_config(
-      arg, 'memorize', max_length=64, steps=3000, learning_rate=2e-3, pairs=20, keys=16384,
-      values=256, quick={'max_length': 16, 'pairs': 4, 'keys': 32, 'values': 16})
+      arg, 'memorize', max_length=64, steps=3000, learning_rate=2e-3, pairs=20, key_vocab=16384,
+      value_vocab=256, quick={'max_length': 16, 'pairs': 4, 'key_vocab': 32, 'value_vocab': 16})

@@ -15,5 +15,5 @@ from configs import synthetic
 
 
 def get_config(arg=None):
-  return synthetic.get_task_config(arg, 'mqar', max_length=128, steps=2000, pairs=16, keys=64,
-                                   values=64, quick={'max_length': 32, 'pairs': 4})
+  return synthetic.get_task_config(arg, 'mqar', max_length=128, steps=2000, pairs=16, key_vocab=64,
+                                   value_vocab=64, quick={'max_length': 32, 'pairs': 4})

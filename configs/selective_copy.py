@@ -14,4 +14,4 @@ from configs import synthetic
 
 def get_config(arg=None):
   return synthetic.get_task_config(arg, 'selective_copy', max_length=128, steps=2000, pairs=16,
-                                   values=16, quick={'max_length': 32, 'pairs': 4})
+                                   value_vocab=16, quick={'max_length': 32, 'pairs': 4})

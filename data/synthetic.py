@@ -6,7 +6,7 @@ One example is one decoder-only row of data.max_length input tokens, `<bos>` fir
 accuracy are on the scored tokens alone (the weights are 1 there, 0 elsewhere):
 
 - mqar, multi-query associative recall (Arora et al. 2023, "Zoology"): `pairs` key-value pairs
-  `k v k v ...` (keys distinct, from `keys` key words; values from `values` value words), then a
+  `k v k v ...` (keys distinct, from `key_vocab` key words; values from `value_vocab` value words), then a
   region of noise (value words) in which `queries` of the keys (0 = all) are asked again, each in
   a two-token slot drawn uniformly among the region's slots and followed by its value. Scored: the
   value after each query key. A fixed-size state must hold every pair; attention looks them up.
@@ -16,7 +16,7 @@ accuracy are on the scored tokens alone (the weights are 1 there, 0 elsewhere):
   the repeat after its first (the repeat's start cannot be foreseen).
 - selective_copy (Gu & Dao 2023, "Mamba"): `pairs` data tokens at random places of a region of
   blanks `.`, then `<copy>` and the data tokens in order. Scored: the copied tokens.
-- memorize (Poli et al. 2024, "MAD"): one fixed map of `keys` keys to values, drawn once and shared
+- memorize (Poli et al. 2024, "MAD"): one fixed map of `key_vocab` keys to values, drawn once and shared
   by every row of every split; a row is `pairs` distinct keys each followed by its value. The
   rows never tell the map, so the accuracy measures what the parameters hold. A key is two
   tokens (`key_parts` words each, key i = parts (i // P, i % P)), so that the map cannot sit in
@@ -46,8 +46,9 @@ SPLITS = {'test': 1000, 'validation': 1000, 'train': 20000}  # examples per spli
 CACHE = os.path.join(tempfile.gettempdir(), 'attnlab_data')  # local copies of gs:// data_dirs
 # The data.synthetic fields and their defaults (configs/default.py holds the same values), and the
 # tasks that read each field.
-DEFAULTS = {'pairs': 16, 'keys': 64, 'values': 64, 'queries': 0}
-READ_BY = {'pairs': TASKS, 'keys': ('mqar', 'memorize'), 'values': TASKS, 'queries': ('mqar',)}
+DEFAULTS = {'pairs': 16, 'key_vocab': 64, 'value_vocab': 64, 'queries': 0}
+READ_BY = {'pairs': TASKS, 'key_vocab': ('mqar', 'memorize'), 'value_vocab': TASKS,
+           'queries': ('mqar',)}
 BLANK, COPY = '.', '<copy>'
 
 
@@ -67,20 +68,21 @@ class SyntheticSpec:
     data_dir: the local root of the TFDS data (a gs:// data_dir is read through a local cache).
     task: one of TASKS.
     length: input tokens per row (data.max_length).
-    pairs, keys, values, queries: the data.synthetic knobs (module docstring).
+    pairs, key_vocab, value_vocab, queries: the data.synthetic knobs (module docstring).
   """
   data_dir: str
   task: str
   length: int
   pairs: int
-  keys: int
-  values: int
+  key_vocab: int
+  value_vocab: int
   queries: int
 
   @property
   def name(self) -> str:
     """The TFDS builder config name: one dataset folder per setting."""
-    return (f'{self.task}-len{self.length}-pairs{self.pairs}-keys{self.keys}-values{self.values}'
+    return (f'{self.task}-len{self.length}-pairs{self.pairs}-keys{self.key_vocab}'
+            f'-values{self.value_vocab}'
             f'-queries{self.queries}')
 
   @property
@@ -104,8 +106,8 @@ def spec_from_config(data_config) -> SyntheticSpec:
 
 def vocabulary(spec: SyntheticSpec) -> list[str]:
   """The tokenizer's words: every key word a task can use, the value words and the markers."""
-  keys = {'mqar': spec.keys, 'memorize': key_parts(spec.keys)}.get(spec.task, 0)
-  return ([key_word(i) for i in range(keys)] + [value_word(i) for i in range(spec.values)]
+  keys = {'mqar': spec.key_vocab, 'memorize': key_parts(spec.key_vocab)}.get(spec.task, 0)
+  return ([key_word(i) for i in range(keys)] + [value_word(i) for i in range(spec.value_vocab)]
           + [BLANK, COPY])
 
 
@@ -131,13 +133,13 @@ def min_values(task: str, pairs: int) -> int:
 # --- Examples: (words after <bos>, indices of the scored words) ----------------------------------
 
 def _mqar(rng, spec, pairs, queried):
-  keys = rng.sample(range(spec.keys), pairs)
-  values = [rng.randrange(spec.values) for _ in range(pairs)]
+  keys = rng.sample(range(spec.key_vocab), pairs)
+  values = [rng.randrange(spec.value_vocab) for _ in range(pairs)]
   words = [w for k, v in zip(keys, values) for w in (key_word(k), value_word(v))]
   region = spec.length - len(words)  # tokens after the context (the row's L + 1 minus <bos>)
   slots = sorted(rng.sample(range(region // 2), queried))
   asked = rng.sample(range(pairs), queried)
-  tail = [value_word(rng.randrange(spec.values)) for _ in range(region)]  # noise
+  tail = [value_word(rng.randrange(spec.value_vocab)) for _ in range(region)]  # noise
   scored = []
   for slot, pair in zip(slots, asked):
     tail[2 * slot], tail[2 * slot + 1] = key_word(keys[pair]), value_word(values[pair])
@@ -147,8 +149,8 @@ def _mqar(rng, spec, pairs, queried):
 
 def _induction(rng, spec, pairs, queried):
   del queried
-  segment = rng.sample(range(spec.values), pairs)
-  rest = sorted(set(range(spec.values)) - set(segment))
+  segment = rng.sample(range(spec.value_vocab), pairs)
+  rest = sorted(set(range(spec.value_vocab)) - set(segment))
   total = spec.length  # words after <bos>: L inputs + 1 target, minus <bos>
   noise = total - 2 * pairs
   first = rng.randint(0, noise)  # noise words before the first copy
@@ -164,7 +166,7 @@ def _selective_copy(rng, spec, pairs, queried):
   del queried
   region = spec.length - pairs  # words after <bos>: region, <copy>, the data (L + 1 - 1)
   region -= 1
-  data = [value_word(rng.randrange(spec.values)) for _ in range(pairs)]
+  data = [value_word(rng.randrange(spec.value_vocab)) for _ in range(pairs)]
   words = [BLANK] * region
   for place, word in zip(sorted(rng.sample(range(region), pairs)), data):
     words[place] = word
@@ -185,9 +187,9 @@ def key_parts(keys: int) -> int:
 
 def _memorize(rng, spec, pairs, queried):
   del queried
-  table, parts = memorize_map(spec.keys, spec.values), key_parts(spec.keys)
+  table, parts = memorize_map(spec.key_vocab, spec.value_vocab), key_parts(spec.key_vocab)
   words = []
-  for k in rng.sample(range(spec.keys), pairs):
+  for k in rng.sample(range(spec.key_vocab), pairs):
     words += [key_word(k // parts), key_word(k % parts), value_word(table[k])]
   noise = spec.length - len(words)  # the row's remaining words: blanks, never scored
   return words + [BLANK] * noise, list(range(2, 3 * pairs, 3))

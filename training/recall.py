@@ -21,7 +21,7 @@ def pair_levels(spec):
   """The numbers of pairs the report asks at: P/4, P/2, P and 2P, where a row of the run's length
   and key vocabulary holds them (each with min(queries, pairs) queries)."""
   levels = sorted({max(1, spec.pairs // 4), max(1, spec.pairs // 2), spec.pairs, 2 * spec.pairs})
-  return [p for p in levels if p <= spec.keys
+  return [p for p in levels if p <= spec.key_vocab
           and synthetic.min_length('mqar', p, min(spec.queried, p)) <= spec.length]
 
 

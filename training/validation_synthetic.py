@@ -47,7 +47,7 @@ def check_config(config):
   if t.loss_on != 'target':
     raise ConfigError(f'train.loss_on={t.loss_on!r} is not valid for data.task={task!r} (its rows '
                       'weight the scored tokens only); valid: target')
-  for name in ('pairs', 'keys', 'values'):
+  for name in ('pairs', 'key_vocab', 'value_vocab'):
     if name in values and task in synthetic.READ_BY[name] and (
         not _integer(values[name]) or values[name] < 1):
       raise ConfigError(f'data.synthetic.{name}={values[name]!r} must be a positive integer')
@@ -56,13 +56,15 @@ def check_config(config):
     raise ConfigError(f'data.synthetic.queries={queries!r} asks more keys than the '
                       f'{pairs} pairs of a row (data.synthetic.pairs); valid: 0 (every key) to '
                       f'{pairs}')
-  if task in synthetic.READ_BY['keys'] and values['keys'] < pairs:
-    raise ConfigError(f'data.synthetic.keys={values["keys"]} is too small for {pairs} distinct keys '
-                      f'a row (data.synthetic.pairs={pairs}); valid: keys >= {pairs}')
+  if task in synthetic.READ_BY['key_vocab'] and values['key_vocab'] < pairs:
+    raise ConfigError(f'data.synthetic.key_vocab={values["key_vocab"]} is too small for {pairs} '
+                      f'distinct keys a row (data.synthetic.pairs={pairs}); valid: key_vocab >= '
+                      f'{pairs}')
   least = synthetic.min_values(task, pairs)
-  if values['values'] < least:
-    raise ConfigError(f'data.synthetic.values={values["values"]} is too small for data.task='
-                      f'{task!r} with data.synthetic.pairs={pairs}; valid: values >= {least}')
+  if values['value_vocab'] < least:
+    raise ConfigError(f'data.synthetic.value_vocab={values["value_vocab"]} is too small for '
+                      f'data.task={task!r} with data.synthetic.pairs={pairs}; valid: value_vocab >= '
+                      f'{least}')
   queried = (queries or pairs) if task == 'mqar' else 0
   shortest = synthetic.min_length(task, pairs, queried)
   if d.max_length < shortest:

@@ -7,8 +7,7 @@ width 128 in every layer:
   dense            d_ff 256: the MoE's active FFN parameters (k = 2 experts of 128)
   dense_total      d_ff 1024: the MoE's total FFN parameters (8 experts of 128)
   moe              top-2, capacity factor 1.25, auxiliary loss 0.01 (the reference MoE cell)
-  top1             top-1 (Mixtral's renormalised weight is then 1: the router learns from the
-                   auxiliary loss alone)
+  top1             top-1, the expert weighed by its unnormalised gate (Switch)
   cf1.0, cf2.0, dropless   capacity factor 1.0, 2.0, none (ragged_dot)
   aux_free         no auxiliary loss; DeepSeek-V3's selection bias, gamma = 0.001
   shared           one always-on shared expert of width 128 beside the 8

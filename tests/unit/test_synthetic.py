@@ -24,8 +24,8 @@ CONFIGS = {'mqar': mqar_config, 'induction': induction_config,
            'selective_copy': selective_copy_config, 'memorize': memorize_config}
 
 
-def _spec(task, length=48, pairs=6, keys=32, values=24, queries=0):
-  return synthetic.SyntheticSpec('/unused', task, length, pairs, keys, values, queries)
+def _spec(task, length=48, pairs=6, key_vocab=32, value_vocab=24, queries=0):
+  return synthetic.SyntheticSpec("/unused", task, length, pairs, key_vocab, value_vocab, queries)
 
 
 def _config(task, **knobs):
@@ -54,7 +54,7 @@ def test_mqar_asks_keys_of_the_context_and_scores_their_values(queries):
 
 
 def test_induction_repeats_a_segment_whose_tokens_occur_once_before():
-  spec = _spec('induction', length=40, pairs=5, values=12)
+  spec = _spec('induction', length=40, pairs=5, value_vocab=12)
   for seed in range(20):
     words, scored = synthetic.sample_example(random.Random(seed), spec)
     assert len(words) == 40 and len(scored) == 4
@@ -68,7 +68,7 @@ def test_induction_repeats_a_segment_whose_tokens_occur_once_before():
 
 
 def test_selective_copy_copies_the_scattered_tokens_in_order():
-  spec = _spec('selective_copy', length=30, pairs=5, values=8)
+  spec = _spec('selective_copy', length=30, pairs=5, value_vocab=8)
   words, scored = synthetic.sample_example(random.Random(3), spec)
   at = words.index(synthetic.COPY)
   data = [w for w in words[:at] if w != synthetic.BLANK]
@@ -78,7 +78,7 @@ def test_selective_copy_copies_the_scattered_tokens_in_order():
 def test_memorize_uses_one_map_for_every_row_and_split():
   """Keys are two part tokens (7 x 7 >= 40: parts k0..k6), distinct in a row, and every split
   reads the same map."""
-  spec = _spec('memorize', length=20, pairs=6, keys=40, values=10)
+  spec = _spec('memorize', length=20, pairs=6, key_vocab=40, value_vocab=10)
   table = synthetic.memorize_map(40, 10)
   assert synthetic.key_parts(40) == 7 and synthetic.key_parts(49) == 7
   assert synthetic.key_parts(50) == 8
@@ -142,19 +142,21 @@ def test_the_config_files_validate_and_the_defaults_agree():
 BAD_CONFIGS = [
     ('mqar', {'pairs': 20}, 'data.max_length=32 cannot hold a mqar row with 20 pairs and 20 '
                             'queries .* valid: data.max_length >= 80'),
-    ('mqar', {'pairs': 8, 'keys': 4}, 'data.synthetic.keys=4 is too small for 8 distinct keys a '
-                                      'row .* valid: keys >= 8'),
+    ('mqar', {'pairs': 8, 'key_vocab': 4}, 'data.synthetic.key_vocab=4 is too small for 8 '
+                                           'distinct keys a row .* valid: key_vocab >= 8'),
     ('mqar', {'queries': 5}, r'data.synthetic.queries=5 asks more keys than the 4 pairs of a row '
                              r'\(data.synthetic.pairs\); valid: 0 \(every key\) to 4'),
-    ('mqar', {'values': 1}, 'data.synthetic.values=1 is too small .* valid: values >= 2'),
+    ('mqar', {'value_vocab': 1}, 'data.synthetic.value_vocab=1 is too small .* valid: '
+                                 'value_vocab >= 2'),
     ('mqar', {'pairs': 0}, 'data.synthetic.pairs=0 must be a positive integer'),
-    ('induction', {'values': 4}, "data.synthetic.values=4 is too small for data.task='induction' "
-                                 'with data.synthetic.pairs=4; valid: values >= 5'),
+    ('induction', {'value_vocab': 4}, "data.synthetic.value_vocab=4 is too small for "
+                                      "data.task='induction' with data.synthetic.pairs=4; valid: "
+                                      'value_vocab >= 5'),
     ('induction', {'queries': 2}, "data.synthetic.queries=2 is not read by data.task='induction' "
                                   r'\(only by mqar\); valid here: 0'),
     ('selective_copy', {'pairs': 16}, 'data.max_length=32 cannot hold a selective_copy row .* '
                                       'valid: data.max_length >= 33'),
-    ('memorize', {'keys': 3}, 'data.synthetic.keys=3 is too small for 4 distinct keys'),
+    ('memorize', {'key_vocab': 3}, 'data.synthetic.key_vocab=3 is too small for 4 distinct keys'),
     ('memorize', {'pairs': 6}, 'data.max_length=16 cannot hold a memorize row with 6 pairs .* '
                                'valid: data.max_length >= 18'),
 ]
@@ -204,7 +206,7 @@ def _looker(tok, right):
 
 
 def test_the_recall_report_by_pairs_and_distance(tmp_path):
-  config = _config('mqar', pairs=4, keys=16, values=16)
+  config = _config('mqar', pairs=4, key_vocab=16, value_vocab=16)
   config.data.max_length = 40
   config.data.data_dir = str(tmp_path)
   tok = pipeline.get_tokenizer(config.data)
