@@ -88,3 +88,21 @@ def test_check_exits_1_with_one_line_when_stale(tmp_path, capsys):
   assert err.count('\n') == 1
   assert 'reference.txt is stale: run python -m tools.config_reference' in err
   assert config_reference.run(check=True, out_path=str(tmp_path / 'absent.txt')) == 1
+
+
+def test_no_field_is_shadowed_by_a_configdict_method():
+  """A field named like a ConfigDict method (keys, values, items, get, update, ...) reads as the
+  method in `config.data.FIELD`, and `--config.data.FIELD=V` fails: every field of
+  configs/default.py must read back as its own value."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from configs import default  # pylint: disable=g-import-not-at-top
+  methods = {name for name in dir(ml_collections.ConfigDict) if not name.startswith('_')}
+
+  def walk(node, prefix):
+    for name in node.keys():
+      assert name not in methods, f'{prefix}{name} is shadowed by ConfigDict.{name}'
+      value = node[name]
+      if isinstance(value, ml_collections.ConfigDict):
+        walk(value, f'{prefix}{name}.')
+
+  walk(default.get_config(), '')
