@@ -15,6 +15,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from data import passkey
+from data import synthetic
 from data import text_corpus
 from data import tokenizer as tokenizer_lib
 from data import toy_translation
@@ -34,10 +36,17 @@ def toy_vocab_size():
 
 
 def task_vocab_size(data_config):
-  """V of the configured task's tokenizer, without preparing data: the toy vocabulary, or for
-  text_pairs / text_lm the SentencePiece vocabulary data.vocab_size and data.shared_vocab give."""
-  if data_config.get('task', 'base') == 'python_code':  # one SentencePiece model
+  """V of the configured task's tokenizer, without preparing data: the toy vocabulary, the
+  passkey or synthetic task's words, or for text_pairs / text_lm / python_code the SentencePiece
+  vocabulary data.vocab_size and data.shared_vocab give."""
+  task = data_config.get('task', 'base')
+  if task == 'python_code':  # one SentencePiece model
     return data_config.get('vocab_size', 1000)
+  if task in synthetic.TASKS:
+    words = synthetic.vocabulary(synthetic.spec_from_config(data_config))
+    return tokenizer_lib.Tokenizer.from_words(words).vocab_size
+  if task == passkey.TASK:
+    return tokenizer_lib.Tokenizer.from_words(passkey.vocabulary()).vocab_size
   if data_config.get('task', 'base') in text_corpus.TASKS:
     return text_corpus.tokenizer_vocab_size(text_corpus.spec_from_config(data_config))
   return toy_vocab_size()

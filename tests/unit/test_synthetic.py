@@ -17,6 +17,7 @@ from configs import selective_copy as selective_copy_config
 from data import pipeline
 from data import synthetic
 from data import tokenizer as tokenizer_lib
+from tools import accounting
 from training import recall
 from training import validation
 
@@ -210,6 +211,7 @@ def test_the_recall_report_by_pairs_and_distance(tmp_path):
   config.data.max_length = 40
   config.data.data_dir = str(tmp_path)
   tok = pipeline.get_tokenizer(config.data)
+  assert accounting.task_vocab_size(config.data) == tok.vocab_size  # known without the data
   spec = synthetic.spec_from_config(config.data)
   assert recall.pair_levels(spec) == [1, 2, 4, 8]  # 8 pairs and 8 queries fill 32 of 40
   good = recall.recall(config, _looker(tok, True), tok, examples=10)
