@@ -1,6 +1,6 @@
 """Does MoE buy capacity? Dense and mixture-of-experts feed-forwards on the memorisation task.
 
-configs/memorize.py: a fixed map of 16,384 keys (two tokens each) to 256 values that no row
+configs/memorize.py: a fixed map of 65,536 keys (two tokens each) to 256 values that no row
 states, so the test accuracy is the share of the map the parameters hold (MAD, Poli et al. 2024).
 Switch (Fedus et al. 2021) and GShard (Lepikhin et al. 2020) report MoE better than dense at
 equal active compute; on the toy stream every cell tied, dense at 2.9x the parameters included,
