@@ -15,7 +15,7 @@ for dense and linear (Zoology's axis: a wider state holds more pairs).
 
 Run:     python -m tools.sweep --sweep=configs/ablations/mqar_attention.py --sweep_dir=DIR \
              --sweep_eval [--seeds=0,1,2]
-Compare: python -m tools.compare DIR --baseline=attention=dense,num_kv_heads=0
+Compare: python -m tools.compare DIR --baseline=attention=dense,num_kv_heads=4
 Smoke:   --sweep=configs/ablations/mqar_attention.py:quick (a few steps a cell)
 `:pair` runs the dense and linear cells alone (the same cell names: more seeds of the headline
 contrast without the other variants).
