@@ -25,6 +25,7 @@ import jax
 from tools import plots
 from training import checkpointing
 from training import cli_checks
+from training import eval_checks
 from training import distributed
 from training import evaluation
 from training import extrapolation
@@ -111,20 +112,20 @@ def print_summary(result, splits):
 def check_flags():
   """Every flag checked before anything is restored or compiled (one line, exit 2); returns the
   --lengths multiples as floats."""
-  lengths = cli_checks.check_eval_flags(
+  lengths = eval_checks.check_eval_flags(
       split=_SPLIT.value, max_examples=_MAX_EXAMPLES.value, lengths=_LENGTHS.value,
       modes=_MODES.value, stride=_STRIDE.value, num_beams=_NUM_BEAMS.value,
       length_penalty=_LENGTH_PENALTY.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
       top_p=_TOP_P.value, plot_attention=_PLOT_ATTENTION.value, rope_scaling=_ROPE_SCALING.value,
       retrieval_examples=_RETRIEVAL_EXAMPLES.value)
-  cli_checks.check_eval_run(_WORKDIR.value, split=_SPLIT.value, translate=_TRANSLATE.value,
+  eval_checks.check_eval_run(_WORKDIR.value, split=_SPLIT.value, translate=_TRANSLATE.value,
                             lengths=lengths, stream_split=_STREAM_SPLIT.value,
                             rope_scaling=_ROPE_SCALING.value, plot_attention=_PLOT_ATTENTION.value,
                             decode=_DECODE.value, max_examples=_MAX_EXAMPLES.value,
                             position_ids=_POSITION_IDS.value, xpos_block=_XPOS_BLOCK.value)
   if jax.process_index() == 0 and not paths.is_remote(_WORKDIR.value) and os.path.isdir(
       _WORKDIR.value):  # a local probe file; a gs:// workdir is written by the run's own writes
-    cli_checks.check_can_write(_WORKDIR.value, 'eval.json')  # before hours of evaluation
+    eval_checks.check_can_write(_WORKDIR.value, 'eval.json')  # before hours of evaluation
   return lengths
 
 

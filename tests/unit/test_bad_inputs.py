@@ -18,6 +18,7 @@ from tools import processes
 from tools import sweep_runner
 from tools import sweep_spec
 from training import cli_checks
+from training import eval_checks
 from training import memory
 from training import validation
 from models import accounting
@@ -166,15 +167,15 @@ BAD_EVAL_FLAGS = [
                          ids=[f'{f}={v}' for f, v, _ in BAD_EVAL_FLAGS])
 def test_bad_eval_flags_are_one_line(flag, value, message):
   with pytest.raises(cli_checks.ConfigError, match=message) as e:
-    cli_checks.check_eval_flags(**{**EVAL_DEFAULTS, flag: value})
+    eval_checks.check_eval_flags(**{**EVAL_DEFAULTS, flag: value})
   assert '\n' not in str(e.value)
 
 
 def test_good_eval_flags_pass_and_lengths_become_numbers():
-  assert cli_checks.check_eval_flags(**EVAL_DEFAULTS) == []
-  assert cli_checks.check_eval_flags(**{**EVAL_DEFAULTS, 'lengths': ['1', '2.5'],
+  assert eval_checks.check_eval_flags(**EVAL_DEFAULTS) == []
+  assert eval_checks.check_eval_flags(**{**EVAL_DEFAULTS, 'lengths': ['1', '2.5'],
                                         'rope_scaling': 'ntk:4'}) == [1.0, 2.5]
-  assert cli_checks.check_eval_flags(**{**EVAL_DEFAULTS, 'rope_scaling': 'none'}) == []
+  assert eval_checks.check_eval_flags(**{**EVAL_DEFAULTS, 'rope_scaling': 'none'}) == []
 
 
 def _fake_run(path, data_dir, **model):
@@ -191,24 +192,24 @@ def test_eval_lengths_beyond_the_model_or_the_stream_are_refused(tmp_path, data_
   config = _fake_run(learned, data_dir, position='learned')
   length = config.data.max_length
   run = dict(split=['test'], translate=[], stream_split='test', rope_scaling=None)
-  cli_checks.check_eval_run(str(learned), lengths=[1.0], **run)
+  eval_checks.check_eval_run(str(learned), lengths=[1.0], **run)
   with pytest.raises(cli_checks.ConfigError, match=f'2 x data.max_length={length} = {2 * length} '
                      f'positions; .*table has max_length={length} rows; valid: multiples <= 1'):
-    cli_checks.check_eval_run(str(learned), lengths=[2.0], **run)
+    eval_checks.check_eval_run(str(learned), lengths=[2.0], **run)
   rope = tmp_path / 'rope'
   _fake_run(rope, data_dir, position='rope')
-  cli_checks.check_eval_run(str(rope), lengths=[4.0], **run)
+  eval_checks.check_eval_run(str(rope), lengths=[4.0], **run)
   with pytest.raises(cli_checks.ConfigError, match=f'1000 x data.max_length={length} = '
                      f"{1000 * length} tokens, longer than the 'test' stream") as e:
-    cli_checks.check_eval_run(str(rope), lengths=[1000.0], **run)
+    eval_checks.check_eval_run(str(rope), lengths=[1000.0], **run)
   limit = int(str(e.value).rsplit('<= ', 1)[1])
-  cli_checks.check_eval_run(str(rope), lengths=[float(limit)], **run)  # the largest that fits
+  eval_checks.check_eval_run(str(rope), lengths=[float(limit)], **run)  # the largest that fits
   with pytest.raises(cli_checks.ConfigError, match='is under one token'):
-    cli_checks.check_eval_run(str(rope), lengths=[0.001], **run)
+    eval_checks.check_eval_run(str(rope), lengths=[0.001], **run)
   with pytest.raises(cli_checks.ConfigError, match="'nosuch' is not a split of this run"):
-    cli_checks.check_eval_run(str(rope), lengths=[], **{**run, 'split': ['test', 'nosuch']})
+    eval_checks.check_eval_run(str(rope), lengths=[], **{**run, 'split': ['test', 'nosuch']})
   with pytest.raises(cli_checks.ConfigError, match="needs a run with model.position='rope'"):
-    cli_checks.check_eval_run(str(learned), lengths=[], **{**run, 'rope_scaling': 'ntk:2'})
+    eval_checks.check_eval_run(str(learned), lengths=[], **{**run, 'rope_scaling': 'ntk:2'})
 
 
 def test_eval_position_overrides_are_checked_against_the_run(tmp_path, data_dir):
@@ -218,37 +219,37 @@ def test_eval_position_overrides_are_checked_against_the_run(tmp_path, data_dir)
   rope = tmp_path / 'rope'
   config = _fake_run(rope, data_dir, position='rope', random_positions_max=128)
   length = config.data.max_length
-  cli_checks.check_eval_run(str(rope), lengths=[1.0, 128 / length], position_ids='random', **run)
+  eval_checks.check_eval_run(str(rope), lengths=[1.0, 128 / length], position_ids='random', **run)
   with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=spaced: a window of '):
-    cli_checks.check_eval_run(str(rope), lengths=[2 * 128 / length], position_ids='spaced', **run)
+    eval_checks.check_eval_run(str(rope), lengths=[2 * 128 / length], position_ids='spaced', **run)
   with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=random sets the ids of the '
                                                    r'--lengths stream windows'):
-    cli_checks.check_eval_run(str(rope), lengths=[], position_ids='random', **run)
+    eval_checks.check_eval_run(str(rope), lengths=[], position_ids='random', **run)
   with pytest.raises(cli_checks.ConfigError, match=r"^--xpos_block=0 needs a run with "
                                                    r"model.position='xpos'; this one has 'rope'$"):
-    cli_checks.check_eval_run(str(rope), lengths=[1.0], xpos_block=0, **run)
+    eval_checks.check_eval_run(str(rope), lengths=[1.0], xpos_block=0, **run)
   xpos = tmp_path / 'xpos'
   _fake_run(xpos, data_dir, position='xpos', xpos_block=16, attention_impl='blockwise')
-  cli_checks.check_eval_run(str(xpos), lengths=[2.0], xpos_block=0, **run)
+  eval_checks.check_eval_run(str(xpos), lengths=[2.0], xpos_block=0, **run)
   with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=random draws ids'):
-    cli_checks.check_eval_run(str(xpos), lengths=[1.0], position_ids='random', **run)
+    eval_checks.check_eval_run(str(xpos), lengths=[1.0], position_ids='random', **run)
   with pytest.raises(cli_checks.ConfigError, match=r'^--xpos_block=-1 must be an integer >= 0'):
-    cli_checks.check_eval_run(str(xpos), lengths=[1.0], xpos_block=-1, **run)
+    eval_checks.check_eval_run(str(xpos), lengths=[1.0], xpos_block=-1, **run)
   window = tmp_path / 'window'
   _fake_run(window, data_dir, position='xpos', attention='sliding_window')
   with pytest.raises(cli_checks.ConfigError, match=r"^--xpos_block=8: model.position='xpos' adds "
                                                    r'a \[T, S\] mask'):
-    cli_checks.check_eval_run(str(window), lengths=[1.0], xpos_block=8, **run)
+    eval_checks.check_eval_run(str(window), lengths=[1.0], xpos_block=8, **run)
 
 
 def test_eval_json_must_be_writable(tmp_path):
-  cli_checks.check_can_write(str(tmp_path), 'eval.json')
+  eval_checks.check_can_write(str(tmp_path), 'eval.json')
   assert os.listdir(tmp_path) == []  # the probe leaves nothing behind
   os.makedirs(tmp_path / 'eval.json')
   with pytest.raises(cli_checks.ConfigError, match='eval.json is a directory'):
-    cli_checks.check_can_write(str(tmp_path), 'eval.json')
+    eval_checks.check_can_write(str(tmp_path), 'eval.json')
   with pytest.raises(cli_checks.ConfigError, match=r'cannot write eval.json in .* \(No such file'):
-    cli_checks.check_can_write(str(tmp_path / 'missing'), 'eval.json')
+    eval_checks.check_can_write(str(tmp_path / 'missing'), 'eval.json')
 
 
 # --- Sweeps ----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from data import pipeline
 from data import tokenizer as tokenizer_lib
 from tools import plots
 from training import cli_checks
+from training import eval_checks
 from training import retrieval
 from training import validation
 from training import validation_passkey
@@ -157,26 +158,26 @@ def test_eval_lengths_the_model_cannot_take_are_refused(tmp_path):
   run = dict(split=['test'], translate=[], stream_split='test', rope_scaling=None)
   _fake_run(tmp_path / 'learned', position='learned')
   learned = str(tmp_path / 'learned')
-  cli_checks.check_eval_run(learned, lengths=[1.0, 0.5], **run)
+  eval_checks.check_eval_run(learned, lengths=[1.0, 0.5], **run)
   with pytest.raises(cli_checks.ConfigError, match=r'the retrieval report \(default '
                      r'--lengths=1,2,4,8\): 2 x data.max_length=32 = 64 positions; the run\'s '
                      'position=learned table has 32 rows; valid: multiples <= 1') as e:
-    cli_checks.check_eval_run(learned, lengths=[], **run)
+    eval_checks.check_eval_run(learned, lengths=[], **run)
   assert '\n' not in str(e.value)
   _fake_run(tmp_path / 'rope', position='rope')
   rope = str(tmp_path / 'rope')
-  cli_checks.check_eval_run(rope, lengths=[], **run)  # RoPE takes any length
+  eval_checks.check_eval_run(rope, lengths=[], **run)  # RoPE takes any length
   with pytest.raises(cli_checks.ConfigError, match='= 4 tokens, under the 7 a passkey example '
                      'needs; valid: multiples >= 0.21875'):
-    cli_checks.check_eval_run(rope, lengths=[0.125], **run)
+    eval_checks.check_eval_run(rope, lengths=[0.125], **run)
   with pytest.raises(cli_checks.ConfigError, match="--translate=test decodes target sentences; "
                      "data.task='passkey' holds retrieval prompts"):
-    cli_checks.check_eval_run(rope, lengths=[], **{**run, 'translate': ['test']})
+    eval_checks.check_eval_run(rope, lengths=[], **{**run, 'translate': ['test']})
   flags = dict(split=['test'], max_examples=0, lengths=[], modes=['sliding'], stride=0.5,
                num_beams=1, length_penalty=0.6, temperature=1.0, top_k=0, top_p=1.0,
                plot_attention=0, rope_scaling=None)
   with pytest.raises(cli_checks.ConfigError, match='--retrieval_examples=0 must be a positive'):
-    cli_checks.check_eval_flags(**flags, retrieval_examples=0)
+    eval_checks.check_eval_flags(**flags, retrieval_examples=0)
 
 
 # --- The retrieval report -----------------------------------------------------------------------
@@ -256,11 +257,11 @@ def test_retrieval_rows_at_randomized_training_ids(tok, tmp_path):
                              position_ids='spaced') == {'32': {'0.0': 0.0}}
   run = dict(split=['test'], translate=[], stream_split='test', rope_scaling=None)
   _fake_run(tmp_path / 'rand', position='rope', random_positions_max=256)
-  cli_checks.check_eval_run(str(tmp_path / 'rand'), lengths=[], position_ids='random', **run)
+  eval_checks.check_eval_run(str(tmp_path / 'rand'), lengths=[], position_ids='random', **run)
   with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=spaced: a window of 512 '
                      r'tokens needs that many ids of model.random_positions_max=256; valid: '
                      r'--lengths up to 8$'):
-    cli_checks.check_eval_run(str(tmp_path / 'rand'), lengths=[16], position_ids='spaced', **run)
+    eval_checks.check_eval_run(str(tmp_path / 'rand'), lengths=[16], position_ids='spaced', **run)
   _fake_run(tmp_path / 'plain', position='rope')
   with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=random draws ids from'):
-    cli_checks.check_eval_run(str(tmp_path / 'plain'), lengths=[], position_ids='random', **run)
+    eval_checks.check_eval_run(str(tmp_path / 'plain'), lengths=[], position_ids='random', **run)

@@ -450,13 +450,13 @@ def _text_lm_run(workdir, files, data_dir):
     (dict(max_examples=8), '--max_examples=8 limits the examples translated'),
 ])
 def test_eval_flags_of_sentence_pairs_are_refused_for_text_lm(lm_corpus, tmp_path, flag, needle):
-  from training import cli_checks  # pylint: disable=g-import-not-at-top
+  from training import eval_checks  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path / 'run')
   _text_lm_run(workdir, lm_corpus, tmp_path / 'data')
   run = dict(split=['test'], translate=[], lengths=[], stream_split='test', rope_scaling=None)
-  cli_checks.check_eval_run(workdir, **run)  # loss and perplexity of a text_lm run: fine
-  with pytest.raises(cli_checks.ConfigError) as e:
-    cli_checks.check_eval_run(workdir, **{**run, **flag})
+  eval_checks.check_eval_run(workdir, **run)  # loss and perplexity of a text_lm run: fine
+  with pytest.raises(eval_checks.ConfigError) as e:
+    eval_checks.check_eval_run(workdir, **{**run, **flag})
   assert str(e.value).startswith(needle) and str(e.value).endswith('valid: ' + {
       'translate': 'leave it out (loss and perplexity per --split, and --lengths)',
       'decode': 'greedy (the default)'}.get(next(iter(flag)), '0')), str(e.value)
@@ -465,17 +465,18 @@ def test_eval_flags_of_sentence_pairs_are_refused_for_text_lm(lm_corpus, tmp_pat
 
 def test_eval_and_resume_refuse_a_changed_file(lm_corpus, tmp_path):
   from training import cli_checks  # pylint: disable=g-import-not-at-top
+  from training import eval_checks  # pylint: disable=g-import-not-at-top
   files = _copy_corpus(lm_corpus, str(tmp_path / 'corpus'))
   workdir = str(tmp_path / 'run')
   config = _text_lm_run(workdir, files, tmp_path / 'data')
   run = dict(split=['test'], translate=[], lengths=[], stream_split='test', rope_scaling=None)
-  cli_checks.check_eval_run(workdir, **run)
+  eval_checks.check_eval_run(workdir, **run)
   cli_checks.check_corpus(config, workdir)
   with open(files['train'], 'a') as f:
     f.write('The dog reads a new line.\n')
   needle = f'data.files.train={files["train"]} changed since the run started training'
   with pytest.raises(cli_checks.ConfigError, match=needle):  # eval.py: one line, exit 2
-    cli_checks.check_eval_run(workdir, **run)
+    eval_checks.check_eval_run(workdir, **run)
   with pytest.raises(text_corpus.DataError, match=needle):  # train.py: 'data error', exit 2
     cli_checks.check_corpus(config, workdir)
   cli_checks.check_corpus(config, str(tmp_path / 'new_run'))  # a new workdir: nothing to compare
