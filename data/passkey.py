@@ -20,7 +20,6 @@ any depth) in memory, from its own seeds.
 """
 
 import dataclasses
-import fcntl
 import functools
 import os
 import random
@@ -29,12 +28,12 @@ import tempfile
 import numpy as np
 import tensorflow_datasets as tfds
 
+from data import generated
 from data import tokenizer as tokenizer_lib
 from data import toy_translation
 
 TASK = 'passkey'
 KEY_MARKER, QUERY_MARKER = '<key>', '<query>'
-TOKENIZER_FILE = toy_translation.TOKENIZER_FILE
 SPLITS = {'test': 1000, 'validation': 1000, 'train': 20000}  # examples per split
 EVAL_DEPTHS = tuple(i / 10 for i in range(11))  # the retrieval grid's depths: 0%, 10%, ..., 100%
 POOL_SIZE = 4096  # toy sentences the filler is drawn from
@@ -238,32 +237,20 @@ def dataset_dir(spec: PasskeySpec) -> str:
                       str(PasskeyRetrieval.VERSION))
 
 
-def prepare(spec: PasskeySpec) -> str:
+def prepare(spec) -> str:
   """Generates the spec's dataset and tokenizer under spec.data_dir unless already there; returns
-  the dataset directory (it holds tokenizer.json, written last: it marks a complete dataset).
-  Concurrent first calls are serialised by a file lock next to the data, as the toy task's."""
-  tokenizer_path = os.path.join(dataset_dir(spec), TOKENIZER_FILE)
-  if os.path.exists(tokenizer_path):
-    return dataset_dir(spec)
-  os.makedirs(spec.data_dir, exist_ok=True)
-  with open(os.path.join(spec.data_dir, f'.passkey_{spec.name}.lock'), 'w') as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-    if not os.path.exists(tokenizer_path):  # another process may have finished meanwhile
-      builder = PasskeyRetrieval(config=PasskeyConfig(spec), data_dir=spec.data_dir)
-      assert os.fspath(builder.data_dir) == dataset_dir(spec), builder.data_dir
-      tfds.disable_progress_bar()  # The bars would flood the training logs.
-      builder.download_and_prepare(file_format='array_record')
-      tokenizer_lib.Tokenizer.from_words(vocabulary()).save(tokenizer_path)
-  return dataset_dir(spec)
+  the dataset directory (`data.generated.prepare`)."""
+  builder = lambda: PasskeyRetrieval(config=PasskeyConfig(spec), data_dir=spec.data_dir)
+  return generated.prepare(spec.data_dir, f'.passkey_{spec.name}.lock', dataset_dir(spec),
+                           builder, vocabulary())
 
 
-def load_tokenizer(spec: PasskeySpec) -> tokenizer_lib.Tokenizer:
+def load_tokenizer(spec) -> tokenizer_lib.Tokenizer:
   """Prepares the dataset if needed and loads its tokenizer."""
-  return tokenizer_lib.Tokenizer.load(os.path.join(prepare(spec), TOKENIZER_FILE))
+  return generated.load_tokenizer(prepare(spec))
 
 
-def read_split(spec: PasskeySpec, split: str) -> list[tuple[str, str]]:
+def read_split(spec, split: str) -> list[tuple[str, str]]:
   """A prepared split in generation order, as (prompt, value) texts."""
-  source = tfds.builder_from_directory(prepare(spec)).as_data_source(split=split)
-  records = source.__getitems__(range(len(source)))
-  return [(r['source'].decode(), r['target'].decode()) for r in records]
+  return [(r['source'].decode(), r['target'].decode())
+          for r in generated.read_records(prepare(spec), split)]

@@ -28,7 +28,6 @@ of the scored tokens.
 """
 
 import dataclasses
-import fcntl
 import functools
 import math
 import os
@@ -38,10 +37,10 @@ import tempfile
 import numpy as np
 import tensorflow_datasets as tfds
 
+from data import generated
 from data import tokenizer as tokenizer_lib
 
 TASKS = ('mqar', 'induction', 'selective_copy', 'memorize')
-TOKENIZER_FILE = 'tokenizer.json'
 SPLITS = {'test': 1000, 'validation': 1000, 'train': 20000}  # examples per split
 CACHE = os.path.join(tempfile.gettempdir(), 'attnlab_data')  # local copies of gs:// data_dirs
 # The data.synthetic fields and their defaults (configs/default.py holds the same values), and the
@@ -292,35 +291,23 @@ def dataset_dir(spec: SyntheticSpec) -> str:
   return os.path.join(spec.data_dir, 'synthetic_tasks', spec.name, str(SyntheticTasks.VERSION))
 
 
-def prepare(spec: SyntheticSpec) -> str:
+def prepare(spec) -> str:
   """Generates the spec's dataset and tokenizer under spec.data_dir unless already there; returns
-  the dataset directory (tokenizer.json, written last, marks a complete dataset). Concurrent first
-  calls are serialised by a file lock next to the data."""
-  tokenizer_path = os.path.join(dataset_dir(spec), TOKENIZER_FILE)
-  if os.path.exists(tokenizer_path):
-    return dataset_dir(spec)
-  os.makedirs(spec.data_dir, exist_ok=True)
-  with open(os.path.join(spec.data_dir, f'.synthetic_{spec.name}.lock'), 'w') as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-    if not os.path.exists(tokenizer_path):  # another process may have finished meanwhile
-      builder = SyntheticTasks(config=SyntheticConfig(spec), data_dir=spec.data_dir)
-      assert os.fspath(builder.data_dir) == dataset_dir(spec), builder.data_dir
-      tfds.disable_progress_bar()  # The bars would flood the training logs.
-      builder.download_and_prepare(file_format='array_record')
-      tokenizer_lib.Tokenizer.from_words(vocabulary(spec)).save(tokenizer_path)
-  return dataset_dir(spec)
+  the dataset directory (`data.generated.prepare`)."""
+  builder = lambda: SyntheticTasks(config=SyntheticConfig(spec), data_dir=spec.data_dir)
+  return generated.prepare(spec.data_dir, f'.synthetic_{spec.name}.lock', dataset_dir(spec),
+                           builder, vocabulary(spec))
 
 
-def load_tokenizer(spec: SyntheticSpec) -> tokenizer_lib.Tokenizer:
+def load_tokenizer(spec) -> tokenizer_lib.Tokenizer:
   """Prepares the dataset if needed and loads its tokenizer."""
-  return tokenizer_lib.Tokenizer.load(os.path.join(prepare(spec), TOKENIZER_FILE))
+  return generated.load_tokenizer(prepare(spec))
 
 
-def read_split(spec: SyntheticSpec, split: str) -> list[tuple[str, str]]:
+def read_split(spec, split: str) -> list[tuple[str, str]]:
   """A prepared split in generation order, as (words, scored indices) texts."""
-  source = tfds.builder_from_directory(prepare(spec)).as_data_source(split=split)
-  records = source.__getitems__(range(len(source)))
-  return [(r['words'].decode(), r['scored'].decode()) for r in records]
+  return [(r['words'].decode(), r['scored'].decode())
+          for r in generated.read_records(prepare(spec), split)]
 
 
 def encode(tokenizer, words: str, scored: str) -> dict[str, np.ndarray]:
