@@ -46,6 +46,8 @@ _MODES = flags.DEFINE_list('modes', ['non_overlapping', 'sliding'],
                            'Extrapolation windows: non_overlapping and/or sliding.')
 _STRIDE = flags.DEFINE_float('stride', 0.5, 'Sliding-window stride as a fraction of the window.')
 _STREAM_SPLIT = flags.DEFINE_string('stream_split', 'test', 'Split streamed for extrapolation.')
+_STREAM_TOKENS = flags.DEFINE_integer('stream_tokens', 0, 'Extrapolation: evaluate the first this '
+                                      'many tokens of the stream (0 = all of it).')
 _DECODE = flags.DEFINE_enum('decode', 'greedy', ['greedy', 'beam', 'sample'],
                             'Translation decoding (KV cache): greedy, beam or sample.')
 _NUM_BEAMS = flags.DEFINE_integer('num_beams', 4, 'Beam width (--decode=beam).')
@@ -117,9 +119,10 @@ def check_flags():
       modes=_MODES.value, stride=_STRIDE.value, num_beams=_NUM_BEAMS.value,
       length_penalty=_LENGTH_PENALTY.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
       top_p=_TOP_P.value, plot_attention=_PLOT_ATTENTION.value, rope_scaling=_ROPE_SCALING.value,
-      retrieval_examples=_RETRIEVAL_EXAMPLES.value)
+      retrieval_examples=_RETRIEVAL_EXAMPLES.value, stream_tokens=_STREAM_TOKENS.value)
   eval_checks.check_eval_run(_WORKDIR.value, split=_SPLIT.value, translate=_TRANSLATE.value,
                             lengths=lengths, stream_split=_STREAM_SPLIT.value,
+                            stream_tokens=_STREAM_TOKENS.value,
                             rope_scaling=_ROPE_SCALING.value, plot_attention=_PLOT_ATTENTION.value,
                             decode=_DECODE.value, max_examples=_MAX_EXAMPLES.value,
                             position_ids=_POSITION_IDS.value, xpos_block=_XPOS_BLOCK.value)
@@ -155,8 +158,8 @@ def main(argv):
     result, run = evaluation.evaluate_run(
         _WORKDIR.value, splits, _MAX_EXAMPLES.value, translate_splits=_TRANSLATE.value,
         lengths=lengths, modes=_MODES.value, stride=_STRIDE.value,
-        stream_split=_STREAM_SPLIT.value, rope_scaling=_ROPE_SCALING.value,
-        position_ids=_POSITION_IDS.value, xpos_block=_XPOS_BLOCK.value,
+        stream_split=_STREAM_SPLIT.value, stream_tokens=_STREAM_TOKENS.value,
+        rope_scaling=_ROPE_SCALING.value, position_ids=_POSITION_IDS.value, xpos_block=_XPOS_BLOCK.value,
         decode=_decode_options(), retrieval_examples=_RETRIEVAL_EXAMPLES.value)
   except ValueError as e:
     cli_checks.fail('eval', e)

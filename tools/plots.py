@@ -87,8 +87,8 @@ def plot_per_position(workdir, per_position, title, train_length=None):
 
 def draw_retrieval(ax, report, train_length=None, fontsize=8):
   """Draws a passkey retrieval grid on `ax`, as needle-in-a-haystack pictures do: lengths across,
-  depths down (0% at the top: the key right after <bos>), each cell coloured from red (0) to green
-  (1) and labelled with its accuracy in percent; returns the image (for a colour bar).
+  depths down (0% at the top: the key right after <bos>), each cell coloured on cividis (a
+  colour-blind-safe map: dark blue 0 to yellow 1) and labelled with its accuracy in percent; returns the image (for a colour bar).
 
   Args:
     ax: matplotlib axes.
@@ -99,11 +99,11 @@ def draw_retrieval(ax, report, train_length=None, fontsize=8):
   lengths = sorted(report, key=int)
   depths = list(report[lengths[0]])
   grid = np.array([[report[n][d] for n in lengths] for d in depths])  # [depths, lengths]
-  image = ax.imshow(grid, cmap='RdYlGn', vmin=0.0, vmax=1.0, aspect='auto',
+  image = ax.imshow(grid, cmap='cividis', vmin=0.0, vmax=1.0, aspect='auto',
                     interpolation='nearest')
   for (i, j), value in np.ndenumerate(grid):
     ax.text(j, i, f'{100 * value:.0f}', ha='center', va='center', fontsize=fontsize,
-            color='black' if 0.25 < value < 0.85 else 'white')
+            color='black' if value > 0.55 else 'white')
   labels = [f'{n}\n{int(n) / train_length:g}x L' if train_length else n for n in lengths]
   ax.set_xticks(range(len(lengths)), labels)
   ax.set_yticks(range(len(depths)), [f'{float(d):.0%}' for d in depths])

@@ -1,6 +1,8 @@
 """Passkey retrieval across runs (tools.compare): the accuracy per length as mean [min, max] across
-seeds, and every cell's heat map averaged over its seeds, from each workdir's eval.json `retrieval`
-(eval.py on a data.task=passkey run).
+seeds; OUT_retrieval_lines.png, the accuracy against length per cell, mean with its 95% t interval
+across seeds, lengths in units of the shortest training length L (fine-tunes dashed and named as
+such); and OUT_retrieval.png, every cell's heat map averaged over its seeds on a colour-blind-safe
+map; from each workdir's eval.json `retrieval` (eval.py on a data.task=passkey run).
 
 A run's accuracy at a length is the mean over the report's depths (0-100% in 10% steps, the same
 number of examples at each). A cell's evaluation variants (a sweep's eval_variants, kept as
@@ -13,10 +15,13 @@ import textwrap
 import numpy as np
 
 from tools import extrapolation_compare
+from tools import group_styles
 from tools import plot_style
 from tools import plots
+from tools import stats as stats_lib
 
 PANEL_COLUMNS = 4
+BASE_STYLES = ('-', '-.', ':')  # cells at the base length, in turn ('--': trained longer)
 
 
 def _accuracy_by_length(report):
@@ -49,6 +54,49 @@ def _labelled(found, groups, labels=None):
   labels = labels or [label for label, _ in groups]
   return [(extrapolation_compare.row_label(labels[i], name), length, reports)
           for i, name, length, reports in found]
+
+
+def _fine_tuned(found, groups):
+  """Per `_reports` row: whether its cell started from another run's parameters."""
+  return [bool((groups[i][1][0].get('config') or {}).get('train.init_from'))
+          for i, _, _, _ in found]
+
+
+def line_figure(rows, fine_tuned):
+  """Accuracy against length per row of `cell_rows` (mean over depths, then across seeds with
+  the 95% t interval as a band), lengths in units of the shortest training length L; a row
+  trained longer is named by its length (`fine-tuned at 4L` where `fine_tuned`) and dashed."""
+  plt = plot_style.pyplot()
+  base = min(length for _, length, _ in rows)
+  with plt.rc_context(plot_style.STYLE):
+    fig, ax = plt.subplots(figsize=(plot_style.WIDTH * 0.75, 3.6), layout='constrained')
+    ticks = set()
+    for i, ((label, length, reports), tuned) in enumerate(zip(rows, fine_tuned)):
+      by_length = [_accuracy_by_length(r) for r in reports]
+      xs = sorted(n for n in by_length[0] if all(n in b for b in by_length))
+      found = [stats_lib.interval([100 * b[n] for b in by_length]) for n in xs]
+      mean = np.array([m for m, _ in found])
+      color = group_styles.PALETTE[i % len(group_styles.PALETTE)]
+      if length != base:
+        label += f' ({"fine-tuned" if tuned else "trained"} at {length / base:g}L)'
+      style = '--' if length != base else BASE_STYLES[i % len(BASE_STYLES)]
+      units = [n / base for n in xs]
+      ax.plot(units, mean, style, color=color, marker='o', markersize=3.5, lw=1.3,
+              label=f'{label} ({len(reports)})')
+      if len(reports) > 1:
+        ax.fill_between(units, [lo for _, (lo, _) in found], [hi for _, (_, hi) in found],
+                        color=color, alpha=0.15, linewidth=0)
+      ticks.update(units)
+    ax.set_xscale('log', base=2)
+    ax.set_xticks(sorted(ticks), [f'{t:g}L' for t in sorted(ticks)])
+    ax.minorticks_off()
+    ax.set_ylim(-3, 103)
+    ax.axvline(1.0, color='0.5', ls=':', lw=1)
+    ax.set_xlabel(f'length (L = {base} tokens)')
+    ax.set_ylabel('retrieval accuracy (%)')
+    ax.legend(fontsize=6.5, loc='center left', bbox_to_anchor=(1.01, 0.5), frameon=False,
+              title='(seeds): mean, band 95% t interval', title_fontsize=6.5)
+  return fig
 
 
 def _stat(values):
@@ -114,9 +162,12 @@ def report(groups, out):
   found = _reports(groups)
   if not found:
     return ''
-  # The panels are titled by the legend's short labels (the table keeps the full overrides).
-  fig = figure(_labelled(found, groups, extrapolation_compare.legend_labels(groups)[0]))
+  # The panels and lines are labelled by the legend's short labels (the table keeps the full
+  # overrides).
+  short = _labelled(found, groups, extrapolation_compare.legend_labels(groups)[0])
   stem = out[:-4] if out.endswith('.png') else out
-  plots.save_figure(fig, f'{stem}_retrieval.png')
-  plot_style.pyplot().close(fig)
+  for fig, name in ((line_figure(short, _fine_tuned(found, groups)), 'retrieval_lines'),
+                    (figure(short), 'retrieval')):
+    plots.save_figure(fig, f'{stem}_{name}.png')
+    plot_style.pyplot().close(fig)
   return markdown_table(_labelled(found, groups))

@@ -42,7 +42,7 @@ def parse_lengths(texts):
 
 def check_eval_flags(*, split, max_examples, lengths, modes, stride, num_beams, length_penalty,
                      temperature, top_k, top_p, plot_attention, rope_scaling,
-                     retrieval_examples=1):
+                     retrieval_examples=1, stream_tokens=0):
   """eval.py's flags on their own (the run's config is not needed); returns --lengths as floats.
 
   `--temperature=0` is refused, not read as greedy: sampling divides the logits by it; greedy
@@ -53,6 +53,8 @@ def check_eval_flags(*, split, max_examples, lengths, modes, stride, num_beams, 
                       'validation, test, test_long, test_xlong, train')
   if max_examples < 0:
     raise ConfigError(f'--max_examples={max_examples} must be >= 0 (0 = all)')
+  if stream_tokens < 0:
+    raise ConfigError(f'--stream_tokens={stream_tokens} must be >= 0 (0 = the whole stream)')
   lengths = parse_lengths(lengths)
   bad = [m for m in modes if m not in ('non_overlapping', 'sliding')]
   if bad or (lengths and not modes):
@@ -119,7 +121,7 @@ def _check_documents_flags(task, *, translate, plot_attention, decode, max_examp
 
 
 def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_scaling,
-                   plot_attention=0, decode='greedy', max_examples=0, position_ids='sequential',
+                   stream_tokens=0, plot_attention=0, decode='greedy', max_examples=0, position_ids='sequential',
                    xpos_block=None):
   """eval.py's flags against the run's config.json: the input files unchanged since training (text
   tasks), split names, the flags a text_lm or passkey run cannot use, and --lengths within what
@@ -161,6 +163,8 @@ def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_sca
                       f'{config.model.arch!r}')
   train_length = config.data.max_length
   stream = len(pipeline.stream_tokens(config.data, stream_split)[0])
+  if stream_tokens:
+    stream = min(stream, stream_tokens)
   for multiple in lengths:
     length = int(multiple * train_length)
     if length < 1:
@@ -172,7 +176,8 @@ def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_sca
                         f'{train_length} rows; valid: multiples <= 1')
     if length >= stream:
       raise ConfigError(f'--lengths: {multiple:g} x data.max_length={train_length} = {length} '
-                        f'tokens, longer than the {stream_split!r} stream ({stream} tokens); valid: '
+                        f'tokens, longer than the {stream_split!r} stream ({stream} tokens'
+                        f'{" kept by --stream_tokens" if stream_tokens else ""}); valid: '
                         f'multiples <= {(stream - 1) // train_length}')
 
 

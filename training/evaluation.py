@@ -142,7 +142,7 @@ class Run:
 
 def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), lengths=(),
                  modes=('non_overlapping', 'sliding'), stride=0.5, stream_split='test',
-                 rope_scaling=None, decode=None, retrieval_examples=retrieval.DEFAULT_EXAMPLES,
+                 stream_tokens=0, rope_scaling=None, decode=None, retrieval_examples=retrieval.DEFAULT_EXAMPLES,
                  position_ids='sequential', xpos_block=None):
   """Evaluates the newest checkpoint in `workdir`; returns (the eval.json dict, a `Run`).
 
@@ -157,7 +157,7 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     translate_splits: further splits for translation only (longer sentences; no loss).
     lengths: extrapolation multiples of the training length (empty = none); for a passkey run the
       retrieval report's (empty = 1, 2, 4, 8).
-    modes, stride, stream_split: see `training.extrapolation.extrapolate`.
+    modes, stride, stream_split, stream_tokens: see `training.extrapolation.extrapolate`.
     rope_scaling: None or e.g. 'ntk:4', applied at evaluation only.
     decode: None (greedy) or a dict of `models.decoding.generate` options, e.g.
       {'method': 'beam', 'num_beams': 4, 'length_penalty': 0.6}.
@@ -205,7 +205,9 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
     result['rope_scaling'] = rope_scaling or 'as trained'
     result['position_ids'] = position_ids
     result['extrapolation'], per_position = extrapolation.extrapolate(
-        config, model, lengths, modes, stride, stream_split, position_ids)
+        config, model, lengths, modes, stride, stream_split, position_ids, stream_tokens)
+    if stream_tokens:
+      result['stream_tokens'] = stream_tokens
     # Kept for tools.compare's per-position picture with seed bands: {length: loss per position}.
     result['extrapolation_per_position'] = {
         str(n): [round(float(x), 5) for x in curve] for n, curve in per_position.items()}

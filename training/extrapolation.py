@@ -92,20 +92,24 @@ def _shared_window_losses(model, tokens, in_target, starts, length, batch_size, 
   return distributed.gather_rows(ce), distributed.gather_rows(tgt)
 
 
-def extrapolate(config, model, multiples, modes, stride, split, position_ids='sequential'):
+def extrapolate(config, model, multiples, modes, stride, split, position_ids='sequential',
+                max_tokens=0):
   """Loss of a stream at `multiple x max_length` tokens per window (attention across pairs).
 
   non_overlapping scores every position of disjoint windows; sliding moves the window by
   `stride x length` and scores only the positions it has not scored before, so each has at least
   `(1 - stride) x length` tokens of context (except in the first window). `position_ids`
   (`POSITION_IDS`) are the ids each window is evaluated at; random ids are drawn per window from
-  a fixed seed (the same for every run and process).
+  a fixed seed (the same for every run and process). `max_tokens`: the first this many tokens of
+  the stream alone (0 = all).
 
   Returns:
     (rows for eval.json, {length: mean loss per window position} of the non-overlapping windows).
   """
   check_position_ids(config, position_ids, multiples)
   tokens, in_target = pipeline.stream_tokens(config.data, split)
+  if max_tokens:
+    tokens, in_target = tokens[:max_tokens], in_target[:max_tokens]
   rows, per_position = [], {}
   for multiple in multiples:
     length = int(multiple * config.data.max_length)

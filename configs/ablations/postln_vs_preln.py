@@ -9,9 +9,20 @@ toward the top layers, Pre-LN's stay flat.
 Run:     python -m tools.sweep --sweep=configs/ablations/postln_vs_preln.py --sweep_dir=DIR
 Compare: python -m tools.compare DIR --out=DIR/compare.png --logy
 A smoke run of the same cells with a few steps each: --sweep=configs/ablations/postln_vs_preln.py:quick
+
+`:code` asks the same on real code (data.task=python_code, the local Python stdlib's source, L = 64,
+vocabulary 4,000): Post-LN and Pre-LN at 6 and 12 layers, each with and without 100 warmup steps,
+lr 1e-3, 1,000 steps, 5 seeds (`:code,quick`: the smoke form).
+Compare: python -m tools.compare DIR --baseline=CELL --out=DIR/compare.png --logy
 """
 
+from configs import default
 from configs import extrapolation
+from configs import python_code
+
+OTHER_ARGS = ('code', 'code,quick')  # the sweep file's other forms (tests/unit/test_sweep.py)
+# :code: (num_layers, learning_rate, steps, warmup_steps), each Post-LN and Pre-LN
+CODE_SETTINGS = [(layers, 1e-3, 1000, warmup) for layers in (6, 12) for warmup in (0, 100)]
 
 
 def get_config(arg=None):
@@ -30,6 +41,11 @@ def get_config(arg=None):
   config.train.log_every = 10  # a spike must be visible in the curve
   config.train.eval_every = 100
   config.train.eval_batches = 4
+  if default.parse_arg(arg).get('code'):
+    config.data = python_code.get_config(arg).data
+    config.data.max_length = 64
+    if 'quick' in default.parse_arg(arg):
+      config.data.code_max_files = 12  # the smoke form's corpus
   return config
 
 
@@ -44,6 +60,8 @@ def get_sweep(arg=None):
       (6, 1e-3, 500, 0, ('post', 'pre')),  # a lower rate, no warmup
   ]
   quick = 'quick' in (arg or '')
+  if default.parse_arg(arg).get('code'):
+    settings = [(*s, ('post', 'pre')) for s in CODE_SETTINGS]
   cells = []
   for layers, lr, steps, warmup, norm_positions in settings:
     if quick:  # the same cells, 50x shorter
@@ -52,4 +70,5 @@ def get_sweep(arg=None):
       cells.append({'model.num_layers': layers, 'model.norm_position': norm_position,
                     'train.learning_rate': lr, 'train.steps': steps,
                     'train.warmup_steps': warmup})
-  return {'cells': cells, 'seeds': [0, 1, 2]}
+  code = default.parse_arg(arg).get('code')
+  return {'cells': cells, 'seeds': [0, 1, 2, 3, 4] if code else [0, 1, 2]}

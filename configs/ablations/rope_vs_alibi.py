@@ -10,17 +10,35 @@ evaluated beyond L.
 Run:     python -m tools.sweep --sweep=configs/ablations/rope_vs_alibi.py --sweep_dir=DIR \
              --sweep_eval --parallel=2
 Compare: python -m tools.compare DIR --out=DIR/compare.png
+
+`:code` runs the same study on real code (data.task=python_code: the local Python stdlib's
+source, where names defined hundreds of tokens back matter), 5 seeds: the same 6-layer model at
+L = 64 for 2,000 steps, randomized RoPE with N = 32L = 2,048 (Ruoss et al.'s N lies well above the
+longest test length; 8L would be the test length itself), and a RoPE model trained at 4L = 256 as
+the reference for "uses more context" (evaluated at 64-512 tokens like the others). The randomized
+cell is also evaluated at sorted random ids, as it trained (eval_variants).
+Compare: python -m tools.compare DIR --baseline=position=alibi --out=DIR/compare.png
+`:code,quick`: the smoke form (60 files a split, a few steps).
 """
 
+from configs import default
 from configs import extrapolation
+from configs import python_code
 
 POSITIONS = ('alibi', 'rope', 'sinusoidal', 'nope', 't5_bias', 'fire', 'xpos', 'kerple')
 RANDOM_POSITIONS_MAX = 512  # 8L: every evaluated position is drawn at some training step
+CODE_RANDOM_POSITIONS_MAX = 2048  # :code: 32L, well above the longest test window (8L)
+CODE_STEPS = 2000
+CODE_LENGTH = 64  # :code: L
+REFERENCE_LENGTH = 256  # :code: the reference trained at 4L
+OTHER_ARGS = ('code', 'code,quick')  # the sweep file's other forms (tests/unit/test_sweep.py)
 
 
 def get_config(arg=None):
   """The base config every cell starts from."""
   config = extrapolation.get_config(arg)
+  if default.parse_arg(arg).get('code'):
+    _use_code(config, arg)
   # FIRE's threshold starts at the training length: within it the bias is relative, beyond it the
   # progressive interpolation keeps the MLP's input in [0, 1] (the listing's 512 is for longer
   # training contexts; L is learned either way).
@@ -31,8 +49,23 @@ def get_config(arg=None):
   return config
 
 
-def get_sweep():
+def _use_code(config, arg):
+  """The data of configs/python_code.py (its quick corpus with `quick`) at L = 64; the toy
+  study's model and schedule, for 2,000 steps (1.4 passes over the 2.9M training tokens)."""
+  config.data = python_code.get_config(arg).data
+  config.data.max_length = CODE_LENGTH  # the cells name it too
+  if 'quick' in default.parse_arg(arg):  # the smoke form: 12 files a split, 2 layers
+    config.data.code_max_files = 12
+    config.model.num_layers = 2
+  else:
+    config.train.steps = CODE_STEPS
+    config.train.eval_every = config.train.checkpoint_every = 500
+
+
+def get_sweep(arg=None):
   """Cells: config overrides (dotted field -> value), seeds, and the eval.py flags per cell."""
+  if default.parse_arg(arg).get('code'):
+    return _code_sweep(arg)
   cells = [{'model.position': p} for p in POSITIONS]
   cells.append({'model.position': 'rope', 'model.random_positions_max': RANDOM_POSITIONS_MAX})
   return {
@@ -42,4 +75,31 @@ def get_sweep():
       # RoPE again at evaluation with each scaling (the same checkpoint, eval only).
       'eval_variants': {'model.position=rope': ['--rope_scaling=pi:4', '--rope_scaling=ntk:4',
                                                 '--rope_scaling=yarn:4']},
+  }
+
+
+def _code_sweep(arg):
+  """:code: the 9 methods (randomized RoPE at N = 32L) and RoPE trained at 4L, 5 seeds; every
+  cell evaluated at 64, 128, 256 and 512 tokens (the training length is in every cell's name, so
+  that each length reads its own --lengths). `quick`: RoPE, randomized RoPE and the reference."""
+  quick = 'quick' in default.parse_arg(arg)
+  length = CODE_LENGTH
+  cells = [{'data.max_length': length, 'model.position': p}
+           for p in (('rope',) if quick else POSITIONS)]
+  cells.append({'data.max_length': length, 'model.position': 'rope',
+                'model.random_positions_max': CODE_RANDOM_POSITIONS_MAX})
+  cells.append({'data.max_length': REFERENCE_LENGTH, 'model.position': 'rope'})
+  # The first 128K tokens of the test split (of 211K; the quick corpus: 4K), to bound the cost.
+  modes = ['--modes=non_overlapping,sliding', f'--stream_tokens={4096 if quick else 131072}']
+  multiples = (1, 2) if quick else (1, 2, 4, 8)
+  ref = [m * length / REFERENCE_LENGTH for m in multiples]
+  return {
+      'cells': cells,
+      'seeds': [0, 1, 2, 3, 4],
+      'eval_flags': {
+          f'data.max_length={length}': [f'--lengths={",".join(map(str, multiples))}', *modes],
+          f'data.max_length={REFERENCE_LENGTH}': [f'--lengths={",".join(f"{m:g}" for m in ref)}',
+                                                  *modes]},
+      'eval_variants': {f'model.random_positions_max={CODE_RANDOM_POSITIONS_MAX}':
+                        ['--position_ids=random']},
   }

@@ -118,3 +118,44 @@ def test_memorize_moe_study_smoke(tmp_path):
       assert 0.0 <= json.load(f)['accuracy']['test'] <= 1.0
   table = compare.compare([str(sweep_dir)], str(tmp_path / 'cmp.png'))
   assert '| accuracy.test |' in table and os.path.getsize(tmp_path / 'cmp_intervals.png') > 5_000
+
+
+def test_code_positions_study_smoke(tmp_path):
+  """The position study on real code: RoPE, randomized RoPE (also at its training-style ids) and
+  the RoPE reference trained at 4L, each evaluated at the same two lengths, then compared against
+  RoPE (the labels name every field that differs, the derived Linformer length too)."""
+  sweep_dir = tmp_path / 'code_positions'
+  spec = _wrapped(tmp_path, 'rope_vs_alibi', tmp_path / 'tfds').replace(':quick', ':code,quick')
+  _run(spec, sweep_dir, seeds=[0], run_eval=True)
+  cells = sorted(os.listdir(sweep_dir))
+  assert cells == ['data.max_length=256,model.position=rope,seed=0',
+                   'data.max_length=64,model.position=rope,model.random_positions_max=2048,seed=0',
+                   'data.max_length=64,model.position=rope,seed=0'], cells
+  for cell, names in ((cells[0], ['eval.json']),
+                      (cells[1], ['eval.json', 'eval_position_ids=random.json'])):
+    for name in names:
+      with open(sweep_dir / cell / name) as f:
+        rows = json.load(f)['extrapolation']
+      windows = [row['length'] for row in rows if row['mode'] == 'non_overlapping']
+      assert windows == [64, 128], (cell, name, windows)  # the same windows for all
+  table = compare.compare([str(sweep_dir)], str(tmp_path / 'cmp.png'),
+                          baseline='max_length=64,linformer_length=64,random_positions_max=0')
+  assert '[eval position_ids=random]' in table
+  assert os.path.getsize(tmp_path / 'cmp_extrapolation.png') > 10_000
+
+
+def test_code_postln_study_smoke(tmp_path):
+  """Post-LN and Pre-LN at 6 layers without warmup on real code, compared with verdicts."""
+  sweep_dir = tmp_path / 'code_postln'
+  keep = ("(lambda sweep: dict(sweep, cells=[c for c in sweep['cells'] if c['model.num_layers'] "
+          "== 6 and c['train.warmup_steps'] == 0]))")
+  spec = _wrapped(tmp_path, 'postln_vs_preln', tmp_path / 'tfds', keep)
+  _run(spec.replace(':quick', ':code,quick'), sweep_dir, seeds=[0])
+  cells = sorted(os.listdir(sweep_dir))
+  assert [c.split(',')[0] for c in cells] == ['model.norm_position=post',
+                                              'model.norm_position=pre'], cells
+  with open(sweep_dir / cells[0] / 'config.json') as f:
+    assert json.load(f)['data']['task'] == 'python_code'
+  compare.compare([str(sweep_dir)], str(tmp_path / 'cmp.png'), baseline='norm_position=pre')
+  with open(tmp_path / 'cmp_stats.json') as f:
+    assert json.load(f)['norm_position=post']['final_valid']['verdict'] == 'n/a'  # one seed

@@ -154,6 +154,7 @@ BAD_EVAL_FLAGS = [
     ('temperature', -1.0, '--temperature=-1.0 is refused'),
     ('stride', 0.0, r'--stride=0.0 must be in \(0, 1\]'),
     ('max_examples', -1, '--max_examples=-1 must be >= 0'),
+    ('stream_tokens', -5, r'--stream_tokens=-5 must be >= 0 \(0 = the whole stream\)'),
     ('top_k', -2, '--top_k=-2 must be >= 0'),
     ('modes', ['sideways'], '--modes=sideways is not valid; valid: non_overlapping, sliding'),
     ('rope_scaling', 'ntk', '--rope_scaling=ntk is not valid; valid: none, or pi:F'),
@@ -204,6 +205,10 @@ def test_eval_lengths_beyond_the_model_or_the_stream_are_refused(tmp_path, data_
     eval_checks.check_eval_run(str(rope), lengths=[1000.0], **run)
   limit = int(str(e.value).rsplit('<= ', 1)[1])
   eval_checks.check_eval_run(str(rope), lengths=[float(limit)], **run)  # the largest that fits
+  with pytest.raises(cli_checks.ConfigError, match=f"4 x data.max_length={length} = {4 * length} "
+                     f"tokens, longer than the 'test' stream \\({3 * length} tokens kept by "
+                     "--stream_tokens\\); valid: multiples <= 2"):
+    eval_checks.check_eval_run(str(rope), lengths=[4.0], stream_tokens=3 * length, **run)
   with pytest.raises(cli_checks.ConfigError, match='is under one token'):
     eval_checks.check_eval_run(str(rope), lengths=[0.001], **run)
   with pytest.raises(cli_checks.ConfigError, match="'nosuch' is not a split of this run"):

@@ -64,3 +64,30 @@ def test_runs_without_a_retrieval_report_add_nothing(tmp_path):
   out = str(tmp_path / 'cmp.png')
   assert 'tokens |' not in compare.compare([str(tmp_path)], out)
   assert not os.path.exists(str(tmp_path / 'cmp_retrieval.png'))
+
+
+def test_line_figure_in_units_of_L_with_fine_tunes_marked(tmp_path):
+  """The accuracy-against-length lines: ticks in units of the shortest training length, a cell
+  trained from another run's parameters at 2L labelled as a fine-tune."""
+  _workdir(tmp_path, 'rope', 0, lambda n, d: 1.0 if n == 16 else 0.5)
+  _workdir(tmp_path, 'rope', 1, lambda n, d: 1.0 if n == 16 else 0.0)
+  _workdir(tmp_path, 'yarn', 0, lambda n, d: 1.0)
+  config_path = os.path.join(tmp_path, 'model.position=yarn,seed=0', 'config.json')
+  with open(config_path) as f:
+    config = json.load(f)
+  config['data']['max_length'] = 32
+  config['train']['init_from'] = 'rope_run'
+  with open(config_path, 'w') as f:
+    json.dump(config, f)
+  groups = summary_lib.group_runs([runs_lib.load_run(w) for w in runs_lib.find_runs(
+      [str(tmp_path)])])
+  found = retrieval_compare._reports(groups)
+  rows = retrieval_compare._labelled(found, groups)
+  fig = retrieval_compare.line_figure(rows, retrieval_compare._fine_tuned(found, groups))
+  ax = fig.axes[0]
+  assert [t.get_text() for t in ax.get_xticklabels()] == ['1L', '2L']
+  labels = [t.get_text() for t in ax.get_legend().get_texts()]
+  assert any('(fine-tuned at 2L) (1)' in t for t in labels), labels
+  rope = [line for line, t in zip(ax.get_lines(), labels) if 'rope' in t][0]
+  assert list(rope.get_ydata()) == [100.0, 25.0]  # the seeds' mean at 16 and 32 tokens
+  assert len(ax.collections) == 1  # one band: the two-seed cell's interval
