@@ -162,9 +162,12 @@ def per_position(groups):
 # The curves the ratio row divides by, where a group has this config (the best long-range method
 # of the position study, so the other methods read as how much worse they are).
 REFERENCE = {'model.position': 'alibi', 'model.random_positions_max': 0}
-# The ratio row shows the methods near the reference: its axis stops here (the loss row above has
-# the methods that are far worse).
+# The ratio row shows the methods near the reference: its axis fits every curve up to here, and
+# stops here where one goes higher (the clipped curves are marked at the top edge and named; the
+# loss row above has them whole).
 RATIO_TOP = 1.5
+# Line styles in turn by group, so that groups are told apart without colour (ALiBi from KERPLE).
+LINE_STYLES = ('-', '--', '-.', ':')
 
 
 def legend_labels(groups):
@@ -221,24 +224,30 @@ def figure(groups, band_kind='minmax'):
   train_length = lengths[0]  # the shortest window: the training length of an x1 evaluation
   means = _mean_curves(curves, lengths, train_length, band_kind)
   colors = [plt.cm.tab10(i % 10) for i in range(len(groups))]
+  styles = [LINE_STYLES[i % len(LINE_STYLES)] for i in range(len(groups))]
+  clipped = set()
   for col, length in enumerate(lengths):
     ax = axes[0][col]
     for i in range(len(groups)):
       if (i, length) not in means:
         continue
       steps, mean, lo, hi, seeds = means[i, length]
-      ax.plot(steps, mean, color=colors[i], lw=1.2, label=f'{labels[i]} ({seeds})')
+      ax.plot(steps, mean, styles[i], color=colors[i], lw=1.2, label=f'{labels[i]} ({seeds})')
       if seeds > 1 and band_kind != 'none':
         ax.fill_between(steps, lo, hi, color=colors[i], alpha=0.15, linewidth=0)
     ax.set_title(f'{length}-token windows', fontsize=9)
     if ref is not None and (ref, length) in means:
-      _draw_ratios(axes[1][col], means, ref, length, colors, labels)
+      clipped |= _draw_ratios(axes[1][col], means, ref, length, colors, styles, labels)
     for row in axes[:, col]:
       row.axvline(train_length, color='0.5', ls=':', lw=1)
     axes[-1][col].set_xlabel('position in window (tokens)', fontsize=8)
   axes[0][0].set_ylabel('loss')
   if ref is not None:
-    axes[1][0].set_ylabel(f'loss / {labels[ref]}\'s (axis to {RATIO_TOP:g})')
+    axes[1][0].set_ylabel(f'loss / {labels[ref]}\'s')
+    if clipped:
+      names = ', '.join(labels[i] for i in sorted(clipped))
+      axes[1][0].annotate(f'▲ above {RATIO_TOP:g}, clipped: {names}', (0.0, -0.28),
+                          xycoords='axes fraction', fontsize=6.5, color='0.3', va='top')
   handles, texts = axes[0][0].get_legend_handles_labels()
   spread = {'minmax': 'min to max', 'std': 'mean -/+ std', 'none': 'none'}[band_kind]
   title = f'(seeds): mean across seeds,\nband {spread}' + (f'\n{note}' if note else '')
@@ -249,15 +258,26 @@ def figure(groups, band_kind='minmax'):
   return fig, axes
 
 
-def _draw_ratios(ax, means, ref, length, colors, labels):
-  """Each group's mean loss per position over the reference group's, at the same positions."""
+def _draw_ratios(ax, means, ref, length, colors, styles, labels):
+  """Each group's mean loss per position over the reference group's, at the same positions; the
+  axis fits them all up to `RATIO_TOP`, and a curve that goes higher is cut there and marked by a
+  triangle at the top edge. Returns the indices of the clipped groups."""
   _, ref_mean, _, _, _ = means[ref, length]
-  for (i, n), (steps, mean, _, _, _) in sorted(means.items()):
-    if n == length and len(mean) == len(ref_mean):
-      ax.plot(steps, mean / ref_mean, color=colors[i], lw=1.0 if i != ref else 1.6,
-              label=labels[i])
+  ratios = {i: (steps, mean / ref_mean) for (i, n), (steps, mean, _, _, _) in sorted(means.items())
+            if n == length and len(mean) == len(ref_mean)}
+  highest = max(float(np.max(r)) for _, r in ratios.values())
+  top = min(RATIO_TOP, highest + 0.02 * (highest - 1.0) + 0.005)
+  clipped = set()
+  for i, (steps, ratio) in ratios.items():
+    ax.plot(steps, ratio, styles[i], color=colors[i], lw=1.0 if i != ref else 1.6,
+            label=labels[i])
+    if np.max(ratio) > top:
+      clipped.add(i)
+      first = int(np.argmax(ratio > top))
+      ax.plot(steps[first], top, '^', color=colors[i], markersize=5, clip_on=False)
   ax.axhline(1.0, color='0.6', lw=0.6)
-  ax.set_ylim(top=RATIO_TOP)
+  ax.set_ylim(top=top)
+  return clipped
 
 
 def report(groups, out, band_kind='minmax'):

@@ -80,6 +80,11 @@ def test_per_position_picture_has_a_seed_band_per_cell_and_panel(tmp_path):
             if line.get_label()[0] != '_'}
   np.testing.assert_allclose(ratios['alibi'], 1.0)
   assert ratios['rope'][0] == 2.0
+  # Rope's ratio (2) goes above the axis' top: cut there, marked, named; the styles differ.
+  assert axes[1][0].get_ylim()[1] == extrapolation_compare.RATIO_TOP
+  assert any(line.get_marker() == '^' for line in axes[1][0].lines)
+  assert 'clipped: rope' in axes[1][0].texts[0].get_text()
+  assert curves['alibi (1)'].get_linestyle() != curves['rope (3)'].get_linestyle()
   # Through tools.compare: the picture next to OUT and the table after the curves' table.
   out = str(tmp_path / 'cmp.png')
   text = compare.compare([str(tmp_path)], out)
@@ -148,3 +153,11 @@ def test_variants_get_rows_and_fine_tunes_are_compared_with_their_own_seed_s_bas
   assert ext['max_length=8,init_from= [eval rope_scaling=pi_4]'][2] == '6.000 [6.000, 6.000] |'
   tune = next(v for k, v in ext.items() if 'max_length=32' in k)
   assert tune == ['0.750 [0.500, 1.000]', '2.250 [1.500, 3.000]', '1.500 [1.500, 1.500] |']
+
+
+def test_the_ratio_axis_fits_every_method_when_none_is_far_worse(tmp_path):
+  _workdir(tmp_path, 'rope', 0, 1.2)
+  _workdir(tmp_path, 'alibi', 0, 1.0)
+  _, axes = extrapolation_compare.figure(summary_lib.group_runs(_load(tmp_path)))
+  top = axes[1][0].get_ylim()[1]
+  assert 1.2 < top < 1.21 and not axes[1][0].texts  # rope's 1.2 is in view; nothing clipped
