@@ -16,22 +16,22 @@ from training import host
 host.exit_at_once_on_signals('eval', 'before it completed; eval.json is not written')
 host.cpu_when_no_accelerator()  # before JAX starts
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
-from absl import app
-from absl import flags
-from absl import logging
-import jax
 
-from tools import plots
-from training import checkpointing
-from training import cli_checks
-from training import eval_checks
-from training import distributed
-from training import evaluation
-from training import extrapolation
-from training import paths
-from training import recall
-from training import retrieval
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+import jax  # noqa: E402
+
+from tools import plots  # noqa: E402
+from training import checkpointing  # noqa: E402
+from training import cli_checks  # noqa: E402
+from training import eval_checks  # noqa: E402
+from training import distributed  # noqa: E402
+from training import evaluation  # noqa: E402
+from training import extrapolation  # noqa: E402
+from training import paths  # noqa: E402
+from training import recall  # noqa: E402
+from training import retrieval  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'A train.py workdir (a local path or gs://).')
 _SPLIT = flags.DEFINE_list('split', ['validation', 'test'], 'Splits to evaluate.')
@@ -159,7 +159,8 @@ def main(argv):
         _WORKDIR.value, splits, _MAX_EXAMPLES.value, translate_splits=_TRANSLATE.value,
         lengths=lengths, modes=_MODES.value, stride=_STRIDE.value,
         stream_split=_STREAM_SPLIT.value, stream_tokens=_STREAM_TOKENS.value,
-        rope_scaling=_ROPE_SCALING.value, position_ids=_POSITION_IDS.value, xpos_block=_XPOS_BLOCK.value,
+        rope_scaling=_ROPE_SCALING.value, position_ids=_POSITION_IDS.value,
+        xpos_block=_XPOS_BLOCK.value,
         decode=_decode_options(), retrieval_examples=_RETRIEVAL_EXAMPLES.value)
   except ValueError as e:
     cli_checks.fail('eval', e)

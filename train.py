@@ -12,20 +12,20 @@ from training import host
 host.exit_at_once_on_signals('train')  # before the slow imports: a Ctrl-C now is one line
 host.cpu_when_no_accelerator()  # before JAX starts
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
-from absl import app
-from absl import flags
-from absl import logging
-from ml_collections import config_flags
 
-from data import pipeline
-from training import checkpointing
-from training import cli_checks
-from training import distributed
-from training import loop
-from training import memory
-from training import paths
-from training import validation
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from data import pipeline  # noqa: E402
+from training import checkpointing  # noqa: E402
+from training import cli_checks  # noqa: E402
+from training import distributed  # noqa: E402
+from training import loop  # noqa: E402
+from training import memory  # noqa: E402
+from training import paths  # noqa: E402
+from training import validation  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -33,7 +33,8 @@ config_flags.DEFINE_config_file('config', None, 'Config file (configs/*.py).', l
 flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and logs: a local '
                     'path or a gs:// URL.')
 # Sweeps moved to their own tool; the old flags name the new command.
-flags.DEFINE_string('sweep', None, 'Moved: use `python -m tools.sweep --sweep=... --sweep_dir=...`.')
+flags.DEFINE_string('sweep', None,
+                    'Moved: use `python -m tools.sweep --sweep=... --sweep_dir=...`.')
 flags.DEFINE_string('sweep_dir', None, 'Moved to `python -m tools.sweep`.')
 flags.DEFINE_bool('dry_run', False, 'Moved to `python -m tools.sweep`.')
 flags.DEFINE_list('seeds', None, 'Moved to `python -m tools.sweep`.')
@@ -97,7 +98,7 @@ def main(argv):
   except loop.Stopped as e:
     print(str(e), file=sys.stderr)
     sys.exit(128 + e.signum)  # the shell's convention for "ended by this signal"
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     if not memory.is_out_of_memory(e):
       raise
     print(memory.out_of_memory_line(e, config, vocab_size, limit), file=sys.stderr)

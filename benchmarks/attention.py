@@ -2,7 +2,8 @@
 
     python benchmarks/attention.py --lengths=1024,2048 --impls=xla,blockwise --modes=fwd,fwd_bwd
 
-Each measurement runs in its own subprocess so that its peak RSS is its own. Prints a markdown table.
+Each measurement runs in its own subprocess so that its peak RSS is its own.
+Prints a markdown table.
 """
 
 import argparse
@@ -31,9 +32,9 @@ def _attention_flops(t, causal, mode):
 
 def _child(args):
   """One measurement; prints one JSON line."""
-  import resource  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import resource
+  import jax
+  import jax.numpy as jnp
 
   if args.child == 'matmul':
     m = 2048
@@ -48,7 +49,7 @@ def _child(args):
     print(json.dumps({'gflops': 2 * m ** 3 / min(times) / 1e9}))
     return
 
-  from layers import attention  # pylint: disable=g-import-not-at-top
+  from layers import attention
   impl, causal, t, mode = args.child.split(':')
   t, causal = int(t), causal == 'causal'
   kwargs = {}
@@ -56,7 +57,7 @@ def _child(args):
     kwargs = dict(block_q=args.block_q, block_k=args.block_k)
   fn = attention.KERNELS[impl].fn
   if kwargs:
-    import functools  # pylint: disable=g-import-not-at-top
+    import functools
     fn = functools.partial(fn, **kwargs)
 
   def attn(q, k, v):

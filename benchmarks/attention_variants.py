@@ -1,4 +1,5 @@
-"""Attention variants benchmark: time and compiled temp memory of each variant's kernel against dense.
+"""Attention variants benchmark: time and compiled temp memory of each variant's kernel \
+against dense.
 
     python benchmarks/attention_variants.py --lengths=1024,2048,4096,8192 --modes=fwd,fwd_bwd
 
@@ -8,7 +9,6 @@ and, per variant, temp(16k)/temp(4k) (linear growth: <= 4.5) where both lengths 
 """
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -22,14 +22,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
-from layers import attention_blockwise  # pylint: disable=wrong-import-position
-from layers import attention_xla  # pylint: disable=wrong-import-position
-from layers import linear_attention  # pylint: disable=wrong-import-position
-from layers import masks  # pylint: disable=wrong-import-position
-from layers import sparse_attention  # pylint: disable=wrong-import-position
+from layers import attention_blockwise  # noqa: E402
+from layers import attention_xla  # noqa: E402
+from layers import linear_attention  # noqa: E402
+from layers import masks  # noqa: E402
+from layers import sparse_attention  # noqa: E402
 
 B, N, H = 1, 8, 64
 SCALE = H ** -0.5

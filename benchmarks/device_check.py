@@ -7,7 +7,8 @@
    highest matmul precision), forward and dQ/dK/dV, as the largest error relative to the largest
    reference value; and the lowered program must hold the platform's kernel (a Triton call on GPU,
    a Mosaic call on TPU), so a silent fallback cannot pass.
-2. Speed at 1k-32k in bfloat16: the best of `--repeats` jitted fwd+bwd steps of pallas, blockwise and
+2. Speed at 1k-32k in bfloat16: the best of `--repeats` jitted fwd+bwd steps of pallas,
+   blockwise and
    xla, plus cuDNN (`jax.nn.dot_product_attention(implementation='cudnn')`) on GPU; TFLOP/s count
    useful FLOPs (forward 4·B·N·T²·H, half for causal, fwd+bwd 3.5x the forward).
 
@@ -24,13 +25,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-from layers import attention  # pylint: disable=g-import-not-at-top,wrong-import-position
-from layers import attention_pallas_tpu  # pylint: disable=g-import-not-at-top,wrong-import-position
-from layers import masks  # pylint: disable=g-import-not-at-top,wrong-import-position
+from layers import attention  # noqa: E402
+from layers import attention_pallas_tpu  # noqa: E402
+from layers import masks  # noqa: E402
 
 # Matmuls in float32 run as TF32 on GPU and as bfloat16 passes on TPU at default precision, so the
 # kernels' float32 errors are those of ~10-bit mantissas; bfloat16 inputs have 8 bits.
@@ -154,7 +155,7 @@ def speed(impls, lengths, causal, repeats, b, n, h):
           t0 = time.perf_counter()
           jax.block_until_ready(step(q, k, v, ct))
           best = min(best, time.perf_counter() - t0)
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:  # noqa: BLE001
         # Out of memory (xla at long lengths) or an implementation this platform lacks: a row
         # that says so, not a crash that loses the other rows.
         rows.append([impl, t, f'{type(e).__name__}: {str(e).splitlines()[0][:60]}', '-'])
@@ -196,7 +197,8 @@ def main(argv=None):
     parser.error(f'no GPU or TPU here (backend {platform!r}); use --dry_run')
 
   print(f'# Flash kernel device check: {device.device_kind} ({platform}), jax {jax.__version__}'
-        + (' [dry run: interpreted kernels, tiny sizes; times mean nothing]' if args.dry_run else ''))
+        + (' [dry run: interpreted kernels, tiny sizes; times mean nothing]' if args.dry_run
+           else ''))
   print('\n## Correctness against xla (float32, highest precision): max |err| / max |ref|\n')
   rows, ok = correctness([i for i in impls if i not in ('xla', 'cudnn')], check_lengths,
                          ['cuda', 'tpu'] if args.dry_run else [None])

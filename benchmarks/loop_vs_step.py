@@ -75,16 +75,16 @@ def run_step(size):
 
 def child(size):
   """In a fresh process: time the jitted step on the loop's batches; print the windows' tokens/s."""
-  from training import host  # pylint: disable=import-outside-toplevel
+  from training import host
   host.tune_host_malloc()  # before JAX starts its threads, as train.py on a CPU host
-  import functools  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-  from configs import decoder_only  # pylint: disable=import-outside-toplevel
-  from data import pipeline  # pylint: disable=import-outside-toplevel
-  import models  # pylint: disable=import-outside-toplevel
-  from training import state as state_lib  # pylint: disable=import-outside-toplevel
-  from training import steps as steps_lib  # pylint: disable=import-outside-toplevel
-  from training import validation  # pylint: disable=import-outside-toplevel
+  import functools
+  import jax
+  from configs import decoder_only
+  from data import pipeline
+  import models
+  from training import state as state_lib
+  from training import steps as steps_lib
+  from training import validation
 
   config = decoder_only.get_config()
   for key, value in overrides(size, total_steps(size)).items():
@@ -140,8 +140,9 @@ def main(argv):
             result = run_step(size)
             vocab = result['vocab']
             step_runs[size].append(result['tokens_per_sec'])
+          latest = (loop_runs if which == 'loop' else step_runs)[size][-1]
           print(f'round {r + 1}/{rounds} ({size}) {which}: '
-                f'{", ".join(f"{x:,.0f}" for x in (loop_runs if which == "loop" else step_runs)[size][-1])}'
+                f'{", ".join(f"{x:,.0f}" for x in latest)}'
                 f' tokens/s ({time.perf_counter() - started:.0f} s)', file=sys.stderr, flush=True)
   rows = []
   for size in sizes:

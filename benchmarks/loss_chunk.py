@@ -8,12 +8,14 @@ A decoder-only model (2 layers, D=256, N=4, F=1024, float32, AdamW, diagnostics 
 vocabulary, V = 32,768, T = 1,024, B = 4: the `[B, T, V]` float32 logits are 512 MiB, and their
 gradient as much again. A last row compiles the same step at V = 64 (memory only): what the model
 needs without the vocabulary, a floor no loss tiling can go below (with `attention_impl=xla` the
-`[B, N, T, T]` attention maps of the two layers are most of it). For the plain path (`loss_chunk=0`) and each C, the jitted
+`[B, N, T, T]` attention maps of the two layers are most of it). For the plain path
+(`loss_chunk=0`) and each C, the jitted
 `training.steps.train_step` is lowered and compiled ahead of time and its
 `memory_analysis().temp_size_in_bytes` read (the flag above keeps XLA:CPU from fusing the reductions
 into YNNPACK calls whose buffers the analysis does not count; the script sets it when unset). With
 loss_chunk = C a tile holds the logits of B·T·C / V tokens (as many numbers as C vocabulary rows of
-the batch; training.losses). The step times alternate: each round runs `--steps` steps of every variant in turn on the same state,
+the batch; training.losses). The step times alternate: each round runs `--steps` steps of every
+variant in turn on the same state,
 so the load of a shared machine falls on all of them alike, and the table gives each variant's
 median over the rounds and its ratio to the plain path's. Every variant's first step from the same
 initial state is checked against the plain one (loss and gradient norm, relative 1e-5).
@@ -32,22 +34,22 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault('XLA_FLAGS', '--xla_cpu_experimental_ynn_fusion_type=-reduce')
 
-from training import host  # pylint: disable=wrong-import-position
+from training import host
 
 host.tune_host_malloc()  # before JAX starts its threads, as train.py
 
-from absl import app  # pylint: disable=wrong-import-position
-from absl import flags  # pylint: disable=wrong-import-position
-from absl import logging  # pylint: disable=wrong-import-position
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-from configs import default  # pylint: disable=wrong-import-position
-from training import losses  # pylint: disable=wrong-import-position
-from training import state as state_lib  # pylint: disable=wrong-import-position
-from training import steps as steps_lib  # pylint: disable=wrong-import-position
-from training import validation  # pylint: disable=wrong-import-position
+from configs import default  # noqa: E402
+from training import losses  # noqa: E402
+from training import state as state_lib  # noqa: E402
+from training import steps as steps_lib  # noqa: E402
+from training import validation  # noqa: E402
 
 _CHUNKS = flags.DEFINE_list('chunks', ['2048', '4096', '8192'], 'Vocabulary tile sizes C.')
 _ROUNDS = flags.DEFINE_integer('rounds', 5, 'Alternating rounds (every variant once per round).')
@@ -130,11 +132,13 @@ def main(argv):
   print(f'V={v}, T={t}, B={b}, 2 layers x D=256, N=4, F=1024, float32, attention_impl='
         f'{_IMPL.value}; XLA_FLAGS={os.environ.get("XLA_FLAGS", "")}; {_ROUNDS.value} alternating '
         f'rounds of {_STEPS.value} step(s); logits [B, T, V] float32 = {mib(4 * b * t * v)}\n')
-  print('| loss_chunk | tokens per tile | temp memory | vs plain | s/step (median) | speed vs plain '
+  print('| loss_chunk | tokens per tile | temp memory | vs plain '
+        '| s/step (median) | speed vs plain '
         '| rounds (s) |')
   print('|---|---|---|---|---|---|---|')
   for row in rows[:-1]:
-    print(f'| {row["loss_chunk"] or "0 (plain)"} | {row["tile_tokens"]:,} | {mib(row["temp_bytes"])} '
+    print(f'| {row["loss_chunk"] or "0 (plain)"} | {row["tile_tokens"]:,} '
+          f'| {mib(row["temp_bytes"])} '
           f'| {row["temp_vs_plain"]:.3f} | {row["s_per_step"]:.3f} '
           f'| {row["speed_vs_plain"]:.2f}x | {", ".join(f"{x:.2f}" for x in row["rounds_s"])} |')
   print(f'| V={FLOOR_VOCAB} (the model without the vocabulary) | - | {mib(floor)} '

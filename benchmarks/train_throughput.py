@@ -1,4 +1,5 @@
-"""Training throughput and MFU of train.py's step on this machine, against a plain-JAX reference step.
+"""Training throughput and MFU of train.py's step on this machine, against a plain-JAX
+reference step.
 
     .venv/bin/python benchmarks/train_throughput.py [--steps=4] [--rounds=5] [--dropout=0,0.1]
         [--sizes=a,b] [--host_malloc=tuned,default] [--json]
@@ -17,7 +18,8 @@ alike; tokens/s is each one's median over the rounds, `vs reference` their ratio
 the range of the ratios of the rounds' back-to-back pairs (the noise). It prints
 tokens/s and the model FLOPs utilisation
 
-    MFU = 3 · (forward FLOPs per token) · tokens/s / (float32 matmul FLOP/s measured in the same run)
+    MFU = 3 · (forward FLOPs per token) · tokens/s
+          / (float32 matmul FLOP/s measured in the same run)
 
 with the forward FLOPs of `models.accounting.forward_flops` (the count `python -m tools.accounting`
 prints and tests against XLA's cost analysis): every weight matmul including the tied D x V output
@@ -26,7 +28,8 @@ with N the parameters that take part in a matmul (as nanoGPT counts them). The p
 five rounds of a 2048³ float32 matmul jitted on all cores. Each `--host_malloc` setting runs in its
 own process (glibc reads the arena limit before threads start): 'tuned' is `host.tune_host_malloc`,
 what train.py applies, 'default' glibc as it comes. Run it alone: the numbers are a share of this
-machine, so any other load lowers them (the ratio to the reference much less: it comes from one run).
+machine, so any other load lowers them (the ratio to the reference much less: it comes
+from one run).
 `--json` prints one JSON object per row instead of the table.
 """
 
@@ -41,23 +44,24 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app  # pylint: disable=wrong-import-position
-from absl import flags  # pylint: disable=wrong-import-position
-from absl import logging  # pylint: disable=wrong-import-position
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-import optax  # pylint: disable=wrong-import-position
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-from configs import default  # pylint: disable=wrong-import-position
-from training import validation  # pylint: disable=wrong-import-position
-from models import accounting  # pylint: disable=wrong-import-position
+from configs import default
+from training import validation
+from models import accounting
 from training import host
 from training import state as state_lib
 from training import steps as steps_lib
 
 _STEPS = flags.DEFINE_integer('steps', 4, 'Timed steps per round and step (after 2 warm-up steps).')
-_ROUNDS = flags.DEFINE_integer('rounds', 5, 'Alternating rounds of attnlab\'s step and the reference.')
+_ROUNDS = flags.DEFINE_integer('rounds', 5,
+                               'Alternating rounds of attnlab\'s step and the reference.')
 _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object per row instead of the table.')
 _DROPOUT = flags.DEFINE_list('dropout', ['0', '0.1'], 'Dropout rates to time.')
 _SIZES = flags.DEFINE_list('sizes', ['a', 'b'], 'Which sizes to run.')

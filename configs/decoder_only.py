@@ -1,4 +1,5 @@
-"""Decoder-only translation on the toy task: `<bos> source <sep> target <eos>`, loss on the target."""
+"""Decoder-only translation on the toy task: `<bos> source <sep> target <eos>`, loss on the
+target."""
 
 from configs import default
 

@@ -2,7 +2,8 @@
 
 import ml_collections
 
-# Model sizes: one table, chosen by `size=NAME` in the config argument (e.g. `default.py:size=small`).
+# Model sizes: one table, chosen by `size=NAME` in the config argument
+# (e.g. `default.py:size=small`).
 SIZES = {
     #        num_layers, d_model, num_heads, d_ff
     'tiny': (2, 64, 4, 256),
@@ -81,7 +82,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   #                                  dropped (training only); 0 = dropless (ragged_dot)
   model.moe_routing = 'tokens'  # tokens (token choice) | experts (expert choice; encoder_only)
   model.moe_router_jitter = 0.0  # eps: router input x U(1 - eps, 1 + eps) while training
-  model.moe_shared_experts = 0  # always-on experts of width moe_d_ff beside the routed (DeepSeekMoE)
+  model.moe_shared_experts = 0  # always-on experts of width moe_d_ff beside the routed
+  #                               (DeepSeekMoE)
   model.moe_every = 1  # every n-th block (after moe_first_dense) is MoE, the rest dense; 1 = all
   model.moe_first_dense = 0  # leading blocks of each stack that stay dense
   model.moe_aux_loss = 0.01  # load-balancing loss coefficient (Switch/GShard: E · sum_e f_e·P_e)
@@ -112,8 +114,10 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   #                                 uses 0..T-1; 0 = off
   # attention variants (layers/sparse_attention.py, layers/linear_attention.py)
   model.unscaled = False  # scores q·k without the 1/sqrt(d_k) scale (the scaling ablation)
-  model.window = 16  # sliding_window/longformer: w; encoders see |i - j| <= w, decoders i - w <= j <= i
-  model.global_tokens = (0,)  # longformer/bigbird: positions that see and are seen by every position
+  model.window = 16  # sliding_window/longformer: w; encoders see |i - j| <= w, decoders
+  #                    i - w <= j <= i
+  model.global_tokens = (0,)  # longformer/bigbird: positions that see and are seen by every
+  #                             position
   model.bigbird_block = 16  # bigbird: block size (block-local = own block and both neighbours)
   model.bigbird_random_blocks = 2  # bigbird: random key blocks per query block (fixed per seed)
   model.attention_seed = 0  # bigbird random blocks, performer features: per-layer seeds from this
@@ -133,7 +137,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   #                              (trains non-autoregressive translation; 0 = plain BERT)
   # rnn_seq2seq (hidden size = d_model; one layer each side)
   model.rnn_cell = 'lstm'  # lstm | gru
-  model.rnn_attention = 'bahdanau'  # bahdanau (additive) | luong (multiplicative) | none (bottleneck)
+  model.rnn_attention = 'bahdanau'  # bahdanau (additive) | luong (multiplicative)
+  #                                   | none (bottleneck)
   model.rnn_luong_scale = True  # luong: divide the scores by sqrt(d_model)
 
   config.train = train = ml_collections.ConfigDict()

@@ -2,7 +2,8 @@
 
 Train: python train.py --config=configs/text_pairs.py:dir=CORPUS --workdir=DIR
        (CORPUS/train.tsv, validation.tsv, test.tsv), or name each file:
-       --config.data.files.train=PATH --config.data.files.validation=PATH --config.data.files.test=PATH
+       --config.data.files.train=PATH --config.data.files.validation=PATH
+       --config.data.files.test=PATH
 Eval:  python eval.py --workdir=DIR
 """
 

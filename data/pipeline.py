@@ -205,8 +205,8 @@ def load_examples(data_config, split: str) -> list[dict]:
   return out
 
 
-from data.rows import (  # pylint: disable=g-importing-member,unused-import
-    ARCHS, PACKINGS, _check, _fits, _row_length, _sequence, batch_shapes)  # re-exported
+from data.rows import (  # noqa: E402, F401  (re-exported)
+    ARCHS, PACKINGS, _check, _fits, _row_length, _sequence, batch_shapes)
 
 
 

@@ -151,4 +151,5 @@ def _row_length(arch: str, source_len: int, target_len: int) -> int:
 
 def _fits(pair, *, length, arch, packing):
   """Whether every feature of a pair fits in a row (streams split pairs, so all fit)."""
-  return packing == 'stream' or _row_length(arch, len(pair['source']), len(pair['target'])) <= length
+  return packing == 'stream' or _row_length(arch, len(pair['source']),
+                                            len(pair['target'])) <= length

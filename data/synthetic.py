@@ -6,7 +6,8 @@ One example is one decoder-only row of data.max_length input tokens, `<bos>` fir
 accuracy are on the scored tokens alone (the weights are 1 there, 0 elsewhere):
 
 - mqar, multi-query associative recall (Arora et al. 2023, "Zoology"): `pairs` key-value pairs
-  `k v k v ...` (keys distinct, from `key_vocab` key words; values from `value_vocab` value words), then a
+  `k v k v ...` (keys distinct, from `key_vocab` key words; values from `value_vocab` value
+  words), then a
   region of noise (value words) in which `queries` of the keys (0 = all) are asked again, each in
   a two-token slot drawn uniformly among the region's slots and followed by its value. Scored: the
   value after each query key. A fixed-size state must hold every pair; attention looks them up.
@@ -16,7 +17,8 @@ accuracy are on the scored tokens alone (the weights are 1 there, 0 elsewhere):
   the repeat after its first (the repeat's start cannot be foreseen).
 - selective_copy (Gu & Dao 2023, "Mamba"): `pairs` data tokens at random places of a region of
   blanks `.`, then `<copy>` and the data tokens in order. Scored: the copied tokens.
-- memorize (Poli et al. 2024, "MAD"): one fixed map of `key_vocab` keys to values, drawn once and shared
+- memorize (Poli et al. 2024, "MAD"): one fixed map of `key_vocab` keys to values, drawn once
+  and shared
   by every row of every split; a row is `pairs` distinct keys each followed by its value. The
   rows never tell the map, so the accuracy measures what the parameters hold. A key is two
   tokens (`key_parts` words each, key i = parts (i // P, i % P)), so that the map cannot sit in
@@ -91,7 +93,8 @@ class SyntheticSpec:
 
 
 def spec_from_config(data_config) -> SyntheticSpec:
-  """The SyntheticSpec of a data config whose task is in TASKS (its fields checked by the caller)."""
+  """The SyntheticSpec of a data config whose task is in TASKS (its fields checked by the
+  caller)."""
   data_dir = str(data_config.get('data_dir', './tfds_data'))
   if '://' in data_dir:  # generated from a seed: each host generates its own local copy
     data_dir = os.path.join(os.environ.get('ATTNLAB_DATA_CACHE', CACHE),

@@ -3,7 +3,8 @@ once as a TFDS dataset (array_record, no TensorFlow) with a SentencePiece tokeni
 
 The prepared folder is `data_dir/<task>/vocab<V>-<shared|separate>-<hash>`, the hash covering the
 examples as read (stripped pairs or documents) and the vocabulary settings: the same inputs reuse
-it, changed files or another vocab_size get a folder of their own. It is written in a hidden sibling folder and renamed when
+it, changed files or another vocab_size get a folder of their own. It is written in a hidden
+sibling folder and renamed when
 complete, so a bad input or a crash leaves nothing half-written in data_dir.
 """
 

@@ -26,7 +26,8 @@ PROJECTION_OPTIONS = ('head_dim', 'attention_bias', 'attention_dropout', 'kernel
 
 
 class Attention(nnx.Module, options.Configurable):
-  """Multi-head attention with `num_kv_heads` key/value heads (MHA, GQA, MQA) and q/k/v/o projections.
+  """Multi-head attention with `num_kv_heads` key/value heads (MHA, GQA, MQA) and q/k/v/o
+  projections.
 
   Self-attention when called with one input, cross-attention with a `context` (queries from `x`,
   keys/values from `context`). Positions that act inside attention (RoPE, ALiBi, T5 bias) come in
@@ -199,7 +200,8 @@ class Attention(nnx.Module, options.Configurable):
     context = x if context is None else context
     names = ('batch', 'length', 'heads', 'head_dim')
     kv_names = ('batch', 'length', 'kv_heads', 'head_dim')
-    return (sharding.constrain(self.query(x), names), sharding.constrain(self.key(context), kv_names),
+    return (sharding.constrain(self.query(x), names),
+            sharding.constrain(self.key(context), kv_names),
             sharding.constrain(self.value(context), kv_names))
 
   def score_stats(self, x, *, segment_ids=None, positions=None, is_causal=False, position=None):

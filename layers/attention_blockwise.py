@@ -1,6 +1,8 @@
-"""Blockwise (FlashAttention-2) exact attention in pure JAX: online softmax over key blocks, O(T) memory.
+"""Blockwise (FlashAttention-2) exact attention in pure JAX: online softmax over key blocks,
+O(T) memory.
 
-The forward pass visits query blocks one after another and, for each, only the band of key blocks that
+The forward pass visits query blocks one after another and, for each, only the band of key
+blocks that
 `is_causal`/`window` leave visible, carrying the running max, denominator and un-normalised output.
 A `jax.custom_vjp` keeps only the output and the per-row logsumexp as residuals and recomputes the
 probabilities block by block in the backward pass; autodiff through the loops would instead store
@@ -19,8 +21,9 @@ from jax import lax
 from layers import attention_xla
 from layers import flash_core
 
-# Measured on a 2-core CPU (benchmarks/attention.py): 512x512 blocks keep the per-block matmuls large
-# enough to run at matmul speed while the [B, N, bq, bk] probability tile stays in cache-sized memory.
+# Measured on a 2-core CPU (benchmarks/attention.py): 512x512 blocks keep the per-block matmuls
+# large enough to run at matmul speed while the [B, N, bq, bk] probability tile stays in
+# cache-sized memory.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 
@@ -39,7 +42,8 @@ class TileConfig(NamedTuple):
 
 
 def _floor_div(x, d):
-  """x // d for x >= 0, as `lax.div` (also lowers where `//` on a program id does not, e.g. Triton)."""
+  """x // d for x >= 0, as `lax.div` (also lowers where `//` on a program id does not, e.g.
+  Triton)."""
   return lax.div(x, jnp.asarray(d, x.dtype))
 
 

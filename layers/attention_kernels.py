@@ -1,4 +1,5 @@
-"""The exact-softmax kernels: the `dot_product_attention` contract and the table of what each takes."""
+"""The exact-softmax kernels: the `dot_product_attention` contract and the table of what each
+takes."""
 
 import math
 
@@ -61,7 +62,8 @@ def check_kernel_call(impl, terms, dropout):
     raise ValueError(f'implementation={impl!r} cannot take {contract.TERM_NAMES[missing[0]]}; '
                      f'valid: {", ".join(kernels_taking(missing[0]))}')
   if dropout and not kernel.dropout:
-    raise ValueError(f'attention dropout is implemented by {", ".join(kernels_taking(dropout=True))}'
+    raise ValueError('attention dropout is implemented by '
+                     f'{", ".join(kernels_taking(dropout=True))}'
                      f', not {impl!r}')
   if jax.default_backend() not in kernel.platforms:
     raise ValueError(f'implementation={impl!r} runs on {", ".join(kernel.platforms)}, not '

@@ -152,7 +152,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, name, backend):
   """backend 'triton' (GPU lowering) or 'interpret' (any platform, the CPU tests)."""
   params = None
   if backend == 'triton':
-    from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
+    from jax.experimental.pallas import triton as plgpu
     params = plgpu.CompilerParams(num_warps=4, num_stages=2)
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                         out_shape=out_shape, interpret=backend == 'interpret',
@@ -160,7 +160,8 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, name, backend):
 
 
 def _extra_specs(extra, g, bq, bk, per_q_tile):
-  """BlockSpecs of the optional inputs for a grid (b, n, i) over query tiles or (b, kk, j) key tiles.
+  """BlockSpecs of the optional inputs for a grid (b, n, i) over query tiles or (b, kk, j) key
+  tiles.
 
   `per_q_tile`: the forward/dQ grid (one query tile, all keys) versus dK/dV (one key tile, all
   queries of the G heads of kv head kk).
@@ -220,7 +221,8 @@ def _forward(static, q, k, v, extra):
   g, bq = n // kh, cfg.block_q
   kv_spec = pl.BlockSpec((None, None, sp, h), lambda bb, nn, i: (bb, lax.div(nn, g), 0, 0))
   q_spec = pl.BlockSpec((None, None, bq, h), lambda bb, nn, i: (bb, nn, i, 0))
-  kernel = functools.partial(_fwd_kernel, cfg=cfg, flags=_flags(extra), num_k_blocks=sp // cfg.block_k)
+  kernel = functools.partial(_fwd_kernel, cfg=cfg, flags=_flags(extra),
+                             num_k_blocks=sp // cfg.block_k)
   return _call(
       kernel, (b, n, tp // bq),
       [q_spec, kv_spec, kv_spec] + _extra_specs(extra, g, bq, cfg.block_k, True),
@@ -247,7 +249,8 @@ def _backward(static, args, out, lse, d_out):
   dq = _call(
       functools.partial(_dq_kernel, cfg=cfg, flags=flags, num_k_blocks=sp // bk),
       (b, n, tp // bq),
-      [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + _extra_specs(extra, g, bq, cfg.block_k, True),
+      [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + _extra_specs(extra, g, bq,
+                                                                            cfg.block_k, True),
       q_spec, jax.ShapeDtypeStruct(q.shape, jnp.float32), 'flash_dq', backend,
   )(q, k, v, do, lse, delta, *_extra_args(extra))
 
@@ -256,7 +259,8 @@ def _backward(static, args, out, lse, d_out):
   rowg_spec = pl.BlockSpec((None, g, tp), lambda bb, kk, j: (bb, kk, 0))
   kt_spec = pl.BlockSpec((None, None, bk, h), lambda bb, kk, j: (bb, kk, j, 0))
   out_specs = [kt_spec, kt_spec]
-  out_shape = [jax.ShapeDtypeStruct(k.shape, jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32)]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, jnp.float32),
+               jax.ShapeDtypeStruct(v.shape, jnp.float32)]
   if flags['bias']:
     # ds of every (head, query, key): the bias is dense in T and S, so is its gradient.
     out_specs.append(pl.BlockSpec((None, g, tp, bk), lambda bb, kk, j: (bb, kk, 0, j)))
@@ -270,7 +274,8 @@ def _backward(static, args, out, lse, d_out):
       functools.partial(_dkv_kernel, cfg=cfg, flags=flags, num_q_blocks=tp // bq, groups=g,
                         bias_per_head=bias_per_head),
       (b, kh, sp // bk),
-      [qg_spec, kt_spec, kt_spec, qg_spec, rowg_spec, rowg_spec] + _extra_specs(extra, g, bq, bk, False),
+      [qg_spec, kt_spec, kt_spec, qg_spec, rowg_spec, rowg_spec] + _extra_specs(extra, g, bq,
+                                                                                bk, False),
       out_specs, out_shape, 'flash_dkv', backend,
   )(q, k, v, do, lse, delta, *_extra_args(extra))
   dk, dv = res[0], res[1]
@@ -298,7 +303,7 @@ def gpu_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=F
     `[B, T, N, H]` in the query's dtype; rows with no visible key are zeros.
   """
   b, t, n, h = query.shape
-  s, kh = key.shape[1], key.shape[2]
+  s = key.shape[1]
   # Triton takes power-of-two tiles only: a short sequence gets the next power of two (its padded
   # keys are masked, its padded query rows dropped), and so does the head dim (zero features add
   # nothing to q·k; v's zero columns give output columns that are dropped).
@@ -364,7 +369,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
       return blockwise.attention(x, y, z, o['bias'], o['mask'], alibi_slopes=o['slopes'],
                                  q_segment_ids=o['q_seg'], kv_segment_ids=o['kv_seg'], **kw)
     return attention_pallas_tpu.attention(x, y, z, alibi_slopes=o['slopes'],
-                                          q_segment_ids=o['q_seg'], kv_segment_ids=o['kv_seg'], **kw)
+                                          q_segment_ids=o['q_seg'], kv_segment_ids=o['kv_seg'],
+                                          **kw)
 
   extra = {'bias': bias, 'mask': mask, 'slopes': alibi_slopes, 'q_seg': q_segment_ids,
          'kv_seg': kv_segment_ids}

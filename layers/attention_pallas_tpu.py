@@ -1,6 +1,7 @@
 """FlashAttention-2 as Mosaic TPU Pallas kernels (forward, dQ, dK/dV) with a custom VJP.
 
-Written the way Mosaic wants it (jax's pallas/ops/tpu/flash_attention.py is the model): every block's
+Written the way Mosaic wants it (jax's pallas/ops/tpu/flash_attention.py is the model):
+every block's
 last two dimensions are multiples of (8, 128) or the whole array dimension; the loop over the other
 sequence is the last grid dimension, marked "arbitrary", so that the running max, sum and output
 accumulate in VMEM scratch across its steps; per-row statistics are kept 128 lanes wide (one vreg
@@ -70,7 +71,8 @@ def _pop_options(refs, flags):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg, flags, nk):
-  slopes_ref, q_seg_ref, kv_seg_ref, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _pop_options(refs, flags)
+  slopes_ref, q_seg_ref, kv_seg_ref, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _pop_options(
+      refs, flags)
   n, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
   @pl.when(j == 0)

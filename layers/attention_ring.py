@@ -1,8 +1,10 @@
-"""Ring attention (context parallelism): queries stay put, key/value blocks travel round the `sequence` ring.
+"""Ring attention (context parallelism): queries stay put, key/value blocks travel round the
+`sequence` ring.
 
 The length axis of q/k/v is split over the mesh axis `sequence` (P devices). Each device keeps its
 `T/P` queries and, in P steps, sees every `S/P` key/value block as the blocks are passed one device
-along the ring with `lax.ppermute`, folding each into a FlashAttention-2 online softmax (running max,
+along the ring with `lax.ppermute`, folding each into a FlashAttention-2 online softmax
+(running max,
 denominator and un-normalised output, float32). Positions are absolute (device index x block
 length), so causality, the local window and ALiBi mean what they mean on the whole sequence, and a
 block that they hide entirely is not computed. A `jax.custom_vjp` saves only the output and the
@@ -265,8 +267,9 @@ def ring_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=
     ValueError: a dense bias/mask, or no `sequence` mesh axis larger than 1.
   """
   if bias is not None or mask is not None:
-    raise ValueError("implementation='ring' takes no dense bias/mask array (it would be [B, N, T, S] "
-                     'on every device): use is_causal, local_window_size, alibi_slopes, segment_ids')
+    raise ValueError("implementation='ring' takes no dense bias/mask array (it would be "
+                     '[B, N, T, S] on every device): use is_causal, local_window_size, '
+                     'alibi_slopes, segment_ids')
   mesh = jax.sharding.get_abstract_mesh()
   sizes = {} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes))
   ring = sizes.get(LENGTH_AXIS, 1)

@@ -28,7 +28,8 @@ def elu_plus_one(x):
 
 
 def orthogonal_features(key, num_features, dim):
-  """`[M, H]` FAVOR+ directions: blocks of H orthogonal Gaussian rows, each rescaled to a chi(H) norm.
+  """`[M, H]` FAVOR+ directions: blocks of H orthogonal Gaussian rows, each rescaled to a chi(H)
+  norm.
 
   Orthogonal rows keep each feature's marginal (so the estimator stays unbiased) and lower its
   variance relative to i.i.d. Gaussian rows.
@@ -90,7 +91,8 @@ def performer_features(q, k, w, scale):
 # A denominator at or below this counts as zero: the query sees no key (padding), or (Performer,
 # causal) every key it sees lies so far below the row's shared stabilising shift that its features
 # (nearly) underflowed. The quotient's gradient holds den^-2, which overflows float32 below about
-# 1e-19 (a key logit gap of about 45): such a denominator turned it NaN in training (2 of 3 Performer
+# 1e-19 (a key logit gap of about 45): such a denominator turned it NaN in training (2 of 3
+# Performer
 # seeds of the attention-variants study, after the stabiliser fix).
 MIN_DENOMINATOR = 1e-15
 
@@ -146,7 +148,8 @@ def kernel_attention(qf, kf, v, *, is_causal=False, chunk=DEFAULT_CHUNK):
 
 
 def kernel_weights(qf, kf, *, is_causal=False):
-  """The implied `[B, N, T, S]` attention of `kernel_attention`: the quadratic reference (tests, plots)."""
+  """The implied `[B, N, T, S]` attention of `kernel_attention`: the quadratic reference
+  (tests, plots)."""
   b, t, kh, g, m = qf.shape
   a = jnp.einsum('BTKGM,BSKM->BKGTS', qf, kf)  # [B, K, G, T, S]
   if is_causal:
@@ -170,7 +173,8 @@ class _Kernel(attention_lib.Attention):
   has_paged_cache = False
 
   def features(self, q, k):
-    """(`[B, T, K, G, M]`, `[B, S, K, M]`) non-negative features of q `[B, T, N, H]`, k `[B, S, K, H]`."""
+    """(`[B, T, K, G, M]`, `[B, S, K, M]`) non-negative features of q `[B, T, N, H]`,
+    k `[B, S, K, H]`."""
     raise NotImplementedError
 
   def _features(self, x, context, segment_ids, context_segment_ids, positions, position,
@@ -204,7 +208,7 @@ class _Kernel(attention_lib.Attention):
                                is_causal)
     return kernel_weights(qf, kf, is_causal=is_causal)
 
-  # --- Recurrent decoding: the causal prefix sums are the cache (constant size in the length) ------
+  # --- Recurrent decoding: the causal prefix sums are the cache (constant size in the length) -----
 
   feature_dim = None  # M, set by the variants
 
@@ -306,7 +310,8 @@ class PerformerAttention(_Kernel):
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, num_features=64, redraw_every=0,
                seed=0, **kwargs):
     super().__init__(d_model, num_heads, num_kv_heads, **kwargs)
-    self.num_features, self.redraw_every, self.seed = int(num_features), int(redraw_every), int(seed)
+    self.num_features, self.redraw_every, self.seed = (int(num_features), int(redraw_every),
+                                                       int(seed))
     self.features_w = RandomFeatures(jnp.asarray(
         feature_draw(self.seed, 0, self.num_features, self.head_dim)))
 

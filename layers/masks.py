@@ -1,6 +1,7 @@
 """Visibility rules of attention (causal, local window, segments) and the ALiBi bias, defined once.
 
-Every attention implementation (dense reference, blockwise scan, Pallas) calls these on the query and
+Every attention implementation (dense reference, blockwise scan, Pallas) calls these on the
+query and
 key positions it is working on, so the whole matrix and a block of it follow the same definition.
 """
 
@@ -67,8 +68,9 @@ def alibi_bias(slopes, q_pos, k_pos):
   return -slopes.astype(jnp.float32)[:, None, None] * dist[None]  # [N, T, S]
 
 
-# --- Sparse patterns (sliding window, Longformer, BigBird), defined once ---------------------------
-# The same `sparse_visible` builds the explicit reference mask in the tests and masks the gathered key
+# --- Sparse patterns (sliding window, Longformer, BigBird), defined once --------------------------
+# The same `sparse_visible` builds the explicit reference mask in the tests and masks the
+# gathered key
 # blocks of the blocked computation in `layers.sparse_attention`, so the two cannot disagree.
 
 class SparsePattern(NamedTuple):

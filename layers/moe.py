@@ -157,7 +157,8 @@ class MoE(nnx.Module, options.Configurable):
                top_k=cfg.get('moe_top_k', 2), capacity_factor=cfg.get('moe_capacity_factor', 0.0),
                routing=cfg.get('moe_routing', 'tokens'), jitter=cfg.get('moe_router_jitter', 0.0),
                shared_experts=cfg.get('moe_shared_experts', 0),
-               bias_rate=cfg.get('moe_bias_rate', 0.0), kernel_init=initializers.kernel_init(cfg), rngs=rngs)
+               bias_rate=cfg.get('moe_bias_rate', 0.0), kernel_init=initializers.kernel_init(cfg),
+               rngs=rngs)
 
   @classmethod
   def check_options(cls, model_cfg):
@@ -196,7 +197,8 @@ class MoE(nnx.Module, options.Configurable):
                                 f'valid values: 1..{e}')
     if m.moe_routing == 'experts' and m.arch in CAUSAL_ARCHS:
       raise options.ConfigError(f"model.moe_routing='experts' (expert choice) reads later tokens, "
-                                f"which causal model.arch={m.arch!r} must not; valid values: tokens")
+                                f"which causal model.arch={m.arch!r} must not; "
+                                "valid values: tokens")
     if m.moe_routing == 'experts' and m.get('moe_bias_rate', 0.0):
       raise options.ConfigError("model.moe_bias_rate balances token choice; expert choice "
                                 "(model.moe_routing='experts') is balanced by construction; "

@@ -78,7 +78,8 @@ def sinusoid_table(positions, d_model, base=10000.0):
   """
   inv_freq = base ** (-jnp.arange(0, d_model, 2, dtype=jnp.float32) / d_model)  # [D/2]
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., D/2]
-  # Interleave sin and cos so each frequency's pair is a 2-D rotation: PE(p + delta) = M(delta) PE(p).
+  # Interleave sin and cos so each frequency's pair is a 2-D rotation:
+  # PE(p + delta) = M(delta) PE(p).
   return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(*positions.shape, d_model)
 
 
@@ -294,7 +295,8 @@ def _uniform(rngs, shape, bound):
 
 
 class FIRE(LearnedBias):
-  """FIRE (Li et al. 2023): an MLP of the progressively interpolated log distance, one bias per head.
+  """FIRE (Li et al. 2023): an MLP of the progressively interpolated log distance,
+  one bias per head.
 
   One MLP per stack, shared by its layers (as the T5 table). Parameters as the paper's listing:
   hidden width 32, c initialised to 0.1, the threshold L = |multiplier * L_init| with the multiplier
@@ -430,7 +432,8 @@ def with_xpos_block(model, block):
 
 
 def shift_matrix(delta, d_model, base=10000.0):
-  """The `[D, D]` matrix M with PE(p + delta) = M @ PE(p) for the sinusoidal table (block rotations)."""
+  """The `[D, D]` matrix M with PE(p + delta) = M @ PE(p) for the sinusoidal table
+  (block rotations)."""
   inv_freq = base ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)
   m = np.zeros((d_model, d_model))
   for i, w in enumerate(inv_freq):

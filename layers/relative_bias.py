@@ -1,4 +1,5 @@
-"""Learned score biases computed from positions: FIRE (Li et al. 2023) and KERPLE-log (Chi et al. 2022).
+"""Learned score biases computed from positions: FIRE (Li et al. 2023) and KERPLE-log
+(Chi et al. 2022).
 
 A bias of this kind is a small function of the query and key positions with learned parameters. The
 kernels take it as a `PositionBias`: the dense kernel (attention_xla) evaluates it on the whole
@@ -10,7 +11,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-# KERPLE's reference code (chijames/KERPLE) clamps r1, r2 to at least this after every step; here the
+# KERPLE's reference code (chijames/KERPLE) clamps r1, r2 to at least this after every step;
+# here the
 # clamp is in the forward pass, so the parameters themselves are left as the optimiser moves them.
 KERPLE_EPS = 1e-2
 # FIRE's listing (Li et al. 2023, appendix) adds this to the normaliser, ψ(max(L, i)) + eps.
@@ -38,7 +40,8 @@ class PositionBias(NamedTuple):
 
 
 def fire_bias(params, q_pos, k_pos):
-  """FIRE: b(i, j) = f(ψ(i - j) / ψ(max(L, i))), ψ(x) = log(|c x| + 1), f an MLP to one value per head.
+  """FIRE: b(i, j) = f(ψ(i - j) / ψ(max(L, i))), ψ(x) = log(|c x| + 1),
+  f an MLP to one value per head.
 
   As the paper's listing: the threshold is |L_multiplier * L_init| (L_init fixed, the multiplier
   learned), and the MLP has one ReLU hidden layer. |i - j| is used, so the masked (j > i) entries

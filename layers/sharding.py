@@ -14,7 +14,8 @@ Layers name the axes of their parameters and of a few key activations with logic
   head_dim, act_embed -> none (replicated)
 
 Parameters carry their names as variable metadata (`partitioned`, read back by `param_specs`);
-activations are annotated with `constrain`, a no-op unless a mesh and rules are active (`use_rules`).
+activations are annotated with `constrain`, a no-op unless a mesh and rules are active
+(`use_rules`).
 A dimension that a mesh axis does not divide is replicated rather than refused (e.g. MQA's single
 KV head under tensor parallelism), so every config runs under every mesh.
 """
@@ -55,7 +56,8 @@ def partitioned(init, *names):
 
 
 def make_mesh(mesh_config, devices=None):
-  """The `data` x `fsdp` x `tensor` x `sequence` x `expert` mesh of `config.mesh` over `devices` (default all).
+  """The `data` x `fsdp` x `tensor` x `sequence` x `expert` mesh of `config.mesh` over
+  `devices` (default all).
 
   All sizes 1 is a one-device run on the first device, whatever the device count.
 

@@ -1,7 +1,9 @@
-"""Sparse attention (sliding window, Longformer, BigBird) computed block by block: O(T·w), never T×T.
+"""Sparse attention (sliding window, Longformer, BigBird) computed block by block:
+O(T·w), never T×T.
 
-Each query block gathers only the key blocks its pattern can reach (the band of the window, BigBird's
-random blocks); global keys are one extra small key set and global query rows are computed separately
+Each query block gathers only the key blocks its pattern can reach (the band of the window,
+BigBird's random blocks); global keys are one extra small key set and global query rows are
+computed separately
 against all keys. `layers.masks.sparse_visible` masks every gathered key, so the blocked computation
 and the explicit-mask reference follow one definition of each pattern.
 """
@@ -27,7 +29,8 @@ def _ceil_div(a, b):
 def key_block_slots(pattern, num_blocks, block, is_causal):
   """numpy `[nq, slots]` key-block indices each query block gathers; -1 marks an empty slot.
 
-  The slots are the band that `window` / `block_window` can reach, then the random blocks; they are a
+  The slots are the band that `window` / `block_window` can reach, then the random blocks;
+  they are a
   superset of every visible non-global key (masking makes the result exact) and never repeat a block
   (a repeated block would count its keys twice in the softmax).
   """
@@ -196,7 +199,8 @@ class _Sparse(attention_lib.Attention):
                is_causal=False, positions=None, context_positions=None, position=None):
     """As `Attention.__call__` (self-attention only); `[B, T, D]` -> `[B, T, D]`."""
     q, k, v = self._qkv(x, context, positions, position, is_causal)
-    out = sparse_attention(q, k, v, self.pattern(x.shape[1], is_causal), scale=self._scale(q.shape[-1]),
+    out = sparse_attention(q, k, v, self.pattern(x.shape[1], is_causal),
+                           scale=self._scale(q.shape[-1]),
                            block=self.block, is_causal=is_causal, q_segment_ids=segment_ids,
                            kv_segment_ids=segment_ids)  # [B, T, N, H]
     return self.out(out)
@@ -242,7 +246,8 @@ def _check_global_tokens(m, length):
 
 
 class SlidingWindowAttention(_Sparse):
-  """Each token sees keys within `window` positions: |i - j| <= w (encoder), i - w <= j <= i (decoder).
+  """Each token sees keys within `window` positions: |i - j| <= w (encoder), i - w <= j <= i
+  (decoder).
 
   `local_window_size` is set too: the dense scores under that window are this layer's scores, so
   it has `score_stats` (has_scores) although its kernel is the blocked one.
@@ -302,7 +307,8 @@ class LongformerAttention(_Sparse):
 
 
 class BigBirdAttention(_Sparse):
-  """BigBird (Zaheer et al. 2020): block-local (own and neighbouring blocks) + global + random blocks.
+  """BigBird (Zaheer et al. 2020): block-local (own and neighbouring blocks) + global +
+  random blocks.
 
   The random blocks are drawn from `seed` per query block (and the length and causality), so they
   are fixed for the layer, never redrawn.

@@ -99,7 +99,8 @@ def stack_layout(arch):
 def self_attention_params(cfg):
   """One layer's self-attention, including the variant's own parameters (Linformer's E and F)."""
   n = attention_params(cfg.d_model, cfg.num_heads, cfg.num_kv_heads,
-                       use_bias=initializers.attention_bias(cfg), head_dim=initializers.head_dim(cfg))
+                       use_bias=initializers.attention_bias(cfg),
+                       head_dim=initializers.head_dim(cfg))
   if cfg.attention == 'linformer':
     n += 2 * cfg.linformer_k * cfg.linformer_length  # E, F [k, max_length], shared by the heads
   return n

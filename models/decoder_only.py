@@ -25,7 +25,8 @@ class DecoderOnly(nnx.Module):
     return self.decoder.logits(self.features(batch, rngs=rngs))  # [B, T, V]
 
   def features(self, batch, *, rngs=None):
-    """`[B, T, D]` the final hidden states, whose product with `output_embedding()` is the logits."""
+    """`[B, T, D]` the final hidden states, whose product with `output_embedding()` is
+    the logits."""
     return self.decoder(batch['inputs'], segment_ids=batch.get('segment_ids'),
                         positions=batch.get('positions'), is_causal=True, rngs=rngs)
 

@@ -274,7 +274,8 @@ def generate(model, prompts, *, max_new, eos_id, pad_id=0, sources=None, method=
     else:
       filled = np.asarray(_generate(
           graphdef, params, batch, jnp.asarray(buf), jnp.asarray(plen),
-          jax.random.fold_in(rng, row_offset + start), method=method, max_new=max_new, eos_id=eos_id,
+          jax.random.fold_in(rng, row_offset + start), method=method, max_new=max_new,
+          eos_id=eos_id,
           pad_id=pad_id, num_beams=num_beams, length_penalty=float(length_penalty),
           temperature=float(temperature), top_k=int(top_k), top_p=float(top_p)))
     for i in range(n):

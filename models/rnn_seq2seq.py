@@ -88,7 +88,7 @@ class RNNSeq2Seq(nnx.Module):
 
     def body(state, x_t):
       model = nnx.merge(graphdef, params)
-      state, out, weights = model._step(state, x_t, cache)  # pylint: disable=protected-access
+      state, out, weights = model._step(state, x_t, cache)
       return state, (out, weights)
 
     _, (outs, weights) = jax.lax.scan(body, cache['self'], x.swapaxes(0, 1))

@@ -149,7 +149,8 @@ class Stack(nnx.Module):
     return x
 
   def logits(self, h):
-    """`[..., V]` float32 logits of hidden states `h` `[..., D]` (a stack built with output=True)."""
+    """`[..., V]` float32 logits of hidden states `h` `[..., D]` (a stack built
+    with output=True)."""
     if self.output is not None:
       return self.output(h).astype(jnp.float32)
     return (self.embed.attend(h) * self.logit_scale).astype(jnp.float32)

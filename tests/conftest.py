@@ -14,11 +14,11 @@ if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '
 # The test extra installs libtpu (the aot tier compiles for TPU topologies). On a host without an
 # accelerator the tests' own programs, subprocesses included, run on the CPU without libtpu's
 # start-up probe (5 lines of errors each); a GPU or TPU host keeps its backend.
-from training import host  # pylint: disable=g-import-not-at-top,wrong-import-position
+from training import host
 
 host.cpu_when_no_accelerator()
 
-import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+import pytest  # noqa: E402
 
 # One persistent compilation cache for the session: the integration tests of every xdist worker and
 # every train.py/eval.py/sweep subprocess they start (JAX reads these variables at start-up) compile
@@ -41,7 +41,7 @@ def data_dir(tmp_path_factory):
   shared by every test that only reads it, in process or through a train.py/eval.py subprocess:
   `toy_translation.prepare` finds it complete and writes nothing (no lock file either). A test that
   must write into or damage its data dir takes `own_data_dir` instead."""
-  from data import toy_translation  # pylint: disable=g-import-not-at-top
+  from data import toy_translation
   path = tmp_path_factory.mktemp('tfds')
   toy_translation.prepare(str(path), 'base')
   return path
@@ -72,8 +72,8 @@ def pytest_runtest_setup(item):
   tier = next((t for t in ('unit', 'integration') if item.get_closest_marker(t)), 'aot')
   if tier == _compiling_for[0]:
     return
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax.experimental.compilation_cache import (  # pylint: disable=g-import-not-at-top
+  import jax
+  from jax.experimental.compilation_cache import (
       compilation_cache)
   if _compiling_for[0] == 'unit':
     jax.clear_caches()

@@ -96,7 +96,7 @@ def quick_jit(fn, **jit_kwargs):
   compile time of these programs). The unit tests compare numbers of tiny models and kernels, run
   once, so compiling was most of their run time. Jitting a whole check also compiles it once
   instead of once per eager op (the CPU is slow and shared)."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   return jax.jit(fn, compiler_options={'xla_backend_optimization_level': 0,
                                        'xla_llvm_disable_expensive_passes': True,
                                        'xla_cpu_use_fusion_emitters': False}, **jit_kwargs)
@@ -106,14 +106,14 @@ def jitted_forward(model):
   """`model(batch)` as `f(batch)`, one quick_jit program of the model's current state: one
   compilation per batch shape (shared by models of the same structure) instead of one per eager
   op."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from flax import nnx
   graphdef, state = nnx.split(model)
   return functools.partial(_jitted_apply(graphdef), state)
 
 
 @functools.lru_cache(maxsize=None)
 def _jitted_apply(graphdef):
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from flax import nnx
   return quick_jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
 
 
@@ -122,8 +122,8 @@ def one_block_reference(enc, tokens, attention):
   reference attention: `attention(block.self_attention, x)` gets the normed row (float64, [T, D])
   and returns the attention sublayer's output; the rest reuses the model's own layers (embedding
   times sqrt(D), x + attn(norm(x)), x + ffn(norm(x)), the final norm)."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+  import numpy as np
   blk = enc.blocks[0]
   x = np.asarray(enc.embed(tokens)[0] * np.sqrt(enc.embed.features), np.float64)
   x = x + attention(blk.self_attention, np.asarray(blk.self_norm(x), np.float64))

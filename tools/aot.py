@@ -30,14 +30,14 @@ from training import aot
 
 aot.quiet_libtpu()  # before jax starts: none of libtpu's start-up noise in the report
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
-from ml_collections import config_flags
 
-import models
-from tools import accounting
-from tools import sweep as sweep_lib
-from training import cli_checks
-from training import validation
+from ml_collections import config_flags  # noqa: E402
+
+import models  # noqa: E402
+from tools import accounting  # noqa: E402
+from tools import sweep as sweep_lib  # noqa: E402
+from training import cli_checks  # noqa: E402
+from training import validation  # noqa: E402
 
 FLAGS = flags.FLAGS
 PROGRAMS = ('train', 'eval', 'decode')
@@ -73,7 +73,7 @@ def compile_one(config, devices):
     special_ids = models.SpecialIds.from_tokenizer(accounting.toy_tokenizer())
     report = aot.compile_config(config, devices, vocab_size=vocab_size, special_ids=special_ids,
                                 programs=FLAGS.programs)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     text = str(e)
     if 'RESOURCE_EXHAUSTED' not in text:
       raise
@@ -105,8 +105,10 @@ def table(summary):
     b = r['bytes']
     coll = ', '.join(f'{k} {v}' for k, v in r['collectives'].items() if v) or 'none'
     calls = ', '.join(f'{k} {v}' for k, v in r['custom_calls'].items()) or 'none'
-    lines.append(f'| {name} | {accounting.human_bytes(b["argument"])} | {accounting.human_bytes(b["output"])} | {accounting.human_bytes(b["temp"])} | '
-                 f'{accounting.human_bytes(b["alias"])} | **{accounting.human_bytes(b["total"])}** | {flops_text(r["flops"])} | {coll} | '
+    lines.append(f'| {name} | {accounting.human_bytes(b["argument"])} '
+                 f'| {accounting.human_bytes(b["output"])} | {accounting.human_bytes(b["temp"])} | '
+                 f'{accounting.human_bytes(b["alias"])} | **{accounting.human_bytes(b["total"])}** '
+                 f'| {flops_text(r["flops"])} | {coll} | '
                  f'{calls} |')
   return lines
 
@@ -118,7 +120,8 @@ def describe(summary, name):
   flops = summary['analytic_flops_per_chip']
   out = [f'# {name}: {summary["chips"]} x {summary["topology_kind"]} ({summary["generation"]}), '
          f'mesh {mesh}', ''] + table(summary) + ['']
-  out.append(f'{verdict}: needs {accounting.human_bytes(summary["per_chip_bytes"])} per chip (the largest '
+  out.append(f'{verdict}: needs {accounting.human_bytes(summary["per_chip_bytes"])} '
+             'per chip (the largest '
              f'program), {summary["generation"]} has '
              f'{"?" if hbm is None else gib(hbm)} GiB of HBM.')
   if flops and summary['flops_per_chip']:
@@ -198,7 +201,7 @@ def main(argv):
       results.append((name, {**aot.target(config, devices), 'status': 1, 'fits': False,
                              'per_chip_bytes': need, 'error': does_not_fit_line(
                                  need, devices, lower_bound=True) if need else line}))
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       # Any other compiler or lowering failure: one line, and the other cells still compile.
       first = (str(e).strip().splitlines() or [''])[0][:300]
       results.append((name, {'error': f'does not compile: {type(e).__name__}: {first}',
@@ -230,7 +233,8 @@ def sweep_table(results, devices):
            '|---|---|---|---|---|---|']
   for name, r in results:
     if 'programs' not in r:
-      lines.append(f'| {name} | | | {"no" if r.get("status") == 1 else "error"}: {r["error"]} | | |')
+      lines.append(f'| {name} | | | {"no" if r.get("status") == 1 else "error"}: '
+                   f'{r["error"]} | | |')
       continue
     mesh = ' x '.join(f'{a} {s}' for a, s in r['mesh'].items() if s > 1) or 'one chip'
     fits = {True: 'yes', False: 'no', None: 'HBM unknown'}[r['fits']]

@@ -128,8 +128,8 @@ def _mix(rgb, t):
 
 def _base_colors(num_hues):
   """RGB of each hue: the palette's, or evenly spaced viridis colours beyond its length."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  from matplotlib import colors as mcolors  # pylint: disable=g-import-not-at-top
+  import matplotlib
+  from matplotlib import colors as mcolors
   if num_hues <= len(PALETTE):
     return [mcolors.to_rgb(c) for c in PALETTE[:num_hues]]
   return [matplotlib.colormaps['viridis'](x)[:3] for x in np.linspace(0, 0.9, num_hues)]

@@ -16,18 +16,18 @@ DPI = 150  # the PNG is 1350 px wide: sharp when scaled down to 900 px
 
 def pyplot():
   """matplotlib.pyplot on the Agg backend, matplotlib's font notices silenced."""
-  import logging  # pylint: disable=g-import-not-at-top
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import logging
+  import matplotlib
   matplotlib.use('Agg')
   # absl routes matplotlib's one-line-per-font fallback notices to stderr: keep the table readable.
   logging.getLogger('matplotlib.font_manager').setLevel(logging.ERROR)
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
   return plt
 
 
 def plain_log_axis(axis):
   """A log scale whose ticks read as plain numbers (2, 3, 4, 6) rather than 2x10^0."""
-  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+  from matplotlib import ticker
   if axis.axis_name == 'y':
     axis.axes.set_yscale('log')
     lo, hi = axis.axes.get_ylim()

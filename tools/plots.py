@@ -48,7 +48,7 @@ def per_position_figure(per_position, title, train_length=None):
   plt = plot_style.pyplot()
   lengths = sorted(per_position)
   base = train_length or min(lengths)
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
   colors = matplotlib.colormaps['viridis'](np.linspace(0.85, 0.05, len(lengths)))  # short: light
   with plt.rc_context(plot_style.STYLE):
     fig, ax = plt.subplots(figsize=(9, 3.8), layout='constrained')
@@ -88,7 +88,8 @@ def plot_per_position(workdir, per_position, title, train_length=None):
 def draw_retrieval(ax, report, train_length=None, fontsize=8):
   """Draws a passkey retrieval grid on `ax`, as needle-in-a-haystack pictures do: lengths across,
   depths down (0% at the top: the key right after <bos>), each cell coloured on cividis (a
-  colour-blind-safe map: dark blue 0 to yellow 1) and labelled with its accuracy in percent; returns the image (for a colour bar).
+  colour-blind-safe map: dark blue 0 to yellow 1) and labelled with its accuracy in percent;
+  returns the image (for a colour bar).
 
   Args:
     ax: matplotlib axes.
@@ -173,8 +174,8 @@ def attention_figure(weights, rows, cols, title, cell=0.24, max_width=12.0):
   Returns:
     The matplotlib figure.
   """
-  import textwrap  # pylint: disable=g-import-not-at-top
-  from matplotlib import colors as mcolors  # pylint: disable=g-import-not-at-top
+  import textwrap
+  from matplotlib import colors as mcolors
   plt = plot_style.pyplot()
   weights = np.asarray(weights)
   heads = weights.shape[0]

@@ -46,7 +46,7 @@ def flatten(d, prefix=''):
 
 @functools.lru_cache(maxsize=1)
 def _default_fields():
-  from configs import default  # pylint: disable=g-import-not-at-top
+  from configs import default
   return flatten(json.loads(default.get_config().to_json_best_effort()))
 
 

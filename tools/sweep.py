@@ -48,7 +48,7 @@ from training import paths
 from tools import sweep_runner
 # tools/aot.py reads sweep files through this module (sweep_lib.expand, ...): these names stay
 # importable from here for it. New code imports tools.sweep_spec and tools.sweep_runner.
-from tools.sweep_spec import (  # pylint: disable=g-importing-member,unused-import
+from tools.sweep_spec import (  # noqa: F401
     SweepError, cell_config, expand, get_sweep, load_sweep_module, split_spec)
 
 FLAGS = flags.FLAGS

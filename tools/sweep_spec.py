@@ -43,7 +43,7 @@ def load_sweep_module(path):
     spec.loader.exec_module(module)
   except SyntaxError as e:
     raise SweepError(f'sweep file {path} line {e.lineno}: syntax error: {e.msg}') from None
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     raise SweepError(f'sweep file {path}: importing it raised {type(e).__name__}: {e}') from None
   for fn in ('get_config', 'get_sweep'):
     if not callable(getattr(module, fn, None)):
@@ -59,7 +59,7 @@ def get_sweep(module, arg=None):
     params = {}
   try:
     sweep = module.get_sweep(arg) if params else module.get_sweep()
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     raise SweepError(f'get_sweep() of {module.__file__} raised {type(e).__name__}: {e}') from None
   if not isinstance(sweep, dict):
     raise SweepError(f'get_sweep() of {module.__file__} returned {type(sweep).__name__}; valid: a '
@@ -175,7 +175,7 @@ def cell_config(module, arg, cell):
   """The resolved, validated config of a cell (raises SweepError naming the field)."""
   try:
     config = module.get_config(arg)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     raise SweepError(f'get_config({arg!r}) of {module.__file__} raised {type(e).__name__}: '
                      f'{e}') from None
   for field, value in list(cell['overrides'].items()) + [('train.seed', cell['seed'])]:

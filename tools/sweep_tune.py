@@ -113,7 +113,7 @@ def _current_value(module, arg, field, flag):
   """The field's value in the sweep file's base config (SweepError when it has no such field)."""
   try:
     node = module.get_config(arg)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     raise SweepError(f'get_config({arg!r}) of {module.__file__} raised {type(e).__name__}: '
                      f'{e}') from None
   for part in field.split('.'):

@@ -31,7 +31,8 @@ def read_choices(paths):
 
 def split_runs(runs, choices):
   """The runs to compare: those at a tuned cell's chosen value (marked `run['tuned']`) and those of
-  no tuned cell, without the other tuning runs (`markdown` shows those). All runs when no cell has chosen
+  no tuned cell, without the other tuning runs (`markdown` shows those).
+  All runs when no cell has chosen
   yet (the tuning runs are then all there is to compare)."""
   chosen, aside = {}, set()
   for path, doc in choices:

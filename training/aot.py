@@ -99,19 +99,19 @@ def topology_devices(name):
     AotError: libtpu (or the CUDA plugin) is not installed, or `name` is unknown (one line, with
       examples).
   """
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies
   kind, _, count = name.partition(':')
   if kind in GPU_TARGETS:
     return _gpu_devices(topologies, kind, count)
   try:
-    import libtpu  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    import libtpu  # noqa: F401
   except ImportError:
     raise AotError('libtpu is not installed; install it into this virtualenv with: '
                    f'.venv/bin/pip install "jax[tpu]=={jax.__version__}"') from None
   try:
     with _libtpu_host_env():
       return topologies.get_topology_desc(topology_name=name, platform='tpu').devices
-  except Exception as e:  # libtpu raises XlaRuntimeError / ValueError with long texts
+  except Exception as e:  # libtpu raises XlaRuntimeError / ValueError with long texts  # noqa: BLE001
     first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
     if 'INVALID_ARGUMENT' not in first:
       raise AotError(f'libtpu could not describe --topology={name!r}: {first}') from None
@@ -126,7 +126,7 @@ def _gpu_devices(topologies, kind, count):
     raise AotError(f'--topology={kind}:{count}: the GPU count must be a positive integer, e.g. '
                    f'{kind}:8')
   try:
-    import jax_cuda12_plugin  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    import jax_cuda12_plugin  # noqa: F401
   except ImportError:
     raise AotError(f'--topology={kind}:{count} needs jax\'s CUDA plugin; install it into a '
                    'virtualenv of its own (it prints a line on every JAX start-up without a GPU): '
@@ -135,7 +135,7 @@ def _gpu_devices(topologies, kind, count):
   try:
     return topologies.get_topology_desc(platform='cuda', target_config=text,
                                         topology=f'1x1x{count}').devices
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
     raise AotError(f'jax could not describe --topology={kind}:{count}: {first}') from None
 
@@ -296,7 +296,7 @@ def analytic_flops(config, vocab_size, chips):
   """`models.accounting`'s FLOPs of one training step per chip: forward + backward = 3x the
   forward matmuls and full score matrices of every row of the batch; None for an arch the closed
   forms do not cover (rnn_seq2seq)."""
-  from models import accounting  # pylint: disable=g-import-not-at-top
+  from models import accounting
   if config.model.arch not in models.ARCHS or config.model.arch == 'rnn_seq2seq':
     return None
   row = accounting.forward_flops(config.model, vocab_size, config.data.max_length)
@@ -315,7 +315,7 @@ def target(config, devices):
 
 def param_count(config, vocab_size):
   """The model's parameters (`models.accounting`, counted on the abstract model)."""
-  from models import accounting  # pylint: disable=g-import-not-at-top
+  from models import accounting
   model = accounting.abstract_model(config.model, vocab_size, config.data.max_length)
   return int(sum(accounting.counted_params(model).values()))
 

@@ -128,7 +128,8 @@ class FeatureRedraw(Callback):
 
 
 class ProfilerCallback(Callback):
-  """`train.profile_steps`: the trace of `profiler` (a `training.loop.Profiler`) around its steps."""
+  """`train.profile_steps`: the trace of `profiler` (a `training.loop.Profiler`) around
+  its steps."""
 
   def __init__(self, profiler):
     self.profiler = profiler
@@ -263,7 +264,7 @@ class Checkpointer(Callback):
       run.mngr.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(run.state), data=ocp.args.JsonSave(data_state),
           window=ocp.args.JsonSave({k: w[k].item() for k in LOG_SUM_KEYS + steps.MOE_METRICS})))
-    except Exception as e:  # pylint: disable=broad-except  # orbax/tensorstore raise many kinds
+    except Exception as e:  # noqa: BLE001
       raise checkpointing.save_failed(run.mngr, run.workdir, e) from None
     run.saves['pending'] = step
 

@@ -28,9 +28,9 @@ STORE_RETRIES = {'max_retries': 6, 'initial_delay': '1s', 'max_delay': '8s'}
 def _bound_store_retries():
   """Puts `STORE_RETRIES` into every tensorstore context Orbax creates (it has no argument for
   it): the GCS and S3 drivers read `gcs_request_retries` / `s3_request_retries` from there."""
-  from orbax.checkpoint._src.serialization import tensorstore_utils  # pylint: disable=g-import-not-at-top
-  for context in (tensorstore_utils._BASE_TS_CONTEXT,  # pylint: disable=protected-access
-                  tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):  # pylint: disable=protected-access
+  from orbax.checkpoint._src.serialization import tensorstore_utils
+  for context in (tensorstore_utils._BASE_TS_CONTEXT,
+                  tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
     for resource in ('gcs_request_retries', 's3_request_retries'):
       context.setdefault(resource, dict(STORE_RETRIES))
 
@@ -110,14 +110,16 @@ def check_resume_config(workdir, config):
 
 
 def checkpoint_manager(workdir, config):
-  """The Orbax manager of WORKDIR/checkpoints (local or gs://: Orbax writes it through tensorstore)."""
+  """The Orbax manager of WORKDIR/checkpoints (local or gs://: Orbax writes it through
+  tensorstore)."""
   return ocp.CheckpointManager(
       paths.absolute(paths.join(workdir, 'checkpoints')),
       options=ocp.CheckpointManagerOptions(max_to_keep=config.train.keep_checkpoints, create=True))
 
 
 def restore_state(mngr, state, step=None):
-  """Restores (state, data iterator state) of `step` (default newest) into the structure of `state`."""
+  """Restores (state, data iterator state) of `step` (default newest) into the structure of
+  `state`."""
   step = mngr.latest_step() if step is None else step
 
   def restore(target):
@@ -127,7 +129,7 @@ def restore_state(mngr, state, step=None):
 
   try:
     restored = restore(state)
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     if jax.tree.leaves(state.get('buffers', {})):
       raise
     # Checkpoints written before model buffers existed hold no 'buffers' entry; a model without
@@ -265,7 +267,7 @@ def restore_newest_good(mngr, state, workdir, move_aside=True):
     try:
       with _quiet():
         saved = saved_shapes(mngr, step)
-    except Exception as e:  # pylint: disable=broad-except  # orbax/tensorstore raise many kinds
+    except Exception as e:  # noqa: BLE001
       unreadable.append((step, error_reason(e)))
     else:
       mismatch = shape_mismatch(saved, state) if is_whole(saved) else []
@@ -282,7 +284,7 @@ def restore_newest_good(mngr, state, workdir, move_aside=True):
         with _quiet():
           restored, data_state = restore_state(mngr, state, step)
           window = restore_window(mngr, step)
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:  # noqa: BLE001
         unreadable.append((step, error_reason(e)))
       else:
         # Only now, with a good one to go back to, are the newer unreadable ones moved aside.
@@ -311,7 +313,7 @@ def confirm_saved(mngr, workdir):
     with _quiet():
       mngr.wait_until_finished()
       mngr.check_for_errors()
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     raise save_failed(mngr, workdir, e) from None
 
 

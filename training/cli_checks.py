@@ -45,7 +45,7 @@ def exit_now(status):
   and the interpreter's shutdown would wait for them for ever."""
   sys.stdout.flush()
   sys.stderr.flush()
-  os._exit(status)  # pylint: disable=protected-access
+  os._exit(status)
 
 
 # --- The config file -------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def load_module(path, what):
     spec.loader.exec_module(module)
   except SyntaxError as e:
     raise ConfigError(f'{what}: syntax error in {path} line {e.lineno}: {e.msg}') from None
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     raise ConfigError(f'{what}: importing {path} raised {type(e).__name__}: {e}') from None
   return module
 
@@ -132,7 +132,7 @@ def call_get_config(module, arg, what, arg_given=True):
   default.parse_arg = tracked  # a config file reads its arguments through this function
   try:
     config = module.get_config(arg) if arg_given else module.get_config()
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     arg_text = repr(arg) if arg_given else ''
     raise ConfigError(f'{what}: get_config({arg_text}) raised {type(e).__name__}: {e}') from None
   finally:

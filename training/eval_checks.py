@@ -66,7 +66,8 @@ def check_eval_flags(*, split, max_examples, lengths, modes, stride, num_beams, 
   if not _finite(length_penalty) or length_penalty < 0:
     raise ConfigError(f'--length_penalty={length_penalty} must be a finite number >= 0')
   if not _finite(temperature) or temperature <= 0:
-    raise ConfigError(f'--temperature={temperature} is refused: sampling needs a finite temperature '
+    raise ConfigError(f'--temperature={temperature} is refused: '
+                      'sampling needs a finite temperature '
                       '> 0; for greedy decoding use --decode=greedy')
   if top_k < 0:
     raise ConfigError(f'--top_k={top_k} must be >= 0 (0 = all tokens)')
@@ -121,7 +122,8 @@ def _check_documents_flags(task, *, translate, plot_attention, decode, max_examp
 
 
 def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_scaling,
-                   stream_tokens=0, plot_attention=0, decode='greedy', max_examples=0, position_ids='sequential',
+                   stream_tokens=0, plot_attention=0, decode='greedy', max_examples=0,
+                   position_ids='sequential',
                    xpos_block=None):
   """eval.py's flags against the run's config.json: the input files unchanged since training (text
   tasks), split names, the flags a text_lm or passkey run cannot use, and --lengths within what

@@ -142,7 +142,8 @@ class Run:
 
 def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), lengths=(),
                  modes=('non_overlapping', 'sliding'), stride=0.5, stream_split='test',
-                 stream_tokens=0, rope_scaling=None, decode=None, retrieval_examples=retrieval.DEFAULT_EXAMPLES,
+                 stream_tokens=0, rope_scaling=None, decode=None,
+                 retrieval_examples=retrieval.DEFAULT_EXAMPLES,
                  position_ids='sequential', xpos_block=None):
   """Evaluates the newest checkpoint in `workdir`; returns (the eval.json dict, a `Run`).
 

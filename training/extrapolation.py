@@ -1,4 +1,5 @@
-"""Length extrapolation: the loss of a token stream in windows of multiples of the training length."""
+"""Length extrapolation: the loss of a token stream in windows of multiples of the training
+length."""
 
 import functools
 import math

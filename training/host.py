@@ -19,7 +19,7 @@ def exit_at_once_on_signals(program, note='before training began; nothing was sa
     del frame
     os.write(2, f'{program}: stopped by {signal.Signals(signum).name} {note}; rerun the same '
                 'command\n'.encode())
-    os._exit(128 + signum)  # pylint: disable=protected-access
+    os._exit(128 + signum)
   for signum in (signal.SIGINT, signal.SIGTERM):
     signal.signal(signum, stop)
 
@@ -39,8 +39,9 @@ def tune_host_malloc():
 
   XLA:CPU allocates each step's temporaries afresh; under glibc's defaults every large one is a new
   mmap, page-faulted in and unmapped again (about 1 GB per step of the (a) benchmark model). With
-  these settings the heap keeps and reuses them: benchmarks/train_throughput.py measured +10% tokens/s
-  on (a) and +21% on (b) (benchmarks/README.md). The arena limit only holds for threads started afterwards,
+  these settings the heap keeps and reuses them: benchmarks/train_throughput.py measured +10%
+  tokens/s on (a) and +21% on (b) (benchmarks/README.md). The arena limit only holds for threads
+  started afterwards,
   so call it before the first JAX call. Freed host memory stays with the process (its peak is
   unchanged). A no-op where libc is not glibc.
   """

@@ -43,7 +43,7 @@ def _alive(pid):
   return True
 
 
-def WorkdirLock(workdir):  # pylint: disable=invalid-name  # the class it was, for its callers
+def WorkdirLock(workdir):
   """`with WorkdirLock(workdir):` holds the lock, or raises WorkdirBusy naming the holder."""
   return ObjectLock(workdir) if paths.is_remote(workdir) else FileLock(workdir)
 
@@ -103,7 +103,7 @@ class ObjectLock:
     self.workdir = workdir
     self.path = paths.join(workdir, 'lock')
     bucket, _, self.name = self.path.split('://', 1)[1].partition('/')
-    from google.cloud import storage  # pylint: disable=g-import-not-at-top
+    from google.cloud import storage
     self.bucket = storage.Client().bucket(bucket)
     self.generation, self.stop = None, threading.Event()
     self.thread = None
@@ -112,7 +112,7 @@ class ObjectLock:
     return f'{os.getpid()} {socket.gethostname()} {time.time():.0f}\n'
 
   def __enter__(self):
-    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    from google.api_core import exceptions
     blob = self.bucket.get_blob(self.name)
     if blob is not None:
       holder = blob.download_as_text().split()
@@ -149,7 +149,7 @@ class ObjectLock:
     return True
 
   def _heartbeat(self):
-    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    from google.api_core import exceptions
     while not self.stop.wait(HEARTBEAT_SECS):
       blob = self.bucket.blob(self.name)
       try:
@@ -159,11 +159,11 @@ class ObjectLock:
         print(f'train: warning: the lock {self.path} was taken over by another run',
               file=sys.stderr)
         return
-      except Exception:  # pylint: disable=broad-except  # a network error: the next beat retries
+      except Exception:  # noqa: BLE001
         pass
 
   def __exit__(self, *exc):
-    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    from google.api_core import exceptions
     self.stop.set()
     if self.thread is not None:
       self.thread.join()
@@ -175,7 +175,7 @@ class ObjectLock:
         self.bucket.delete_blob(self.name, if_generation_match=self.generation)
     except (exceptions.NotFound, exceptions.PreconditionFailed):
       pass  # taken over (the heartbeat said so), or already gone
-    except Exception:  # pylint: disable=broad-except
+    except Exception:
       if not exc or exc[0] is None:
         raise
       # Left behind: the rerun on this host takes it over (its PID is dead), any other after

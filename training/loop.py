@@ -1,4 +1,5 @@
-"""The training loop: `train_and_evaluate(config, workdir, hooks=...)`, resuming where a run stopped."""
+"""The training loop: `train_and_evaluate(config, workdir, hooks=...)`, resuming where a run
+stopped."""
 
 import collections
 import contextlib
@@ -134,7 +135,8 @@ def store_lost(error, good, workdir):
   host, port = paths.store_endpoint()
   reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
   return checkpointing.RunFailed(
-      f'train: the object store {host}:{port} of {workdir} stopped answering ({type(error).__name__}'
+      f'train: the object store {host}:{port} of {workdir} stopped answering '
+      f'({type(error).__name__}'
       f': {reason}); the last good checkpoint is step {good if good is not None else "none"}; '
       'rerun the same command once it is back')
 
@@ -219,7 +221,7 @@ def _run_steps(run, callbacks):
         cb.after_step(step, run)  # a signal a hook sends is handled by the Checkpointer after it
     checkpointing.confirm_saved(run.mngr, run.workdir)  # the last save's outcome: fails exit 1
     failing = False
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     if not (paths.is_remote(run.workdir) and paths.is_storage_error(e)):
       raise
     raise store_lost(e, run.saves['good'], run.workdir) from None
@@ -235,11 +237,11 @@ def _close(run, failing):
   try:
     run.mngr.wait_until_finished()
     run.mngr.close()
-  except Exception:  # pylint: disable=broad-except  # reported by confirm_saved, or superseded
+  except Exception:  # noqa: BLE001
     pass
   try:
     run.writer.close()  # flushes TensorBoard's events: a full disk fails here too
-  except Exception as e:  # pylint: disable=broad-except  # OSError, or the store's own errors
+  except Exception as e:  # noqa: BLE001
     if not failing:  # after a failed save, say, that failure's one line says it all
       print(f'train: closing the logs in {run.workdir} failed ({e.strerror or e}); '
             'metrics.jsonl holds every row written before', file=sys.stderr)
@@ -271,7 +273,8 @@ def _setup(config, workdir, lead):
   run = callbacks_lib.Run(
       config=config, workdir=workdir, lead=lead, mesh=mesh, rules=rules, graphdef=graphdef,
       state=state, it=it, mngr=mngr, start=start, last_step=t.steps,
-      saves={'good': start or None, 'pending': None},  # the newest confirmed step, the one in flight
+      saves={'good': start or None, 'pending': None},  # the newest confirmed step, the one
+                                                       # in flight
       writer=writers.MetricsWriter(workdir, start) if lead else writers.NullWriter())
   _write_run_info(run)
 

@@ -145,6 +145,6 @@ def out_of_memory_line(error, config, vocab_size, limit=None):
   try:
     limit, what = limit or device_limit()
     context = f'; {describe(estimate(config, vocab_size), limit, what)}'
-  except Exception:  # pylint: disable=broad-except  (the report must not fail in its turn)
+  except Exception:  # noqa: BLE001
     context = ''
   return f'train: out of memory: {first}{context}; {_ADVICE}'

@@ -99,7 +99,7 @@ def _fresh(path):
   """`path` as an epath.Path, with gcsfs's cached listings of it and its parents dropped."""
   p = epath.Path(path)
   if is_remote(path):
-    from etils.epath import backend  # pylint: disable=g-import-not-at-top
+    from etils.epath import backend
     backend.fsspec_backend.fs(os.fspath(p)).invalidate_cache(os.fspath(p))
   return p
 

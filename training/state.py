@@ -148,7 +148,8 @@ def cast_params(params, dtype):
 
 
 class InitFromError(checkpointing.RunFailed):
-  """`train.init_from` names no usable run; the message is one line (train.py prints it, exits 1)."""
+  """`train.init_from` names no usable run; the message is one line
+  (train.py prints it, exits 1)."""
 
 
 class _Absent(Exception):
@@ -203,7 +204,7 @@ def init_from(state, source):
     raise InitFromError(f'train.init_from={source!r} holds no checkpoint ({ckpt}/<step> '
                         'missing): train that run first')
   mngr = ocp.CheckpointManager(ckpt, options=ocp.CheckpointManagerOptions(read_only=True))
-  want = {checkpointing._plain_path(p): tuple(np.shape(leaf))  # pylint: disable=protected-access
+  want = {checkpointing._plain_path(p): tuple(np.shape(leaf))
           for p, leaf in jax.tree_util.tree_flatten_with_path(
               {'params': state['params']})[0]}
   unreadable, absent = [], None
@@ -217,7 +218,7 @@ def init_from(state, source):
       # source lacks the parameter (another model) and the newest step's message says so.
       absent = absent or str(e)
       unreadable.append(f'{step} (parameters missing from its metadata)')
-    except Exception as e:  # pylint: disable=broad-except  # orbax/tensorstore raise many kinds
+    except Exception as e:  # noqa: BLE001
       unreadable.append(f'{step} ({checkpointing.error_reason(e)})')
     else:
       break

@@ -1,4 +1,5 @@
-"""The train and eval steps: pure functions of the state and a batch (jit them, donate the state)."""
+"""The train and eval steps: pure functions of the state and a batch
+(jit them, donate the state)."""
 
 import jax
 import jax.numpy as jnp

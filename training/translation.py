@@ -78,7 +78,7 @@ def generate_translations(config, model, examples, tokenizer, *, method='greedy'
 def bleu(hyp_texts, ref_texts):
   """Corpus BLEU (sacrebleu, 0-100, its own 13a tokenization) of detokenized hypotheses against
   one reference text each."""
-  import sacrebleu  # pylint: disable=g-import-not-at-top
+  import sacrebleu
   return float(sacrebleu.corpus_bleu(list(hyp_texts), [list(ref_texts)]).score)
 
 

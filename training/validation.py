@@ -183,7 +183,8 @@ def _validate_data(config):
   if (not isinstance(shards, int) or isinstance(shards, bool) or shards < 1
       or t.batch_size % shards):
     raise ConfigError(f'data.shards={shards!r} must be a positive integer dividing '
-                      f'train.batch_size={t.batch_size} (each shard gives batch_size / shards rows)')
+                      f'train.batch_size={t.batch_size} '
+                      '(each shard gives batch_size / shards rows)')
   if not isinstance(d.max_length, int) or d.max_length < 8:
     raise ConfigError(f'data.max_length={d.max_length!r} must be an integer >= 8')
   _choice('data.task', d.task, pipeline.TASKS)
@@ -315,7 +316,8 @@ def _validate_random_positions(config):
     return
   if m.position not in positions.RANDOM_POSITIONS:
     raise ConfigError(f'model.random_positions_max={n} needs model.position in '
-                      f'{", ".join(positions.RANDOM_POSITIONS)}, not {m.position!r} (or set it to 0)')
+                      f'{", ".join(positions.RANDOM_POSITIONS)}, not {m.position!r} '
+                      '(or set it to 0)')
   if n < config.data.max_length:
     raise ConfigError(f'model.random_positions_max={n} must be >= data.max_length='
                       f'{config.data.max_length} (T distinct positions are drawn from [0, N))')
@@ -378,7 +380,7 @@ def _validate_attention(config):
 
 def check_writable(name, path):
   """Raises ConfigError unless `path` is (or can be created as) a writable directory."""
-  import os  # pylint: disable=g-import-not-at-top
+  import os
   if '://' in str(path):
     return  # object storage (gs://): no local check applies; the run's first write is the test
   if os.path.exists(path) and not os.path.isdir(path):

@@ -120,7 +120,7 @@ def check_kernel(config):
     raise ConfigError(f'model.attention_impl={impl!r} needs mesh.sequence > 1 (the devices the '
                       'length is split over); valid on one device: '
                       f'{", ".join(_kernels_with_sequence("any"))}')
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   if jax.default_backend() not in kernel.platforms:
     valid = [k for k, v in attention.KERNELS.items() if jax.default_backend() in v.platforms]
     raise ConfigError(f'model.attention_impl={impl!r} needs {" or ".join(kernel.platforms)}; '

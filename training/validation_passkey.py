@@ -42,7 +42,8 @@ def check_config(config):
     return
   if m.arch != 'decoder_only':
     raise ConfigError(f"data.task='passkey' is a decoder_only task (the model reads the prompt and "
-                      f'predicts the value); model.arch={m.arch!r} is not valid; valid: decoder_only')
+                      f'predicts the value); model.arch={m.arch!r} is not valid; '
+                      'valid: decoder_only')
   if d.packing != 'none':
     raise ConfigError(f"data.packing={d.packing!r} is not valid for data.task='passkey' (each "
                       'example fills its row of data.max_length tokens); valid: none')

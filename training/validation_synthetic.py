@@ -63,7 +63,8 @@ def check_config(config):
   least = synthetic.min_values(task, pairs)
   if values['value_vocab'] < least:
     raise ConfigError(f'data.synthetic.value_vocab={values["value_vocab"]} is too small for '
-                      f'data.task={task!r} with data.synthetic.pairs={pairs}; valid: value_vocab >= '
+                      f'data.task={task!r} with data.synthetic.pairs={pairs}; '
+                      'valid: value_vocab >= '
                       f'{least}')
   queried = (queries or pairs) if task == 'mqar' else 0
   shortest = synthetic.min_length(task, pairs, queried)

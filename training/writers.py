@@ -74,7 +74,8 @@ def read_metrics(path, warn=True, bad_lines=None):
 
 def resumed_rows(path, resume_step):
   """The rows a resumed run keeps: those up to its checkpoint, one per (step, split) (the last
-  written wins, in the place of the first). Lines that cannot be read are left out: the file as it was is kept beside it as
+  written wins, in the place of the first). Lines that cannot be read are left out: the file as
+  it was is kept beside it as
   `metrics.jsonl.corrupt-<time>`, with a one-line warning."""
   bad = []
   rows = read_metrics(path, bad_lines=bad)
@@ -119,7 +120,7 @@ class MetricsWriter:
   """
 
   def __init__(self, workdir, resume_step, flush_secs=30.0):
-    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+    from tensorboardX import SummaryWriter
     self.workdir, self.path = workdir, paths.join(workdir, 'metrics.jsonl')
     self.remote, self.flush_secs = paths.is_remote(self.path), flush_secs
     rows = []

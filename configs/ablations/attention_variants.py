@@ -1,4 +1,5 @@
-"""Every attention variant (the keys of layers.attention_variants.VARIANTS) on the toy translation task.
+"""Every attention variant (the keys of layers.attention_variants.VARIANTS) on the toy
+translation task.
 
 The quality half of the efficient-attention trade-off (tools/attention_tradeoff.py draws it
 against each kernel's cost):

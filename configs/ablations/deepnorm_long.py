@@ -18,7 +18,8 @@ final validation loss:
 Run:     python -m tools.sweep --sweep=configs/ablations/deepnorm_long.py --sweep_dir=DIR \
              --tune=train.learning_rate:5e-4,1e-3,2e-3,4e-3 --parallel=2
 Compare: python -m tools.compare DIR --logy --target_loss=2.0 --target_split=train
-A smoke run of the same cells with a few steps each: --sweep=configs/ablations/deepnorm_long.py:quick
+A smoke run of the same cells with a few steps each:
+    --sweep=configs/ablations/deepnorm_long.py:quick
 
 Which scaling makes DeepNorm start slowly? `:scales` trains DeepNorm with both scalings, alpha
 alone and beta alone (model.deepnorm_scales) for the first 500 steps, at the rate the tuning above

@@ -15,8 +15,10 @@ because that task has no use for capacity. Here:
 Every MoE cell has capacity factor 2.0 in training (dropless at evaluation) and the auxiliary
 load-balancing loss 0.01.
 
-Run:     python -m tools.sweep --sweep=configs/ablations/memorize_moe.py --sweep_dir=DIR --sweep_eval
-Compare: python -m tools.compare DIR --baseline=d_ff=256,moe_capacity_factor=0.0,moe_experts=0,moe_top_k=2
+Run:     python -m tools.sweep --sweep=configs/ablations/memorize_moe.py --sweep_dir=DIR \
+             --sweep_eval
+Compare: python -m tools.compare DIR \
+             --baseline=d_ff=256,moe_capacity_factor=0.0,moe_experts=0,moe_top_k=2
 Smoke:   --sweep=configs/ablations/memorize_moe.py:quick
 """
 

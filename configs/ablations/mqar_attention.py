@@ -29,7 +29,8 @@ VARIANTS = (('dense', None), ('dense', 2), ('dense', 1), ('sliding_window', None
             ('longformer', None), ('bigbird', None), ('performer', None), ('linear', None))
 CELL_ARGS = ('width', 'pair')  # choose the cells (get_sweep), not the config
 WIDTHS = (64, 128)  # :width: dense and linear at each
-OTHER_ARGS = ('width', 'width,quick', 'pair', 'pair,quick')  # the sweep file's other forms (tests/unit/test_sweep.py)
+OTHER_ARGS = ('width', 'width,quick', 'pair', 'pair,quick')  # the sweep file's other forms
+                                                             # (tests/unit/test_sweep.py)
 
 
 def get_config(arg=None):

@@ -20,7 +20,8 @@ at 64 and 256 tokens. 4 x 2 x 3 seeds.
 Run:     python -m tools.sweep --sweep=configs/ablations/passkey_positions.py --sweep_dir=DIR \
              --sweep_eval --parallel=2
 Compare: python -m tools.compare DIR --out=DIR/compare.png   (the retrieval table and heat maps)
-A smoke run of the same cells, a few steps each: --sweep=configs/ablations/passkey_positions.py:quick
+A smoke run of the same cells, a few steps each:
+    --sweep=configs/ablations/passkey_positions.py:quick
 """
 
 from configs import passkey

@@ -1,14 +1,16 @@
 """Post-LN vs Pre-LN, with and without learning-rate warmup, at depth 6 and 12 (Xiong et al. 2020).
 
-Decoder-only LM on the toy stream (attention across pairs, loss on every token), d_model 64, 4 heads,
-Adam (beta2 0.999, no weight decay, no gradient clipping), batch 32, L=64, a constant learning rate
-after the (optional) linear warmup. The question: does Post-LN train without warmup, and at depth 12?
+Decoder-only LM on the toy stream (attention across pairs, loss on every token), d_model 64,
+4 heads, Adam (beta2 0.999, no weight decay, no gradient clipping), batch 32, L=64, a constant
+learning rate after the (optional) linear warmup. The question: does Post-LN train without
+warmup, and at depth 12?
 Compare the init gradient norms per layer too (DIR/<cell>/init_grad_norms.json): Post-LN's grow
 toward the top layers, Pre-LN's stay flat.
 
 Run:     python -m tools.sweep --sweep=configs/ablations/postln_vs_preln.py --sweep_dir=DIR
 Compare: python -m tools.compare DIR --out=DIR/compare.png --logy
-A smoke run of the same cells with a few steps each: --sweep=configs/ablations/postln_vs_preln.py:quick
+A smoke run of the same cells with a few steps each:
+  --sweep=configs/ablations/postln_vs_preln.py:quick
 
 `:code` asks the same on real code (data.task=python_code, the local Python stdlib's source, L = 64,
 vocabulary 4,000): Post-LN and Pre-LN at 6 and 12 layers, each with and without 100 warmup steps,

@@ -20,15 +20,15 @@ if not sys.platform.startswith('linux'):  # libtpu's wheels are Linux-only (the 
 
 aot.quiet_libtpu()
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
-import models
-from configs import decoder_only
-from configs import encoder_decoder
-from configs import encoder_only
-from layers import attention
-from layers import attention_pallas
-from tools import accounting
-from training import validation
+
+import models  # noqa: E402
+from configs import decoder_only  # noqa: E402
+from configs import encoder_decoder  # noqa: E402
+from configs import encoder_only  # noqa: E402
+from layers import attention  # noqa: E402
+from layers import attention_pallas  # noqa: E402
+from tools import accounting  # noqa: E402
+from training import validation  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOPOLOGY = 'v5p:2x2x2'

@@ -29,7 +29,8 @@ ALL = CAUSAL + ('linformer',)
 
 
 def _performer_layers(model):
-  return [m for _, m in nnx.iter_modules(model) if isinstance(m, linear_attention.PerformerAttention)]
+  return [m for _, m in nnx.iter_modules(model)
+          if isinstance(m, linear_attention.PerformerAttention)]
 
 
 def test_performer_redraw_schedule_is_checkpointed_and_resumed(data_dir, tmp_path):

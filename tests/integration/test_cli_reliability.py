@@ -53,7 +53,8 @@ TRAIN_CASES = [
     (['--config={d}/syntax.py'], ['syntax error in', 'line 1']),
     (['--config={d}/raises.py'], ['get_config() raised RuntimeError: boom']),
     (['--config={d}/a_dict.py'], ['returned dict, not an ml_collections.ConfigDict']),
-    ([f'--config={ROOT}/configs/default.py:size=huge'], ["size='huge'", 'base, large, small, tiny, xl']),
+    ([f'--config={ROOT}/configs/default.py:size=huge'],
+     ["size='huge'", 'base, large, small, tiny, xl']),
     ([QUICK + ',bogus=1'], ["argument 'bogus'", 'valid: quick, size']),
     ([QUICK, '--config.model.d_model=abc'], ["model.d_model='abc'", 'valid: an integer']),
     ([QUICK, '--config.model.d_model=1e9'], ["model.d_model='1e9'", 'valid: an integer']),
@@ -73,7 +74,8 @@ TRAIN_CASES = [
 ]
 
 
-@pytest.mark.parametrize('args,needles', TRAIN_CASES, ids=[' '.join(a)[-60:] for a, _ in TRAIN_CASES])
+@pytest.mark.parametrize('args,needles', TRAIN_CASES,
+                         ids=[' '.join(a)[-60:] for a, _ in TRAIN_CASES])
 def test_train_bad_input_is_one_line_exit_2(tmp_path, bad_files, args, needles):
   workdir = tmp_path / 'w'
   args = [a.replace('{d}', str(bad_files)) for a in args]

@@ -1,4 +1,5 @@
-"""eval.py: greedy decoding equals a step-by-step argmax loop; eval.json and the plot are written."""
+"""eval.py: greedy decoding equals a step-by-step argmax loop; eval.json and the plot are
+written."""
 
 import json
 import os

@@ -86,7 +86,7 @@ def test_a_second_run_on_a_busy_workdir_is_refused_naming_the_holder(data_dir, t
 def test_a_stale_lock_is_taken_over_with_a_note(data_dir, tmp_path, capfd):
   dead = subprocess.Popen(['true'])
   dead.wait()
-  import socket  # pylint: disable=g-import-not-at-top
+  import socket
   (tmp_path / 'lock').write_text(f'{dead.pid} {socket.gethostname()}\n')
   loop.train_and_evaluate(small(data_dir, steps=2), str(tmp_path))
   assert f'took over the stale lock of PID {dead.pid}' in capfd.readouterr().err
@@ -179,7 +179,8 @@ def test_sigkill_at_ten_random_moments_resumes_to_the_uninterrupted_run(data_dir
   assert kills >= 5  # most of the kills landed inside the run
   keys = ('step', 'split', 'loss', 'accuracy', 'grad_norm', 'param_norm', 'learning_rate')
   rows = lambda w: [tuple(r.get(k) for k in keys)  # noqa: E731
-                    for r in map(json.loads, (tmp_path / w / 'metrics.jsonl').read_text().split('\n')[:-1])]
+                    for r in map(json.loads,
+                                 (tmp_path / w / 'metrics.jsonl').read_text().split('\n')[:-1])]
   assert rows('cut') == rows('full')
   step_full, full_params = _params(tmp_path / 'full')
   step_cut, cut_params = _params(tmp_path / 'cut')

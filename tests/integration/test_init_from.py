@@ -32,7 +32,7 @@ def _newest_params(workdir, config):
 
 
 def _vocab(config):
-  from data import pipeline  # pylint: disable=g-import-not-at-top
+  from data import pipeline
   return pipeline.get_tokenizer(config.data).vocab_size
 
 

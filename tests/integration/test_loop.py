@@ -42,7 +42,8 @@ def test_profile_steps_write_a_trace_that_opens(data_dir, tmp_path):
     trace = json.load(f)
   events = trace['traceEvents'] if isinstance(trace, dict) else trace
   names = {e.get('name', '') for e in events}
-  assert len(events) > 10 and any('jit' in n or 'train_step' in n for n in names), sorted(names)[:20]
+  assert len(events) > 10 and any('jit' in n or 'train_step' in n for n in names), (
+      sorted(names)[:20])
 
 
 @pytest.mark.parametrize('log_every', [4])

@@ -39,7 +39,8 @@ def uninterrupted(data_dir, tmp_path_factory):
 def train_cli(workdir, data_dir, steps, *extra):
   return subprocess.run(
       [sys.executable, 'train.py', '--config=configs/decoder_only.py:quick',
-       f'--workdir={workdir}', f'--config.data.data_dir={data_dir}', f'--config.train.steps={steps}',
+       f'--workdir={workdir}', f'--config.data.data_dir={data_dir}',
+       f'--config.train.steps={steps}',
        '--config.train.checkpoint_every=2', '--config.train.log_every=1',
        '--config.train.eval_every=2', '--config.train.warmup_steps=0',
        '--config.train.schedule=constant', *extra],
@@ -124,9 +125,9 @@ def test_metrics_jsonl_deleted_mid_run_is_written_again(data_dir, tmp_path, unin
 
 def test_init_from_a_run_whose_newest_checkpoint_is_damaged_takes_the_previous(data_dir, tmp_path,
                                                                               capfd):
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from data import pipeline  # pylint: disable=g-import-not-at-top
-  from training import state as state_lib  # pylint: disable=g-import-not-at-top
+  import numpy as np
+  from data import pipeline
+  from training import state as state_lib
   source = tmp_path / 'source'
   loop.train_and_evaluate(small(data_dir), str(source))
   config = small(data_dir)
@@ -147,12 +148,13 @@ def test_init_from_a_run_whose_newest_checkpoint_is_damaged_takes_the_previous(d
     for d, _, files in os.walk(source / 'checkpoints' / step_dir / 'state'):
       for f in files:
         os.truncate(os.path.join(d, f), 0)
-  with pytest.raises(state_lib.InitFromError, match='no checkpoint can give this config its parameters'):
+  with pytest.raises(state_lib.InitFromError,
+                     match='no checkpoint can give this config its parameters'):
     state_lib.init_from(fresh, str(source))
 
 
 def jax_leaves(tree):
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   return jax.tree.leaves(tree)
 
 
@@ -166,8 +168,8 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(data_dir, tmp_path, uni
   installed by then, saves and stops): each ends in one line with status 130. The run has
   LATE_STEPS steps, so that it cannot end before the latest signal (6 steps once did, with a warm
   machine); with a constant rate its first 6 steps are the uninterrupted run's."""
-  import signal  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
+  import signal
+  import time
   args = [sys.executable, 'train.py', '--config=configs/decoder_only.py:quick',
           f'--workdir={tmp_path}', f'--config.data.data_dir={data_dir}',
           f'--config.train.steps={LATE_STEPS}',
@@ -193,8 +195,8 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(data_dir, tmp_path, uni
 def test_a_killed_sweep_runner_takes_its_cells_with_it(data_dir, tmp_path):
   """SIGKILL to the runner: its cell gets SIGTERM (it saves and stops) instead of running on,
   orphaned, and the same sweep command, rerun at once, finishes the cell."""
-  import signal  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
+  import signal
+  import time
   spec = tmp_path / 'one_cell.py'
   spec.write_text(
       'from configs import decoder_only\n'

@@ -105,7 +105,8 @@ def test_two_processes_of_four_devices_equal_one_device(data_dir, tmp_path, one_
            '--config.train.log_every=1', '--config.train.eval_every=100',
            '--config.train.checkpoint_every=100', '--config.mesh.data=2', '--config.mesh.fsdp=2',
            '--config.mesh.tensor=2', '--config.data.shards=2']
-  outputs = run_processes('tests/integration/train_worker.py', flags, per_process=[[], ['--sigterm_after=7']],
+  outputs = run_processes('tests/integration/train_worker.py', flags,
+                          per_process=[[], ['--sigterm_after=7']],
                           returncode=128 + signal.SIGTERM)
   # JAX's preemption sync point names one step at or after 7 at which both stop and save.
   stopped = {int(re.search(r'stopped by SIGTERM after step (\d+)', o).group(1)) for o in outputs}
@@ -124,7 +125,8 @@ def test_two_processes_evaluate_as_one(one_device_workdir):
   """eval.py as two processes (each its share of the batches, sentences and extrapolation windows,
   gathered) gives the one-process eval.json; only process 0 writes it."""
   flags = ['--split=validation', '--max_examples=12', '--lengths=1,2', '--stride=0.5']
-  single, _ = evaluation.evaluate_run(str(one_device_workdir), ['validation'], 12, lengths=[1.0, 2.0])
+  single, _ = evaluation.evaluate_run(str(one_device_workdir), ['validation'], 12,
+                                      lengths=[1.0, 2.0])
   outputs = run_processes('eval.py', [f'--workdir={one_device_workdir}', *flags])
   assert 'exact_match' in outputs[0] and 'exact_match' not in outputs[1]
   assert 'process 0 of 2 decodes sentences 0-6 of 12' in outputs[0]

@@ -41,5 +41,5 @@ def test_a_checkpoint_write_to_an_unreachable_store_gives_up_within_the_window()
 
 
 def checkpointing_retries():
-  from training import checkpointing  # pylint: disable=g-import-not-at-top
+  from training import checkpointing
   return checkpointing.STORE_RETRIES['max_retries']

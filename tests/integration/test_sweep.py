@@ -61,7 +61,8 @@ def test_dry_run_prints_one_train_command_per_cell_and_the_eval_commands(tmp_pat
   assert train_lines[3] == ('python train.py --config=configs/ablations/rope_vs_alibi.py '
                             '--workdir=SW/model.position=rope,seed=0 '
                             '--config.model.position=rope --config.train.seed=0')
-  evals = [l for l in lines if l.startswith('python eval.py --workdir=SW/model.position=rope,seed=0 ')]
+  evals = [l for l in lines
+           if l.startswith('python eval.py --workdir=SW/model.position=rope,seed=0 ')]
   assert len(evals) == 4  # the three scalings of eval_variants, then eval_flags alone
   assert evals[2].endswith('--lengths=1,2,4,8 --modes=non_overlapping,sliding '
                            '--rope_scaling=yarn:4')
@@ -197,7 +198,7 @@ def test_a_tuned_sweep_trains_the_second_seed_at_the_chosen_rate_only(tmp_path, 
   """tools.sweep --tune on 2 cells x 2 rates x 2 seeds, side by side: four tuning runs, the choice
   file, seed 1 at each cell's chosen rate alone; tools.compare's chosen column and tuning table; a
   rerun launches nothing."""
-  from tools import compare  # pylint: disable=g-import-not-at-top
+  from tools import compare
   # The cells compile through a cache of this test: a seed-1 run finds what its cell's tuning run
   # at that rate compiled (about a third off its time), the second rate the eval step and init.
   monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', str(tmp_path / 'jax_cache'))
@@ -225,7 +226,8 @@ def test_a_tuned_sweep_trains_the_second_seed_at_the_chosen_rate_only(tmp_path, 
     assert config['train']['learning_rate'] == entry['chosen']
     assert f'tune: {entry["cell"]}: train.learning_rate={entry["chosen"]!r};' in result.stdout
   text = compare.compare([str(sw)], str(tmp_path / 'cmp.png'))
-  assert '| cell | seeds | chosen learning_rate |' in text and '| cell | 0.001 | 0.03 | chosen |' in text
+  assert ('| cell | seeds | chosen learning_rate |' in text
+          and '| cell | 0.001 | 0.03 | chosen |' in text)
   for entry in doc['cells']:
     short = entry['cell'].replace('model.', '')
     assert f'| {short} | 2 | {entry["chosen"]!r} |' in text, text

@@ -1,4 +1,5 @@
-"""The training loop: loss falls, resume reproduces the uninterrupted run, bad configs are rejected."""
+"""The training loop: loss falls, resume reproduces the uninterrupted run, bad configs are
+rejected."""
 
 import functools
 import os
@@ -100,7 +101,8 @@ def test_blockwise_training_curve_equals_xla(data_dir, tmp_path):
 
 def _step_losses(config, steps, **step_kwargs):
   """Losses of `steps` train steps (train.py's state and step, without the loop's I/O)."""
-  graphdef, tx, state = state_lib.create_state(config, pipeline.get_tokenizer(config.data).vocab_size)
+  graphdef, tx, state = state_lib.create_state(config,
+                                               pipeline.get_tokenizer(config.data).vocab_size)
   it = pipeline.make_iterator(config.data, 'train', config.train.batch_size,
                               arch=models.batch_format(config.model.arch),
                               loss_on=config.train.loss_on)

@@ -9,7 +9,7 @@ from absl import flags
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-# pylint: disable=wrong-import-position
+
 from tests import helpers
 from training import distributed
 from training import loop

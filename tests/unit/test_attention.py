@@ -1,4 +1,5 @@
-"""The dense reference `dot_product_attention` against a naive einsum-softmax, forward and gradient."""
+"""The dense reference `dot_product_attention` against a naive einsum-softmax, forward and
+gradient."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,5 @@
-"""The blockwise and Pallas flash kernels against the dense `xla` reference: forward and gradients."""
+"""The blockwise and Pallas flash kernels against the dense `xla` reference: forward and
+gradients."""
 
 import functools
 
@@ -129,7 +130,8 @@ def test_rows_without_visible_keys_are_zero_with_finite_gradients(impl):
 
 
 def test_blockwise_residuals_are_linear_in_length():
-  """The custom VJP saves O(T) arrays only; autodiff through the scan would save [.., T, S] blocks."""
+  """The custom VJP saves O(T) arrays only; autodiff through the scan would save [.., T, S]
+  blocks."""
   t = s = 256
   (q, k, v), _ = _inputs(t, s, 2, jnp.float32)
   kwargs = dict(scale=0.3, is_causal=True, alibi_slopes=jnp.ones(N),

@@ -1,4 +1,5 @@
-"""The Pallas kernel under shard_map on 8 simulated CPU devices (interpreted) against the same kernel
+"""The Pallas kernel under shard_map on 8 simulated CPU devices (interpreted) against the
+same kernel
 on one device: forward and gradients to 1e-5, for each way the mesh can cut batch and heads."""
 
 import jax
@@ -158,8 +159,8 @@ def test_rules_decide_the_split():
 
 
 def test_pallas_with_a_sequence_axis_is_refused_in_one_line():
-  from configs import default  # pylint: disable=g-import-not-at-top
-  from training import validation  # pylint: disable=g-import-not-at-top
+  from configs import default
+  from training import validation
   config = validation.resolve(default.get_config('quick'))
   config.model.attention_impl = 'pallas'
   config.mesh.sequence = 2

@@ -1,10 +1,10 @@
-"""The efficient-attention study: a decoder variant of its own (Linformer encoders) and the trade-off
+"""The efficient-attention study: a decoder variant of its own (Linformer encoders) and the
+trade-off
 table and picture (tools/attention_tradeoff.py)."""
 
 import json
 import os
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx

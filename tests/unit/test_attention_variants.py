@@ -66,7 +66,8 @@ def test_masking_variant_equals_dense_with_explicit_mask(name, is_causal):
 
   @quick_jit  # one compilation per case instead of one per eager op (the CPU is slow and shared)
   def outputs_and_grads(*qkv):
-    return [jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2))(*qkv) + (fn(*qkv),)
+    return [jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * w),
+                               argnums=(0, 1, 2))(*qkv) + (fn(*qkv),)
             for fn in (blocked, dense)]
 
   (_, g_blocked, o_blocked), (_, g_dense, o_dense) = outputs_and_grads(*qkv)
@@ -102,7 +103,8 @@ def test_masking_patterns_are_what_the_papers_say():
 
 
 def _numpy_sliding_window(q, k, v, w, causal):
-  """The chapter's reference: window mask, scaled scores, -inf outside, subtract row max, normalise."""
+  """The chapter's reference: window mask, scaled scores, -inf outside, subtract row max,
+  normalise."""
   n, d = q.shape
   i, j = np.arange(n)[:, None], np.arange(n)[None, :]
   mask = (np.abs(i - j) <= w) & ((j <= i) if causal else True)

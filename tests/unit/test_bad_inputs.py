@@ -29,7 +29,8 @@ GIB = 2 ** 30
 # --- Config files ------------------------------------------------------------------------------
 
 BAD_FILES = [
-    ('syntax.py', 'def get_config(\n', "syntax error in .*syntax.py line 1: '\\(' was never closed"),
+    ('syntax.py', 'def get_config(\n',
+     "syntax error in .*syntax.py line 1: '\\(' was never closed"),
     ('raises.py', 'def get_config(arg=None):\n  raise RuntimeError("boom")\n',
      r'get_config\(\) raised RuntimeError: boom'),
     ('a_dict.py', 'def get_config(arg=None):\n  return {"model": {}}\n',
@@ -109,10 +110,10 @@ def test_absl_value_errors_become_one_line_naming_the_type():
               'valid: an integer, e.g. 128')):
     error = flags.IllegalFlagValueError(
         f"flag --config.model.d_model={text}: invalid literal for int() with base 10: '{text}'")
-    assert cli_checks._value_error_line(error, config) == expected  # pylint: disable=protected-access
+    assert cli_checks._value_error_line(error, config) == expected
   error = flags.IllegalFlagValueError("flag --config.train.steps=1.5: invalid literal for int() "
                                       "with base 10: '1.5'")
-  assert cli_checks._value_error_line(error, config).endswith('valid: an integer, e.g. 1200')  # pylint: disable=protected-access
+  assert cli_checks._value_error_line(error, config).endswith('valid: an integer, e.g. 1200')
 
 
 def test_an_empty_workdir_is_refused():
@@ -382,5 +383,5 @@ def test_an_xla_out_of_memory_error_is_one_line_with_the_estimate():
 def test_meminfo_reads_kilobytes(tmp_path):
   path = tmp_path / 'meminfo'
   path.write_text('MemTotal:       24684092 kB\nMemAvailable:   1000 kB\n')
-  assert memory._meminfo('MemAvailable', str(path)) == 1000 * 1024  # pylint: disable=protected-access
-  assert memory._meminfo('Nope', str(path)) is None  # pylint: disable=protected-access
+  assert memory._meminfo('MemAvailable', str(path)) == 1000 * 1024
+  assert memory._meminfo('Nope', str(path)) is None

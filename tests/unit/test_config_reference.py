@@ -94,8 +94,8 @@ def test_no_field_is_shadowed_by_a_configdict_method():
   """A field named like a ConfigDict method (keys, values, items, get, update, ...) reads as the
   method in `config.data.FIELD`, and `--config.data.FIELD=V` fails: every field of
   configs/default.py must read back as its own value."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
-  from configs import default  # pylint: disable=g-import-not-at-top
+  import ml_collections
+  from configs import default
   methods = {name for name in dir(ml_collections.ConfigDict) if not name.startswith('_')}
 
   def walk(node, prefix):

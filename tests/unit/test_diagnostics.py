@@ -44,9 +44,11 @@ def test_parameter_groups_are_the_blocks_plus_the_rest():
   # 4·D² attention + 2·D·F feed-forward + two LayerNorms (scale and bias) per block.
   assert sizes['decoder/blocks/0'] == 4 * 32 ** 2 + 2 * 32 * 64 + 4 * 32
   assert sizes['decoder/embed'] == VOCAB * 32
-  assert diagnostics.param_group(('encoder', 'blocks', 11, 'ffn', 'wi', 'kernel')) == 'encoder/blocks/11'
+  assert diagnostics.param_group(('encoder', 'blocks', 11, 'ffn', 'wi', 'kernel')) == (
+      'encoder/blocks/11')
   # Ordered by block number, not as text (10 after 9).
-  assert diagnostics._group_sort_key('decoder/blocks/10') > diagnostics._group_sort_key('decoder/blocks/9')
+  assert diagnostics._group_sort_key('decoder/blocks/10') > (
+      diagnostics._group_sort_key('decoder/blocks/9'))
 
 
 def test_group_norms_add_up_to_the_global_norms():

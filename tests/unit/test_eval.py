@@ -1,4 +1,5 @@
-"""eval.py: greedy decoding equals a step-by-step argmax loop; eval.json and the plot are written."""
+"""eval.py: greedy decoding equals a step-by-step argmax loop; eval.json and the plot are
+written."""
 
 
 import jax.numpy as jnp
@@ -34,8 +35,8 @@ def test_greedy_translate_equals_python_argmax_loop():
 def test_a_randomized_positions_run_is_validated_at_fixed_sorted_random_ids(data_dir):
   """Validation (and eval.py's split losses) of a run with model.random_positions_max = N read its
   batches at sorted draws from [0, N), the same every time, not at 0..T-1."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from training import evaluation  # pylint: disable=g-import-not-at-top
+  import numpy as np
+  from training import evaluation
   config = validation.resolve(decoder_only.get_config('quick'))
   config.data.data_dir = str(data_dir)
   config.data.packing = 'stream'

@@ -225,7 +225,7 @@ def code_in(text):
 
 def config_fields():
   """Every field path of configs/default.py ('train.steps', 'data.files', 'data.files.train')."""
-  from tools import config_reference  # pylint: disable=g-import-not-at-top
+  from tools import config_reference
   return set(config_reference.flat_values())
 
 

@@ -53,10 +53,10 @@ def test_tiled_accuracy_takes_the_first_of_tied_maxima():
 
 @pytest.mark.parametrize('arch', ['decoder_only', 'encoder_decoder', 'encoder_only'])
 def test_train_step_with_loss_chunk_equals_the_plain_step(data_dir, arch):
-  from configs import default  # pylint: disable=g-import-not-at-top
-  from data import pipeline  # pylint: disable=g-import-not-at-top
-  from training import validation  # pylint: disable=g-import-not-at-top
-  import models  # pylint: disable=g-import-not-at-top
+  from configs import default
+  from data import pipeline
+  from training import validation
+  import models
   config = validation.resolve(default.get_config('quick'))
   config.model.update(arch=arch, num_layers=1)  # the tiles are in the output layer: one block
   config.data.data_dir = str(data_dir)
@@ -74,5 +74,6 @@ def test_train_step_with_loss_chunk_equals_the_plain_step(data_dir, arch):
   (s0, m0), (s1, m1) = results
   for key in ('loss_sum', 'correct_sum', 'grad_norm'):
     np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5)
-  np.testing.assert_allclose(optax.global_norm(jax.tree.map(jnp.subtract, s1['params'], s0['params'])),
+  np.testing.assert_allclose(optax.global_norm(jax.tree.map(jnp.subtract, s1['params'],
+                                                            s0['params'])),
                              0.0, atol=1e-6)

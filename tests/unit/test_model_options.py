@@ -216,7 +216,8 @@ def test_xavier_uniform_kernels():
   blk = model.decoder.blocks[0]
   for kernel, fan_in, fan_out in ((blk.self_attention.query.kernel, 64, 64),
                                   (blk.self_attention.out.kernel, 64, 64),
-                                  (blk.ffn.wi.kernel, 64, 256), (model.decoder.output.kernel, 64, V)):
+                                  (blk.ffn.wi.kernel, 64, 256),
+                                  (model.decoder.output.kernel, 64, V)):
     w = np.asarray(kernel[...]).ravel()
     assert np.max(np.abs(w)) <= np.sqrt(6 / (fan_in + fan_out)) + 1e-6
     np.testing.assert_allclose(np.var(w), 2 / (fan_in + fan_out), rtol=0.15)

@@ -70,8 +70,8 @@ def test_mlm_target_rate_masks_whole_targets():
 
 def test_mlm_eval_masks_are_deterministic():
   config = validation.resolve(encoder_only.get_config('quick'))
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  import models  # pylint: disable=g-import-not-at-top
+  from flax import nnx
+  import models
   model = models.build(config.model, 50, 40, rngs=nnx.Rngs(0), special_ids=IDS)
   inputs, weights = mlm_batch(b=8)
   batch = {'inputs': inputs, 'targets': inputs, 'weights': weights}

@@ -57,10 +57,14 @@ def test_deepnorm_constants_are_the_papers():
   """DeepNet (Wang et al. 2022), Figure 2: single stack of N layers alpha = (2N)^(1/4),
   beta = (8N)^(-1/4); encoder-decoder with N = M = 6: encoder 0.81 (N^4 M)^(1/16),
   0.87 (N^4 M)^(-1/16), decoder (3M)^(1/4), (12M)^(-1/4)."""
-  np.testing.assert_allclose(block.deepnorm_constants('single', 1), (1.1892071, 0.5946036), rtol=1e-6)
-  np.testing.assert_allclose(block.deepnorm_constants('single', 6), (1.8612097, 0.3799178), rtol=1e-6)
-  np.testing.assert_allclose(block.deepnorm_constants('encoder', 6), (1.4179381, 0.4969892), rtol=1e-6)
-  np.testing.assert_allclose(block.deepnorm_constants('decoder', 6), (2.0597671, 0.3432945), rtol=1e-6)
+  np.testing.assert_allclose(block.deepnorm_constants('single', 1), (1.1892071, 0.5946036),
+                             rtol=1e-6)
+  np.testing.assert_allclose(block.deepnorm_constants('single', 6), (1.8612097, 0.3799178),
+                             rtol=1e-6)
+  np.testing.assert_allclose(block.deepnorm_constants('encoder', 6), (1.4179381, 0.4969892),
+                             rtol=1e-6)
+  np.testing.assert_allclose(block.deepnorm_constants('decoder', 6), (2.0597671, 0.3432945),
+                             rtol=1e-6)
   # The encoder's constants read both depths: a deeper decoder raises its alpha.
   assert block.deepnorm_constants('encoder', 6, 12)[0] > block.deepnorm_constants('encoder', 6)[0]
 
@@ -103,7 +107,8 @@ def test_deepnorm_scales_keep_one_scaling_alone(scales):
 def test_deepnorm_scales_is_checked_before_building():
   config = validation.resolve(default.get_config())
   config.model.deepnorm_scales = 'gamma'
-  with pytest.raises(validation.ConfigError, match="deepnorm_scales='gamma'.*alpha, alpha_beta, beta"):
+  with pytest.raises(validation.ConfigError,
+                     match="deepnorm_scales='gamma'.*alpha, alpha_beta, beta"):
     validation.validate(config)
   config.model.deepnorm_scales = 'alpha'  # under the default 'pre': nothing to ablate
   with pytest.raises(validation.ConfigError, match="model.norm_position='pre' does not use"):

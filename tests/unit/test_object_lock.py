@@ -1,5 +1,6 @@
 """training.lock.ObjectLock, the lock of a gs:// workdir, against an in-memory bucket that honours
-generation preconditions as GCS does (the emulator of tests/integration/test_gcs.py ignores them)."""
+generation preconditions as GCS does (the emulator of tests/integration/test_gcs.py ignores
+them)."""
 
 import os
 import socket
@@ -52,7 +53,7 @@ class FakeBucket:
 @pytest.fixture
 def bucket(monkeypatch):
   fake = FakeBucket()
-  from google.cloud import storage  # pylint: disable=g-import-not-at-top
+  from google.cloud import storage
   monkeypatch.setattr(storage, 'Client', lambda: type('C', (), {'bucket': lambda self, n: fake})())
   return fake
 

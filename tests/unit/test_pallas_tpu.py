@@ -1,4 +1,5 @@
-"""The Mosaic TPU flash kernels, run in Pallas's TPU interpret mode, against the dense `xla` reference.
+"""The Mosaic TPU flash kernels, run in Pallas's TPU interpret mode, against the dense
+`xla` reference.
 
 The interpreter runs the kernel as written for the chip (VMEM/SMEM scratch carried along the grid's
 "arbitrary" axis, the band's skipped steps, the clamped index maps), so these numbers are the

@@ -57,8 +57,10 @@ def test_the_key_sits_at_the_requested_depth_and_the_value_is_recoverable(value_
 
 def test_generation_is_deterministic():
   spec = passkey.PasskeySpec('/unused', L, 16, 1, (0.2, 0.6))
-  assert passkey.retrieval_examples(spec, 48, 0.3, 5) == passkey.retrieval_examples(spec, 48, 0.3, 5)
-  assert passkey.retrieval_examples(spec, 48, 0.3, 5) != passkey.retrieval_examples(spec, 48, 0.4, 5)
+  assert (passkey.retrieval_examples(spec, 48, 0.3, 5)
+          == passkey.retrieval_examples(spec, 48, 0.3, 5))
+  assert (passkey.retrieval_examples(spec, 48, 0.3, 5)
+          != passkey.retrieval_examples(spec, 48, 0.4, 5))
   first = passkey.split_examples(spec, 'validation')
   assert first == passkey.split_examples(spec, 'validation')
   assert first != passkey.split_examples(spec, 'test')

@@ -22,7 +22,7 @@ from tools import runs as runs_lib
 from tools import summary as summary_lib
 
 matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
+import matplotlib.pyplot as plt
 
 # The Post-LN vs Pre-LN study (configs/ablations/postln_vs_preln.py): 9 cells.
 SETTINGS = [(6, 2e-3, 500, 0, ('post', 'pre')), (6, 2e-3, 1000, 100, ('post', 'pre')),

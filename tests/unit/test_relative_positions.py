@@ -286,7 +286,8 @@ def test_config_checks_of_the_new_fields():
   with pytest.raises(validation.ConfigError,
                      match=r"model.position='xpos' adds a \[T, S\] mask, which "
                            r"model.attention_impl='ring' cannot take; valid values: blockwise, "
-                           r"cudnn, pallas, xla \(or model.position in: alibi, learned, nope, rope, "
+                           r"cudnn, pallas, xla \(or model.position in: "
+                           r"alibi, learned, nope, rope, "
                            r"sinusoidal\)$"):
     validation.validate(bad)
   bad.model.xpos_block = -1
@@ -327,7 +328,8 @@ def test_random_positions_only_in_training(position):
 
 
 def test_xpos_blockwise_causal_mask_golden():
-  # w = 4: queries 0-3 see every earlier key, 4-7 keys from 0, 8-11 keys from 4 (own block + previous).
+  # w = 4: queries 0-3 see every earlier key, 4-7 keys from 0, 8-11 keys from 4
+  # (own block + previous).
   pos = jnp.arange(12)[None]
   mask = np.asarray(rope.blockwise_causal_mask(pos, pos, 4))[0, 0]  # [T, S]
   first = [int(np.argmax(row)) for row in mask]
@@ -354,8 +356,8 @@ def test_xpos_blockwise_causal_attention_in_models(impl):
 def test_xpos_block_with_a_variant_without_scores_is_refused_at_validation():
   """The blockwise causal form is a [T, S] mask: refused before compilation for the variants that
   take no score terms (it was refused only when the model ran)."""
-  from configs import default  # pylint: disable=g-import-not-at-top
-  from training import validation  # pylint: disable=g-import-not-at-top
+  from configs import default
+  from training import validation
   config = validation.resolve(default.get_config())
   config.model.update({'position': 'xpos', 'xpos_block': 16, 'attention': 'sliding_window'})
   with pytest.raises(validation.ConfigError,

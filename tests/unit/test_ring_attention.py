@@ -1,4 +1,5 @@
-"""Ring attention on 8 simulated CPU devices against the dense `xla` reference: forward and gradients."""
+"""Ring attention on 8 simulated CPU devices against the dense `xla` reference: forward and
+gradients."""
 
 import jax
 import jax.numpy as jnp

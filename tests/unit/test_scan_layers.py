@@ -132,8 +132,8 @@ def test_stacked_parameters_carry_a_leading_layers_axis_and_shard_by_the_rest():
   assert not np.allclose(wi[...][0], wi[...][1])
   mesh = sharding.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})
   specs = sharding.param_specs(nnx.state(model), mesh, sharding.DEFAULT_RULES)
-  assert specs['decoder']['blocks']['ffn']['wi']['kernel'].get_value() == jax.sharding.PartitionSpec(
-      None, 'fsdp', 'tensor')
+  assert specs['decoder']['blocks']['ffn']['wi']['kernel'].get_value() == (
+      jax.sharding.PartitionSpec(None, 'fsdp', 'tensor'))
   assert specs['decoder']['blocks']['self_attention']['query']['kernel'].get_value() == (
       jax.sharding.PartitionSpec(None, 'fsdp', 'tensor', None))
   # Layer i's view is a plain Block of the slices, with the per-layer axis names.
@@ -159,7 +159,8 @@ def test_param_groups_split_the_stacked_leaves_per_layer_and_diagnostics_match()
   # The activation/attention pass names and measures the scanned blocks as the unrolled ones.
   u_diag, s_diag = quick_jit(
       lambda p, s, x: (diagnostics.diagnostic_pass(graphdef('decoder_only'), p, x),
-                       diagnostics.diagnostic_pass(graphdef('decoder_only', scan_layers=True), s, x))
+                       diagnostics.diagnostic_pass(graphdef('decoder_only', scan_layers=True),
+                                                   s, x))
   )(params, scanned, batch('decoder_only'))
   assert set(s_diag) == set(u_diag) and 'attn_entropy/decoder/blocks/1' in s_diag
   for key in u_diag:

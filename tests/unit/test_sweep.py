@@ -124,7 +124,7 @@ def test_postln_vs_preln_has_the_cells_of_the_study():
 
 def test_attention_sweep_names_every_registered_variant():
   """configs/ imports no layers: the sweep lists the variants as strings, this keeps it complete."""
-  from layers import attention_variants  # pylint: disable=g-import-not-at-top
+  from layers import attention_variants
   module = sweep_spec.load_sweep_module(os.path.join(ROOT, 'configs', 'ablations',
                                                      'attention_variants.py'))
   cells = sweep_spec.expand(sweep_spec.get_sweep(module))

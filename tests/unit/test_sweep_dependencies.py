@@ -38,7 +38,8 @@ def test_a_fine_tune_names_its_source_cell_and_gets_its_workdir(tmp_path):
   names = [c['name'] for c in cells]
   assert names[:2] == ['data.max_length=64,seed=0', 'data.max_length=64,seed=1']
   tunes = cells[2:]
-  assert [c['after'] for c in tunes] == ['data.max_length=64,seed=0', 'data.max_length=64,seed=1'] * 2
+  assert [c['after'] for c in tunes] == ['data.max_length=64,seed=0',
+                                         'data.max_length=64,seed=1'] * 2
   assert all(c['after'] is None for c in cells[:2])
   # In the name the source appears once, without its seed (it is the fine-tune's own).
   assert tunes[0]['overrides']['train.init_from'] == 'data.max_length=64'
@@ -51,7 +52,8 @@ def test_a_fine_tune_names_its_source_cell_and_gets_its_workdir(tmp_path):
 
 @pytest.mark.parametrize('text,match', [
     # The source listed after its fine-tune: it could not have run first.
-    (SWEEP.replace("[base] + [", "[").replace("for s in ('pi', 'yarn')]", "for s in ('pi',)] + [base]"),
+    (SWEEP.replace("[base] + [", "[").replace("for s in ('pi', 'yarn')]",
+                                              "for s in ('pi',)] + [base]"),
      'overrides of a cell listed before this one'),
     ("def get_config(arg=None):\n  from configs import extrapolation\n"
      "  return extrapolation.get_config('quick')\n"

@@ -83,7 +83,7 @@ def test_a_field_set_by_the_sweeps_cells_is_refused(tmp_path):
 # --- The rule -------------------------------------------------------------------------------------
 
 def test_the_lowest_final_validation_loss_of_a_finished_run_wins():
-  done = lambda loss: {'status': 'done', 'valid_loss': loss}  # pylint: disable=unnecessary-lambda-assignment
+  done = lambda loss: {'status': 'done', 'valid_loss': loss}
   assert sweep_tune.choose([done(2.3), done(2.1), done(2.2)]) == 1
   assert sweep_tune.choose([done(2.1), done(2.1)]) == 0  # a tie: the value listed first
   # Diverged, unfinished or without a finite loss: never chosen, however low its last loss.
@@ -128,7 +128,7 @@ def test_a_cell_decides_from_its_workdirs_final_evaluation(tmp_path):
 
 
 def test_on_a_flat_signal_the_smallest_value_within_the_tolerance_is_chosen(tmp_path):
-  done = lambda loss: {'status': 'done', 'valid_loss': loss}  # pylint: disable=unnecessary-lambda-assignment
+  done = lambda loss: {'status': 'done', 'valid_loss': loss}
   records = [done(1.2040), done(1.2030), done(1.2015), {'status': 'diverged', 'valid_loss': 1.0}]
   values = [5e-4, 1e-3, 2e-3, 4e-3]
   assert sweep_tune.choose(records, values, 0.0) == 2  # the plain lowest

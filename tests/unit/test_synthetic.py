@@ -175,7 +175,8 @@ def test_knobs_of_another_task_and_a_wrong_arch_are_refused():
   config = validation.resolve(default.get_config('quick'))
   config.data.synthetic.pairs = 8
   with pytest.raises(validation.ConfigError, match=r"data.synthetic.pairs=8 is read only by "
-                     r"data.task in mqar, induction, selective_copy, memorize \(data.task='base'\)"):
+                     r"data.task in mqar, induction, selective_copy, memorize "
+                     r"\(data.task='base'\)"):
     validation.validate(config)
   config = _config('mqar')
   config.model.arch = 'encoder_decoder'

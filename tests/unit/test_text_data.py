@@ -327,7 +327,7 @@ def test_text_lm_empty_and_non_utf8_files(lm_corpus, tmp_path):
 
 
 def _full_config(task='text_pairs', arch='encoder_decoder', **data):
-  from configs import default  # pylint: disable=g-import-not-at-top
+  from configs import default
   config = default.get_config('quick')
   config.model.arch = arch
   config.data.task = task
@@ -357,7 +357,7 @@ def test_validation_of_text_fields(change, needle):
 
 
 def test_example_configs_validate():
-  from training import cli_checks  # pylint: disable=g-import-not-at-top
+  from training import cli_checks
   for name, suffix in (('text_pairs', 'tsv'), ('text_lm', 'txt')):
     config = cli_checks.load_config_file(f'{ROOT}/configs/{name}.py:dir=/corpus,quick')
     assert config.data.files.test == f'/corpus/test.{suffix}'
@@ -378,7 +378,7 @@ def test_tokenizer_does_not_depend_on_the_host(monkeypatch):
 
 def test_accounting_counts_the_tokenizer_vocabulary(prepared, corpus, lm_corpus, tmp_path):
   """tools.accounting's V is the configured task's tokenizer's, found without preparing data."""
-  from tools import accounting  # pylint: disable=g-import-not-at-top
+  from tools import accounting
   config, _ = prepared
   assert accounting.task_vocab_size(config) == pipeline.get_tokenizer(config).vocab_size == VOCAB
   separate = data_config(corpus, tmp_path / 'data', shared_vocab=False)
@@ -431,7 +431,7 @@ def test_a_file_changed_since_training_is_named(corpus, tmp_path):
 
 def _text_lm_run(workdir, files, data_dir):
   """A text_lm workdir as eval.py finds it (config.json, run_info.json), without a checkpoint."""
-  from configs import text_lm  # pylint: disable=g-import-not-at-top
+  from configs import text_lm
   config = validation.resolve(text_lm.get_config('quick'))
   config.data.update(data_dir=str(data_dir), vocab_size=VOCAB)
   config.data.files.update(files)
@@ -450,7 +450,7 @@ def _text_lm_run(workdir, files, data_dir):
     (dict(max_examples=8), '--max_examples=8 limits the examples translated'),
 ])
 def test_eval_flags_of_sentence_pairs_are_refused_for_text_lm(lm_corpus, tmp_path, flag, needle):
-  from training import eval_checks  # pylint: disable=g-import-not-at-top
+  from training import eval_checks
   workdir = str(tmp_path / 'run')
   _text_lm_run(workdir, lm_corpus, tmp_path / 'data')
   run = dict(split=['test'], translate=[], lengths=[], stream_split='test', rope_scaling=None)
@@ -464,8 +464,8 @@ def test_eval_flags_of_sentence_pairs_are_refused_for_text_lm(lm_corpus, tmp_pat
 
 
 def test_eval_and_resume_refuse_a_changed_file(lm_corpus, tmp_path):
-  from training import cli_checks  # pylint: disable=g-import-not-at-top
-  from training import eval_checks  # pylint: disable=g-import-not-at-top
+  from training import cli_checks
+  from training import eval_checks
   files = _copy_corpus(lm_corpus, str(tmp_path / 'corpus'))
   workdir = str(tmp_path / 'run')
   config = _text_lm_run(workdir, files, tmp_path / 'data')
