@@ -20,6 +20,8 @@ from data import synthetic
 from data import text_corpus
 from data import tokenizer as tokenizer_lib
 from data import toy_translation
+from layers import initializers
+from layers import moe
 from layers import sharding
 from models import accounting
 from training import validation
@@ -90,7 +92,7 @@ def report(config, vocab_size):
   if counted != formula:  # an 'other' component (a parameter no rule names) also lands here
     raise RuntimeError(f'counted parameters {counted} disagree with the closed form {formula}')
   out = _heading(m, vocab_size, length)
-  out += _parameters(m, counted)
+  out += _parameters(m, counted, vocab_size, length)
   out += _flops(m, vocab_size, length, config.train.batch_size)
   out += _kv_cache(m, length)
   out += _scores(m, length)
@@ -106,7 +108,7 @@ def _heading(m, vocab_size, length):
           f'use_bias={m.use_bias}']
 
 
-def _parameters(m, counted):
+def _parameters(m, counted, vocab_size, length):
   """The parameter table: each component counted, per layer, and its closed form."""
   stacks, cross = accounting.stack_layout(m.arch)
   layers = m.num_layers * stacks
@@ -129,20 +131,57 @@ def _parameters(m, counted):
     rows.append(('cross-attention', _n(cross_layer), m.num_layers,
                  _n(counted['cross_attention']), attn_form + biases))
     per_layer = f'enc {_n(layer)}, dec {_n(layer + cross_layer)}'
-  gated = m.ffn in accounting.GATED_FFNS
+  rows += _ffn_rows(m, counted['ffn'], stacks, biases)
   rows += [
-      ('FFN', _n(counted['ffn'] / layers), layers, _n(counted['ffn']),
-       ('3·D·F' if gated else '2·D·F') + biases),
       ('norms', '', '', _n(counted['norms']),
        ('2·D' if m.norm == 'layernorm' else 'D') + ' per norm'),
       ('output', '', '', '0', 'tied to the embedding'),
       ('**total**', per_layer, layers, f'**{_n(sum(counted.values()))}**', ''),
   ]
   ffn_share = 100 * counted['ffn'] / layers / layer
-  return (['', '## Parameters (counted on jax.eval_shape of models.build = closed form)', '']
-          + _table(('component', 'per layer', 'layers', 'total', 'closed form'), rows)
-          + ['', f'A layer (self-attention + FFN) holds {_n(layer)} = '
-             f'{layer / m.d_model ** 2:.2f}·D² parameters, {ffn_share:.1f}% of them in the FFN.'])
+  out = (['', '## Parameters (counted on jax.eval_shape of models.build = closed form)', '']
+         + _table(('component', 'per layer', 'layers', 'total', 'closed form'), rows)
+         + ['', f'A layer (self-attention + FFN) holds {_n(layer)} = '
+            f'{layer / m.d_model ** 2:.2f}·D² parameters on average, {ffn_share:.1f}% of them in '
+            'the FFN.'])
+  if moe.num_moe_layers(m):
+    total = sum(counted.values())
+    active = accounting.active_params(m, vocab_size, length)
+    out += ['', f'Mixture of experts: **{_n(total)} parameters in total, {_n(active)} active** '
+            f'per token ({100 * active / total:.1f}%): each MoE block\'s router, its '
+            f'{m.get("moe_shared_experts", 0)} shared expert(s) and k = {m.moe_top_k} of its '
+            f'E = {m.moe_experts} routed experts.']
+  return out
+
+
+def _ffn_rows(m, ffn_total, stacks, biases):
+  """The feed-forward rows: one for a dense model; for MoE the dense blocks (if any), the router,
+  the routed experts and the shared experts, each with its closed form in E, k and F_e."""
+  mats = '3' if m.ffn in accounting.GATED_FFNS else '2'
+  num_moe = moe.num_moe_layers(m)
+  if not num_moe:
+    layers = m.num_layers * stacks
+    return [('FFN', _n(ffn_total / layers), layers, _n(ffn_total), f'{mats}·D·F' + biases)]
+  layer = accounting.moe_layer_params(m)
+  dense = m.num_layers - num_moe
+  moe_layers = num_moe * stacks
+  rows = []
+  if dense:
+    per = accounting.ffn_params(m.d_model, m.d_ff, m.ffn,
+                                use_bias=initializers.ffn_bias(m))
+    rows.append(('FFN (dense blocks)', _n(per), dense * stacks, _n(per * dense * stacks),
+                 f'{mats}·D·F' + biases))
+  width = f'F_e = {moe.expert_width(m)}'
+  rows += [('MoE router', _n(layer['router']), moe_layers, _n(layer['router'] * moe_layers),
+            f'D·E (E = {m.moe_experts})'),
+           ('MoE routed experts', _n(layer['experts']), moe_layers,
+            _n(layer['experts'] * moe_layers), f'E·{mats}·D·F_e ({width}; a token uses k = '
+            f'{m.moe_top_k})')]
+  if layer['shared']:
+    rows.append(('MoE shared experts', _n(layer['shared']), moe_layers,
+                 _n(layer['shared'] * moe_layers),
+                 f'S·{mats}·D·F_e (S = {m.moe_shared_experts})'))
+  return rows
 
 
 def _flops(m, vocab_size, length, batch_size):
@@ -165,6 +204,10 @@ def _flops(m, vocab_size, length, batch_size):
   out += _table(('', 'inference (forward)', 'training'), rows)
   out += ['', f'Per step (batch {batch_size} x {length} tokens): '
           f'{3 * fwd_full * batch_size:,.3g} training FLOPs.']
+  if moe.num_moe_layers(m):
+    out.append(f'MoE blocks count what a token passes through: the router, the shared experts '
+               f'and k = {m.moe_top_k} of the E = {m.moe_experts} experts (capacity padding and '
+               'dropped tokens aside).')
   if m.attention != 'dense':
     out.append(f'Scores are counted as exact dense attention; model.attention={m.attention!r} '
                'computes its own pattern, so its score FLOPs differ.')
@@ -223,8 +266,13 @@ def _per_device(config, model, vocab_size, total):
   act = accounting.activation_bytes(m, vocab_size, batch_size, length, mesh_config)
   sizes = ' x '.join(f'{a}={mesh.shape[a]}' for a in sharding.MESH_AXES)
   plural = 's' if mesh.size > 1 else ''
-  rows = [('parameters', human_bytes(p_dev)),
-          ('gradients (sharded like the parameters)', human_bytes(p_dev)),
+  rows = [('parameters', human_bytes(p_dev))]
+  if moe.num_moe_layers(m):
+    experts = sum(b / f for path, _, b, f in accounting.param_shards(model, mesh_config)
+                  if _routed_expert(m, path))
+    rows.append((f'of which the routed experts (E = {m.moe_experts}, cut in '
+                 f'expert={mesh.shape["expert"]} by the expert axis)', human_bytes(experts)))
+  rows += [('gradients (sharded like the parameters)', human_bytes(p_dev)),
           ('AdamW moments mu, nu (2 x parameters)', human_bytes(2 * p_dev)),
           ('**state total**', f'**{human_bytes(4 * p_dev)}**'),
           (f'activations, batch {batch_size} (estimate, see '
@@ -244,6 +292,16 @@ def _per_device(config, model, vocab_size, total):
     out.append(f'- /{factor}: {_n(count)} ({100 * count / total:.1f}%): '
                f'{", ".join(sorted(components))}')
   return out
+
+
+def _routed_expert(m, path):
+  """Whether a parameter path is a routed expert's weight: the FFN of an MoE block, not its
+  router or shared experts."""
+  names = [str(p) for p in path]
+  if 'ffn' not in names or 'router' in names or 'shared' in names:
+    return False
+  layer = next((p for p in path if isinstance(p, int)), None)
+  return moe.is_moe_layer(m, layer)
 
 
 FLAGS = flags.FLAGS

@@ -199,3 +199,23 @@ def test_activations_split_over_the_batch_axes():
 
 def test_the_cli_counts_the_toy_vocabulary():
   assert accounting_cli.toy_vocab_size() == V
+
+
+def test_the_cli_shows_moe_total_and_active_parameters_and_the_experts_per_device():
+  """tiny (L 2, D 64, F 256) with 4 experts, top-2, one shared expert, MoE from the 2nd block:
+  the router, routed and shared experts apart with their closed forms; total against active;
+  the routed experts per device cut by the expert axis."""
+  config = tiny(moe_experts=4, moe_top_k=2, moe_shared_experts=1, moe_first_dense=1)
+  config.mesh.expert = 2
+  text = accounting_cli.report(config, V)
+  one = 2 * 64 * 256  # one expert: 2·D·F_e
+  assert f'| FFN (dense blocks) | {one:,} | 1 | {one:,} | 2·D·F |' in text  # the first block
+  assert '| MoE router | 256 | 1 | 256 | D·E (E = 4) |' in text
+  assert f'| MoE routed experts | {4 * one:,} | 1 | {4 * one:,} | E·2·D·F_e (F_e = 256;' in text
+  assert f'| MoE shared experts | {one:,} | 1 | {one:,} | S·2·D·F_e (S = 1) |' in text
+  total = sum(accounting.formula_params(config.model, V, config.data.max_length).values())
+  active = accounting.active_params(config.model, V, config.data.max_length)
+  assert total - active == 2 * one  # two of the four routed experts unused per token
+  assert f'**{total:,} parameters in total, {active:,} active**' in text
+  assert f'of which the routed experts (E = 4, cut in expert=2 by the expert axis) | ' \
+         f'{accounting_cli.human_bytes(4 * one * 4 / 2)} |' in text
