@@ -86,6 +86,9 @@ def main(argv):
     cli_checks.fail('data error', e)
   except validation.ConfigError as e:
     cli_checks.fail('config error', e)
+  notice = host.cpu_notice('train')
+  if notice and not FLAGS.process_id:  # once: process 0 (or the only process)
+    print(notice, file=sys.stderr)
   try:
     loop.train_and_evaluate(config, FLAGS.workdir)
   except checkpointing.IncompatibleResume as e:

@@ -55,8 +55,11 @@ def tune_host_malloc():
 
 
 # Device nodes of an accelerator: NVIDIA GPUs, AMD GPUs (kfd), TPU v4/v5p (accel), TPU v5e/v6e
-# (vfio).
-ACCELERATOR_DEVICES = ('/dev/nvidia[0-9]*', '/dev/kfd', '/dev/accel[0-9]*', '/dev/vfio/[0-9]*')
+# (vfio), a GPU under WSL2 (dxg).
+ACCELERATOR_DEVICES = ('/dev/nvidia[0-9]*', '/dev/kfd', '/dev/accel[0-9]*', '/dev/vfio/[0-9]*',
+                       '/dev/dxg')
+# Set by `cpu_when_no_accelerator` when it chose the CPU (the user did not).
+_CHOSE_CPU = []
 
 
 def accelerator_devices():
@@ -70,6 +73,17 @@ def cpu_when_no_accelerator():
   start and print five lines of errors. Call it before JAX starts."""
   if 'JAX_PLATFORMS' not in os.environ and not accelerator_devices():
     os.environ['JAX_PLATFORMS'] = 'cpu'
+    _CHOSE_CPU.append(True)
+
+
+def cpu_notice(program):
+  """The one line a program prints once when `cpu_when_no_accelerator` chose the CPU (None when
+  the user set JAX_PLATFORMS or a device node was found): a GPU reachable some other way would
+  otherwise train on the CPU without a word."""
+  if not _CHOSE_CPU:
+    return None
+  return (f'{program}: running on the CPU (no device node {", ".join(ACCELERATOR_DEVICES)}); '
+          'set JAX_PLATFORMS (e.g. cuda or tpu) to choose the backend yourself')
 
 
 def accelerator_plugin_installed():
