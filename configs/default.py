@@ -71,6 +71,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   #                               as the Flax examples)
   model.tie_output = True  # logits from the token embedding; False: an untied Linear(D, V) with
   #                          a bias (the Flax examples' logits_via_embedding=False)
+  model.final_logit_softcap = 0.0  # c > 0: logits c·tanh(logits / c), each in (-c, c) (Gemma 2:
+  #                                  30); 0 = off
   model.attention_dropout = 0.0  # dropout on the attention probabilities (xla, blockwise only)
   model.ffn_dropout = 0.0  # dropout on the feed-forward activations (after the nonlinearity)
   # mixture of experts (layers/moe.py, docs/moe.md); every moe_* field stays at its default while
@@ -151,6 +153,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   train.b1 = 0.9  # Adam beta1
   train.b2 = 0.98  # Adam beta2
   train.grad_clip_norm = 1.0  # clip the global gradient norm; 0 = off
+  train.z_loss = 0.0  # PaLM's z-loss: z · (log Z)² per target token added to the objective (1e-4
+  #                     in the paper), its mean (log Z)² logged as z_loss; 0 = off
   train.seed = 0  # parameter init, dropout and data order
   train.loss_on = 'target'  # decoder-only loss: target (translation) | all (every token, LM)
   train.checkpoint_every = 500  # steps between checkpoints (and one at the end)

@@ -26,13 +26,17 @@ class DecoderOnly(nnx.Module):
 
   def features(self, batch, *, rngs=None):
     """`[B, T, D]` the final hidden states, whose product with `output_embedding()` is
-    the logits."""
+    the logits (before the soft cap, `output_softcap()`)."""
     return self.decoder(batch['inputs'], segment_ids=batch.get('segment_ids'),
                         positions=batch.get('positions'), is_causal=True, rngs=rngs)
 
   def output_embedding(self):
     """`[V, D]` the tied output projection (models.stack.Stack.output_table)."""
     return self.decoder.output_table()
+
+  def output_softcap(self):
+    """c of the logits' soft cap c·tanh(x / c) after `output_embedding()` (0 = none)."""
+    return self.decoder.final_logit_softcap
 
   def loss_features(self, batch, *, rngs=None):
     """`loss_terms` with the hidden states `[B, T, D]` in place of the logits (a tiled loss)."""

@@ -48,6 +48,10 @@ class EncoderDecoder(nnx.Module):
     """`[V, D]` the tied output projection (models.stack.Stack.output_table)."""
     return self.decoder.output_table()
 
+  def output_softcap(self):
+    """c of the logits' soft cap c·tanh(x / c) after `output_embedding()` (0 = none)."""
+    return self.decoder.final_logit_softcap
+
   def loss_features(self, batch, *, rngs=None):
     """`loss_terms` with the hidden states `[B, T, D]` in place of the logits (a tiled loss)."""
     return self.features(batch, rngs=rngs), batch['tgt_targets'], batch['tgt_weights']

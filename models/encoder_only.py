@@ -116,6 +116,10 @@ class EncoderOnly(nnx.Module):
     """`[V, D]` the tied output projection (models.stack.Stack.output_table)."""
     return self.encoder.output_table()
 
+  def output_softcap(self):
+    """c of the logits' soft cap c·tanh(x / c) after `output_embedding()` (0 = none)."""
+    return self.encoder.final_logit_softcap
+
   def mask(self, batch, rng, *, target_rate=None):
     """Returns (corrupted inputs, chosen) of `batch` with this model's masking config."""
     if self.special_ids is None:

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from layers import rnn_attention
+from models import stack
 
 # Recurrent cells, keyed by `config.model.rnn_cell`.
 CELLS = {
@@ -22,9 +23,10 @@ class RNNSeq2Seq(nnx.Module):
   """Encoder RNN over `source <eos>`; decoder RNN with input feeding (Luong et al. 2015).
 
   Step t: s_t = cell(s_{t-1}, [embed(y_{t-1}); c_{t-1}]); c_t = attention(s_t, encoder states);
-  output tanh(W [s_t; c_t]), projected to the vocabulary by the (tied) embedding. Both scoring
-  functions use this ordering (attention from the current state), so they differ only in the
-  score. With `none`, c_t is the encoder's final state at every step: the fixed-size bottleneck.
+  output tanh(W [s_t; c_t]), projected to the vocabulary by the (tied) embedding (and soft-capped
+  as the Transformers' logits with model.final_logit_softcap > 0). Both scoring functions use this
+  ordering (attention from the current state), so they differ only in the score. With `none`, c_t
+  is the encoder's final state at every step: the fixed-size bottleneck.
   Same batch format as encoder_decoder (packing='none': one pair per row).
   """
 
@@ -44,6 +46,7 @@ class RNNSeq2Seq(nnx.Module):
     self.dropout = nnx.Dropout(cfg.dropout)
     self.d_model = d
     self.cell_name = cell_name
+    self.final_logit_softcap = float(cfg.get('final_logit_softcap', 0.0))  # 0 = none
 
   def init_cache(self, batch, max_length=None, dtype=jnp.float32):
     """Encodes the source; the 'cache' of an RNN is its state plus the encoder memory.
@@ -98,7 +101,12 @@ class RNNSeq2Seq(nnx.Module):
     """`[B, T, V]` float32 next-token logits (teacher forcing); batch as encoder_decoder's."""
     outs, _ = self._decode_all(batch, rngs)
     outs = self.dropout(outs, deterministic=rngs is None, rngs=rngs)
-    return self.embed.attend(outs).astype(jnp.float32)
+    return self._logits(outs)  # [B, T, V]
+
+  def _logits(self, out):
+    """`[..., V]` float32 logits of decoder outputs `[..., D]` (the tied embedding), soft-capped
+    (models.stack.softcap) when `final_logit_softcap` > 0."""
+    return stack.softcap(self.embed.attend(out).astype(jnp.float32), self.final_logit_softcap)
 
   def loss_terms(self, batch, *, rngs=None):
     """(logits, `tgt_targets`, `tgt_weights`)."""
@@ -113,4 +121,4 @@ class RNNSeq2Seq(nnx.Module):
     """Feeds `tokens` `[B]`; returns (`[B, V]` logits, cache). `index` is unused."""
     del index
     state, out, _ = self._step(cache['self'], self.embed(tokens), cache)
-    return self.embed.attend(out).astype(jnp.float32), {**cache, 'self': state}
+    return self._logits(out), {**cache, 'self': state}

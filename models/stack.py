@@ -27,6 +27,15 @@ LAYERS_AXIS = 'layers'  # logical name of a scanned stack's leading axis (no rul
 EMBED_SCALES = ('sqrt_d', 'none')
 
 
+def softcap(logits, cap):
+  """`cap`·tanh(`logits` / `cap`): Gemma 2's final logit soft-capping (Gemma Team 2024), which
+  keeps every logit in (-cap, cap) and leaves those far below the cap nearly unchanged; `cap` 0
+  returns `logits` as they are."""
+  if not cap:
+    return logits
+  return cap * jnp.tanh(logits / cap)
+
+
 def deepnorm_role(cfg, cross_attention):
   """Which DeepNorm constants a stack takes (layers.block.deepnorm_constants): the encoder or the
   decoder of an encoder-decoder, or the single stack of the other archs."""
@@ -58,7 +67,8 @@ class Stack(nnx.Module):
   way its rows start at unit variance. A stack built with `output=True` also owns the logits
   (`logits`): tied to the embedding (`tie_output`, the default; divided by sqrt(D) under
   `embed_scale='none'`, as the Flax examples' shared-embedding logits) or an untied
-  `nnx.Linear(D, V)` with a bias (the Flax examples' `logits_via_embedding=False`).
+  `nnx.Linear(D, V)` with a bias (the Flax examples' `logits_via_embedding=False`), then
+  soft-capped (`final_logit_softcap` c > 0: c·tanh(logits / c), `softcap`).
   """
 
   def __init__(self, cfg, vocab_size, max_length, *, cross_attention=False, embed=None, stream=0,
@@ -85,6 +95,7 @@ class Stack(nnx.Module):
     # Tied logits h·E^T; with unit-variance rows (embed_scale 'none') divided by sqrt(D), so that
     # they start at the scale of the sqrt_d model's (whose rows have variance 1/D).
     self.logit_scale = 1.0 if scaled else 1.0 / math.sqrt(cfg.d_model)
+    self.final_logit_softcap = float(cfg.get('final_logit_softcap', 0.0))  # 0 = none
     self.position = positions_lib.make(cfg, max_length, rngs=rngs)
     self.random_positions_max = cfg.get('random_positions_max', 0)  # Ruoss et al.; 0 = off
     self.num_layers = cfg.num_layers
@@ -150,13 +161,16 @@ class Stack(nnx.Module):
 
   def logits(self, h):
     """`[..., V]` float32 logits of hidden states `h` `[..., D]` (a stack built
-    with output=True)."""
+    with output=True), soft-capped in float32 when `final_logit_softcap` > 0."""
     if self.output is not None:
-      return self.output(h).astype(jnp.float32)
-    return (self.embed.attend(h) * self.logit_scale).astype(jnp.float32)
+      logits = self.output(h).astype(jnp.float32)  # [..., V]
+    else:
+      logits = (self.embed.attend(h) * self.logit_scale).astype(jnp.float32)  # [..., V]
+    return softcap(logits, self.final_logit_softcap)
 
   def output_table(self):
-    """`[V, D]` the tied output projection, scale included: `logits(h) = h @ output_table().T`.
+    """`[V, D]` the tied output projection, scale included: `logits(h) = h @ output_table().T`
+    (then soft-capped by `final_logit_softcap`, if set).
 
     Raises:
       ValueError: the output is untied (it has a bias, which a bare table cannot carry).

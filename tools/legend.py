@@ -48,6 +48,8 @@ ABBREVIATIONS = {
     'model.moe_bias_rate': lambda v: f'bias {_num(v)}' if v else '',
     'model.moe_shared_experts': lambda v: f'{v} shared' if v else '',
     'model.moe_routing': lambda v: 'expert choice' if v == 'experts' else 'token choice',
+    'model.final_logit_softcap': lambda v: f'softcap {_num(v)}' if v else 'no softcap',
+    'train.z_loss': lambda v: f'z-loss {_num(v)}' if v else 'no z-loss',
     'model.rope_scaling': lambda v: f'{v} scaling' if v != 'none' else 'no scaling',
     'model.rope_scaling_factor': lambda v: f'x{_num(v)}' if v != 1 else '',
     # A fine-tune: from the source run's workdir name (its cell, in a sweep).

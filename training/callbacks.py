@@ -28,7 +28,7 @@ from training import steps
 from training import writers
 
 # The log sums a checkpoint keeps (its item is called 'window' on disk: the log window).
-LOG_SUM_KEYS = ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'steps')
+LOG_SUM_KEYS = ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'steps', steps.Z_LOSS_SUM)
 
 
 class NonFiniteLoss(checkpointing.RunFailed):
@@ -176,12 +176,14 @@ class UnigramEntropy(Callback):
 
 class Logger(Callback):
   """Every `train.log_every` steps: one train row (loss, accuracy, norms, learning rate, tokens/s,
-  and the diagnostics at that step) in metrics.jsonl and TensorBoard; a progress bar meanwhile."""
+  the MoE terms and the z-loss when on, and the diagnostics at that step) in metrics.jsonl and
+  TensorBoard; a progress bar meanwhile."""
 
   def __init__(self, config, start, lead):
     t = self.t = config.train
     self.every = t.log_every
     self.moe = config.model.get('moe_experts', 0) > 0
+    self.z_loss = config.train.get('z_loss', 0.0) > 0
     self.schedule = state_lib.make_schedule(t)
     self.bar = tqdm.tqdm(total=t.steps, initial=start, desc='train', mininterval=1.0,
                          file=sys.stderr, dynamic_ncols=True, disable=not lead)
@@ -202,6 +204,8 @@ class Logger(Callback):
     last['param_norm'] = float(w['param_norm'])
     if self.moe:  # means over the window's steps, like the loss (layers.moe.MoE's terms)
       last.update({k: float(w[k]) / max(int(w['steps']), 1) for k in steps.MOE_METRICS})
+    if self.z_loss:  # the mean (log Z)² per token of weight, unscaled by train.z_loss
+      last['z_loss'] = float(w[steps.Z_LOSS_SUM]) / max(float(w['weight_sum']), 1.0)
     last['learning_rate'] = float(self.schedule(step - 1))
     last['tokens_per_sec'] = self.tokens / (time.perf_counter() - self.since)
     if t.skip_nonfinite:

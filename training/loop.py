@@ -39,7 +39,7 @@ def empty_log_sums():
   ints = ('steps', 'first_bad')  # one buffer each: the sums are donated to `accumulate`
   return {k: jnp.zeros((), jnp.int32 if k in ints else jnp.float32) for k in (
       'loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'steps', 'param_norm', 'first_bad',
-      'bad_loss', 'bad_grad_norm', *steps.MOE_METRICS)}
+      'bad_loss', 'bad_grad_norm', steps.Z_LOSS_SUM, *steps.MOE_METRICS)}
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -50,8 +50,9 @@ def accumulate(log_sums, sums, step):
   loss = sums['loss_sum'] / jnp.maximum(sums['weight_sum'], 1.0)
   first = (acc['first_bad'] == 0) & ~(jnp.isfinite(loss) & jnp.isfinite(sums['grad_norm']))
   out = {k: acc[k] + sums[k] for k in ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm')}
-  # MoE models' balancing terms (0 without MoE layers), summed like the loss; the row has means.
-  out.update({k: acc[k] + sums.get(k, 0.0) for k in steps.MOE_METRICS})
+  # The z-loss sum and MoE models' balancing terms (0 when off), summed like the loss; the row
+  # has their means (per token of weight, per step).
+  out.update({k: acc[k] + sums.get(k, 0.0) for k in (steps.Z_LOSS_SUM, *steps.MOE_METRICS)})
   out.update(steps=acc['steps'] + 1, param_norm=sums['param_norm'],
              first_bad=jnp.where(first, step, acc['first_bad']),
              bad_loss=jnp.where(first, loss, acc['bad_loss']),
@@ -154,7 +155,8 @@ def jit_train_step(config, graphdef, tx, state, mesh, leaf_groups):
                         compute_dtype=t.get('compute_dtype', 'float32'),
                         loss_chunk=t.get('loss_chunk', 0),
                         moe_loss=(config.model.get('moe_aux_loss', 0.0),
-                                  config.model.get('moe_z_loss', 0.0))),
+                                  config.model.get('moe_z_loss', 0.0)),
+                        z_loss=t.get('z_loss', 0.0)),
       donate_argnums=(0,), out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated))
 
 
@@ -300,7 +302,7 @@ def _setup(config, workdir, lead):
     if carried:  # the sums of the resumed window's steps before the checkpoint: the row is whole
       run.log_sums.update({k: jnp.asarray(carried[k], run.log_sums[k].dtype)
                            for k in callbacks_lib.LOG_SUM_KEYS + steps.MOE_METRICS
-                           if k in carried})  # MoE sums: absent from older checkpoints
+                           if k in carried})  # MoE, z-loss sums: absent from older checkpoints
   run.reset_log_sums = reset_log_sums
   reset_log_sums(carried)
   return run

@@ -21,6 +21,19 @@ def compute_metrics(logits, targets, weights):
           'weight_sum': jnp.sum(weights)}
 
 
+def z_loss_sum(logits, weights):
+  """sum of w · (log Z)² over the tokens, Z = sum_v exp(logits): PaLM's z-loss (Chowdhery et al.
+  2022), unscaled by its coefficient; it pulls log Z towards 0, keeping the softmax normaliser
+  from drifting."""
+  log_z = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
+  return jnp.sum(jnp.square(log_z) * weights)
+
+
+# PaLM's z-loss in a step's sums (train.z_loss > 0): sum of w · (log Z)² (`z_loss_sum`), summed
+# like the loss over the log window; the log row shows its mean per token of weight, 'z_loss'.
+Z_LOSS_SUM = 'z_loss_sum'
+
+
 # The MoE layers' balancing terms in a step's sums (each the mean over the MoE layers, unscaled by
 # its coefficient): the loop sums them over the log window and the log row shows their means.
 MOE_METRICS = tuple(f'moe_{name}' for name in moe.STATS)
@@ -74,19 +87,26 @@ def count_tokens(batch):
   return int(sum(np.sum(batch[k] > 0) for k in groups))
 
 
-def step_sums(model, batch, rngs, loss_chunk=0, moe_loss=(0.0, 0.0)):
+def step_sums(model, batch, rngs, loss_chunk=0, moe_loss=(0.0, 0.0), z_loss=0.0):
   """The summed metrics of one (micro-)batch, the MoE layers' terms (`MOE_METRICS`, if any), and
   'objective_sum': the summed loss to differentiate, the task loss plus the weight sum times the
-  `moe_loss` (aux, z) coefficients' balancing terms (each per token as much as the loss's mean)."""
+  `moe_loss` (aux, z) coefficients' balancing terms (each per token as much as the loss's mean),
+  plus, with `z_loss` > 0, `z_loss` times the z-loss sum (`Z_LOSS_SUM`, reported apart)."""
 
   def forward(model):
     if loss_chunk:  # the vocabulary a tile at a time: [B, T, V] never exists (training.losses)
       hidden, targets, weights = model.loss_features(batch, rngs=rngs)
-      return losses.chunked_metrics(hidden, model.output_embedding(), targets, weights, loss_chunk)
-    return compute_metrics(*model.loss_terms(batch, rngs=rngs))
+      return losses.chunked_metrics(hidden, model.output_embedding(), targets, weights, loss_chunk,
+                                    softcap=model.output_softcap(), z_loss=z_loss)
+    logits, targets, weights = model.loss_terms(batch, rngs=rngs)  # [B, T, V], [B, T], [B, T]
+    sums = compute_metrics(logits, targets, weights)
+    if z_loss:
+      sums[Z_LOSS_SUM] = z_loss_sum(logits, weights)
+      sums['objective_sum'] = sums['loss_sum'] + z_loss * sums[Z_LOSS_SUM]
+    return sums
 
   sums, stats = with_moe_stats(forward, model)
-  sums['objective_sum'] = sums['loss_sum']
+  sums.setdefault('objective_sum', sums['loss_sum'])  # without the z-loss: the task loss alone
   if stats:
     sums.update(stats)
     sums['objective_sum'] += sums['weight_sum'] * (moe_loss[0] * stats['moe_aux_loss'] +
@@ -95,7 +115,8 @@ def step_sums(model, batch, rngs, loss_chunk=0, moe_loss=(0.0, 0.0)):
 
 
 def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonfinite=False,
-               accum_steps=1, compute_dtype='float32', loss_chunk=0, moe_loss=(0.0, 0.0)):
+               accum_steps=1, compute_dtype='float32', loss_chunk=0, moe_loss=(0.0, 0.0),
+               z_loss=0.0):
   """One optimisation step, a pure function of the state (jit it with the state donated).
 
   With `accum_steps` = k > 1 the batch is k micro-batches whose gradients of the summed loss are
@@ -113,7 +134,8 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
 
   With MoE layers (layers.moe) the differentiated objective adds, per token of weight,
   `moe_loss` = (aux, z) coefficients times the layers' mean load-balancing and z-losses; the sums
-  report the task loss (`loss_sum`) and the unscaled terms (`MOE_METRICS`) apart.
+  report the task loss (`loss_sum`) and the unscaled terms (`MOE_METRICS`) apart. With `z_loss`
+  > 0 it adds PaLM's z-loss, `z_loss` · (log Z)² per token of weight (`Z_LOSS_SUM` apart).
 
   With `leaf_groups` (from `param_groups`), `sums['diag']` holds `[G]` squared norms per group of
   the gradient, the update and the parameters before the update (a few reductions: cheap).
@@ -124,7 +146,7 @@ def train_step(graphdef, tx, base_rng, state, batch, leaf_groups=None, skip_nonf
   def sums_fn(params, batch, dropout_rng, mask_rng):
     model = nnx.merge(graphdef, state_lib.cast_params(params, compute_dtype), state['buffers'])
     return step_sums(model, batch, nnx.Rngs(dropout=dropout_rng, mask=mask_rng), loss_chunk,
-                     moe_loss)
+                     moe_loss, z_loss)
 
   if accum_steps == 1:
     def loss_fn(params):
@@ -181,7 +203,7 @@ def _skip_if_nonfinite(state, new, sums):
   new['skipped'] = state['skipped'] + (~ok).astype(jnp.int32)
   # Report the skipped step's values as zeros so that window sums stay finite.
   for k in ('loss_sum', 'correct_sum', 'weight_sum', 'grad_norm', 'param_norm',
-            *(k for k in MOE_METRICS if k in sums)):
+            *(k for k in (Z_LOSS_SUM, *MOE_METRICS) if k in sums)):
     sums[k] = jnp.where(ok, sums[k], 0.0)
 
 

@@ -6,6 +6,8 @@ chosen one) and cross-checks the chosen attention variant's declared capabilitie
 here is the fields no layer owns: sizes, the architectures', train.*, data.*, mesh and scan.
 """
 
+import math
+
 import models
 from layers import attention
 from layers import attention_variants
@@ -337,6 +339,7 @@ def _validate_model_options(config):
   _choice('model.kernel_init', m.get('kernel_init', 'lecun_normal'), initializers.KERNEL_INITS)
   _choice('model.embed_scale', m.get('embed_scale', 'sqrt_d'), stack.EMBED_SCALES)
   options.boolean('model.tie_output', m.get('tie_output', True))
+  _off_or_nonnegative('model.final_logit_softcap', m.get('final_logit_softcap', 0.0))
   if not m.get('tie_output', True) and config.train.get('loss_chunk', 0):
     raise ConfigError('train.loss_chunk > 0 needs model.tie_output=True (the tiled loss reads '
                       'the output as a table without a bias); valid with tie_output=False: 0')
@@ -394,9 +397,18 @@ def check_writable(name, path):
     raise ConfigError(f'{name}={path!r} cannot be written (no write permission on {parent!r})')
 
 
+def _off_or_nonnegative(name, value):
+  """Raises ConfigError unless `value` is a finite number >= 0 (a coefficient whose 0 is off)."""
+  if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+      or value < 0):
+    raise ConfigError(f'{name}={value!r} must be a finite number >= 0 (0 = off)')
+
+
 def _validate_loop_options(config):
-  """train.loss_chunk (the vocabulary-tiled loss) and train.profile_steps (a profiler trace)."""
+  """train.loss_chunk (the vocabulary-tiled loss), train.z_loss (PaLM's z-loss coefficient) and
+  train.profile_steps (a profiler trace)."""
   t = config.train
+  _off_or_nonnegative('train.z_loss', t.get('z_loss', 0.0))
   chunk = t.get('loss_chunk', 0)
   if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
     raise ConfigError(f'train.loss_chunk={chunk!r} must be an integer >= 0 (0 = off, C = '

@@ -135,6 +135,46 @@ def test_a_mesh_that_does_not_cover_the_devices_is_a_config_error(tmp_path):
     cli_checks.check_train_run(config, str(tmp_path / 'w'))
 
 
+# --- Config values -----------------------------------------------------------------------------
+
+# Coefficients whose 0 is off (models/stack.py, training/steps.py): a finite number >= 0.
+BAD_VALUES = [
+    ('model.final_logit_softcap', -1.0, r'model.final_logit_softcap=-1.0 must be a finite number '
+                                        r'>= 0 \(0 = off\)$'),
+    ('model.final_logit_softcap', float('nan'), 'model.final_logit_softcap=nan must be'),
+    ('model.final_logit_softcap', float('inf'), 'model.final_logit_softcap=inf must be'),
+    ('model.final_logit_softcap', None, 'model.final_logit_softcap=None must be'),
+    ('train.z_loss', -1e-4, r'train.z_loss=-0.0001 must be a finite number >= 0 \(0 = off\)$'),
+    ('train.z_loss', float('nan'), 'train.z_loss=nan must be'),
+    ('train.z_loss', float('inf'), 'train.z_loss=inf must be'),
+    ('train.z_loss', None, 'train.z_loss=None must be'),
+]
+
+
+@pytest.mark.parametrize('field,value,message', BAD_VALUES,
+                         ids=[f'{f}={v}' for f, v, _ in BAD_VALUES])
+def test_bad_config_values_are_one_line(field, value, message):
+  config = validation.resolve(decoder_only.get_config())
+  section, name = field.split('.')
+  config[section][name] = value
+  with pytest.raises(validation.ConfigError, match=f'^{message}') as e:
+    validation.validate(config)
+  assert '\n' not in str(e.value)
+
+
+@pytest.mark.parametrize('arch', ['decoder_only', 'encoder_only', 'encoder_decoder',
+                                  'rnn_seq2seq'])
+def test_softcap_and_z_loss_are_accepted_on_every_arch(arch):
+  """Gemma 2's c = 30 and PaLM's z = 1e-4 (integers too), with the tiled loss where it exists."""
+  for softcap, z_loss, chunk in ((30.0, 1e-4, 0), (30, 0, 0), (0.0, 1, 0), (30.0, 1e-4, 16)):
+    config = validation.resolve(decoder_only.get_config())
+    config.model.update(arch=arch, final_logit_softcap=softcap)
+    config.train.update(z_loss=z_loss, loss_chunk=0 if arch == 'rnn_seq2seq' else chunk)
+    if arch == 'rnn_seq2seq':
+      config.data.packing = 'none'
+    validation.validate(config)
+
+
 # --- eval.py's flags ---------------------------------------------------------------------------
 
 EVAL_DEFAULTS = dict(split=['validation', 'test'], max_examples=0, lengths=[], modes=[

@@ -152,6 +152,28 @@ def test_rnn_step_equals_teacher_forced_pass(cell, attention):
   np.testing.assert_allclose(step, full, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize('arch', ['decoder_only', 'encoder_decoder', 'rnn_seq2seq'])
+def test_softcapped_cache_equals_full_forward(arch):
+  """model.final_logit_softcap = c: the cached step's logits are capped as the full forward's,
+  both c·tanh(x / c) of the uncapped model's (same parameters, seed 0) and inside (-c, c);
+  c = 0.5 bends most of an untrained Transformer's logits, 0.02 the RNN's (std about 0.03)."""
+  cap = 0.02 if arch == 'rnn_seq2seq' else 0.5
+  model = build(arch, final_logit_softcap=cap)
+  if arch == 'decoder_only':
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 1, V)
+    batch = cache_batch = {'inputs': tokens}
+  else:
+    batch = enc_dec_batch()
+    cache_batch = {key: batch[key] for key in ('src_inputs', 'src_segment_ids', 'src_positions')}
+    tokens = batch['tgt_inputs']
+  full, step = full_and_cached_logits(model, batch, cache_batch, tokens)
+  np.testing.assert_allclose(step, full, atol=2e-5, rtol=2e-5)
+  raw = np.asarray(jitted_forward(build(arch))(batch), np.float64)  # [B, T, V] uncapped
+  assert np.max(np.abs(raw)) > 2 * cap
+  np.testing.assert_allclose(step, cap * np.tanh(raw / cap), atol=2e-5 * cap)
+  assert np.max(np.abs(step)) < cap
+
+
 def test_cross_attention_ignores_source_padding():
   model = jitted_forward(build('encoder_decoder'))
   batch = enc_dec_batch(pad_from=(7, 4))

@@ -1,5 +1,6 @@
 """training.losses: the vocabulary-tiled output projection and loss equal the plain path, forward
-and gradient, in float32; and a train step with train.loss_chunk equals one without."""
+and gradient, in float32, with the final logits' soft cap and PaLM's z-loss too; and a train step
+with train.loss_chunk equals one without."""
 
 import functools
 
@@ -43,6 +44,50 @@ def test_tiled_loss_equals_plain_forward_and_gradient(chunk):
     np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
 
 
+def plain_head(hidden, table, targets, weights, cap, z_loss):
+  """The plain path's sums with the soft cap and z-loss, and its objective (training.steps)."""
+  logits = cap * jnp.tanh(jnp.einsum('BTD,VD->BTV', hidden, table) / cap)  # [B, T, V]
+  sums = steps_lib.compute_metrics(logits, targets, weights)
+  sums['z_loss_sum'] = steps_lib.z_loss_sum(logits, weights)
+  sums['objective_sum'] = sums['loss_sum'] + z_loss * sums['z_loss_sum']
+  return sums
+
+
+@pytest.mark.parametrize('chunk', [1, 7, 64])
+def test_tiled_softcap_and_z_loss_equal_plain_forward_and_gradient(chunk):
+  """c = 5 with logits of std 7 (the cap bends them) and z = 0.01 (log Z is about 7: the z-loss
+  adds about 0.14 · softmax to the logits' gradient): the sums, and the objective's gradient with
+  respect to the hidden states, the table and the weights."""
+  b, t, d, v = 2, 5, 8, 50
+  cap, z_loss = 5.0, 1e-2
+  k = jax.random.split(jax.random.key(0), 3)
+  hidden = jax.random.normal(k[0], (b, t, d))
+  table = jax.random.normal(k[1], (v, d)) * 2.0
+  targets = jax.random.randint(k[2], (b, t), 0, v)
+  best = jnp.argmax(jnp.einsum('BTD,VD->BTV', hidden, table), -1)
+  targets = targets.at[:, ::2].set(best[:, ::2])
+  weights = jnp.asarray([[1, 1, 1, 0, 0], [1, 0.5, 1, 1, 1]], jnp.float32)
+  tiled = functools.partial(losses.chunked_metrics, chunk=chunk, softcap=cap, z_loss=z_loss)
+  want = plain_head(hidden, table, targets, weights, cap, z_loss)
+  got = tiled(hidden, table, targets, weights)
+  for key in ('loss_sum', 'correct_sum', 'weight_sum', 'z_loss_sum', 'objective_sum'):
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-5)
+  assert float(want['correct_sum']) > 0
+  objective = lambda fn: lambda h, e, w: fn(h, e, targets, w)['objective_sum']  # noqa: E731
+  g_want = jax.grad(objective(lambda *a: plain_head(*a, cap, z_loss)), (0, 1, 2))(
+      hidden, table, weights)
+  g_got = jax.grad(objective(tiled), (0, 1, 2))(hidden, table, weights)
+  for a, e in zip(g_got, g_want):
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
+  # Each part matters: the gradient without the cap or without the z-loss is another.
+  for other in (plain_head(hidden, table, targets, weights, 1e6, z_loss),
+                plain_head(hidden, table, targets, weights, cap, 0.0)):
+    assert abs(float(other['objective_sum'] - want['objective_sum'])) > 0.1
+  g_plain = jax.grad(objective(lambda *a: plain_head(*a, cap, 0.0)), (0, 1))(
+      hidden, table, weights)
+  assert float(jnp.max(jnp.abs(g_plain[0] - g_got[0]))) > 1e-3
+
+
 def test_tiled_accuracy_takes_the_first_of_tied_maxima():
   hidden = jnp.ones((1, 1, 2))
   table = jnp.asarray([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])  # ids 1, 2, 3 tie
@@ -51,14 +96,20 @@ def test_tiled_accuracy_takes_the_first_of_tied_maxima():
     assert float(got['correct_sum']) == correct
 
 
+HEADS = {'plain': (0.0, 0.0), 'softcap_z_loss': (5.0, 1e-2)}  # (final_logit_softcap, z_loss)
+
+
+@pytest.mark.parametrize('head', list(HEADS))
 @pytest.mark.parametrize('arch', ['decoder_only', 'encoder_decoder', 'encoder_only'])
-def test_train_step_with_loss_chunk_equals_the_plain_step(data_dir, arch):
+def test_train_step_with_loss_chunk_equals_the_plain_step(data_dir, arch, head):
   from configs import default
   from data import pipeline
   from training import validation
   import models
+  cap, z_loss = HEADS[head]
   config = validation.resolve(default.get_config('quick'))
-  config.model.update(arch=arch, num_layers=1)  # the tiles are in the output layer: one block
+  # The tiles are in the output layer: one block.
+  config.model.update(arch=arch, num_layers=1, final_logit_softcap=cap)
   config.data.data_dir = str(data_dir)
   validation.validate(config)
   tokenizer = pipeline.get_tokenizer(config.data)
@@ -69,10 +120,10 @@ def test_train_step_with_loss_chunk_equals_the_plain_step(data_dir, arch):
     graphdef, tx, state = state_lib.create_state(
         config, tokenizer.vocab_size, special_ids=models.SpecialIds.from_tokenizer(tokenizer))
     step = functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0),
-                             loss_chunk=chunk)
+                             loss_chunk=chunk, z_loss=z_loss)
     results.append(quick_jit(step)(state, batch))
   (s0, m0), (s1, m1) = results
-  for key in ('loss_sum', 'correct_sum', 'grad_norm'):
+  for key in ('loss_sum', 'correct_sum', 'grad_norm') + (('z_loss_sum',) if z_loss else ()):
     np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5)
   np.testing.assert_allclose(optax.global_norm(jax.tree.map(jnp.subtract, s1['params'],
                                                             s0['params'])),
