@@ -15,7 +15,8 @@ Compare: python -m tools.compare DIR --out=DIR/compare.png
 source, where names defined hundreds of tokens back matter), 5 seeds: the same 6-layer model at
 L = 64 for 2,000 steps, randomized RoPE with N = 32L = 2,048 (Ruoss et al.'s N lies well above the
 longest test length; 8L would be the test length itself), and a RoPE model trained at 4L = 256 as
-the reference for "uses more context" (evaluated at 64-512 tokens like the others). The randomized
+the reference for "uses more context" (batch 8, so that it trains on the same tokens as the others;
+evaluated at 64-512 tokens like them). The randomized
 cell is also evaluated at sorted random ids, as it trained (eval_variants).
 Compare: python -m tools.compare DIR --baseline=position=alibi --out=DIR/compare.png
 `:code,quick`: the smoke form (60 files a split, a few steps).
@@ -31,6 +32,7 @@ CODE_RANDOM_POSITIONS_MAX = 2048  # :code: 32L, well above the longest test wind
 CODE_STEPS = 2000
 CODE_LENGTH = 64  # :code: L
 REFERENCE_LENGTH = 256  # :code: the reference trained at 4L
+REFERENCE_BATCH = 8  # :code: the reference's rows of 4L, as many tokens as 32 rows of L
 OTHER_ARGS = ('code', 'code,quick')  # the sweep file's other forms (tests/unit/test_sweep.py)
 
 
@@ -88,7 +90,9 @@ def _code_sweep(arg):
            for p in (('rope',) if quick else POSITIONS)]
   cells.append({'data.max_length': length, 'model.position': 'rope',
                 'model.random_positions_max': CODE_RANDOM_POSITIONS_MAX})
-  cells.append({'data.max_length': REFERENCE_LENGTH, 'model.position': 'rope'})
+  # The same tokens per step (and so in all) as the cells at L: batch 32 x 64 = 8 x 256.
+  cells.append({'data.max_length': REFERENCE_LENGTH, 'model.position': 'rope',
+                'train.batch_size': REFERENCE_BATCH})
   # The first 128K tokens of the test split (of 211K; the quick corpus: 4K), to bound the cost.
   modes = ['--modes=non_overlapping,sliding', f'--stream_tokens={4096 if quick else 131072}']
   multiples = (1, 2) if quick else (1, 2, 4, 8)

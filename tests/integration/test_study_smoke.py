@@ -128,7 +128,7 @@ def test_code_positions_study_smoke(tmp_path):
   spec = _wrapped(tmp_path, 'rope_vs_alibi', tmp_path / 'tfds').replace(':quick', ':code,quick')
   _run(spec, sweep_dir, seeds=[0], run_eval=True)
   cells = sorted(os.listdir(sweep_dir))
-  assert cells == ['data.max_length=256,model.position=rope,seed=0',
+  assert cells == ['data.max_length=256,model.position=rope,train.batch_size=8,seed=0',
                    'data.max_length=64,model.position=rope,model.random_positions_max=2048,seed=0',
                    'data.max_length=64,model.position=rope,seed=0'], cells
   for cell, names in ((cells[0], ['eval.json']),
@@ -139,7 +139,8 @@ def test_code_positions_study_smoke(tmp_path):
       windows = [row['length'] for row in rows if row['mode'] == 'non_overlapping']
       assert windows == [64, 128], (cell, name, windows)  # the same windows for all
   table = compare.compare([str(sweep_dir)], str(tmp_path / 'cmp.png'),
-                          baseline='max_length=64,linformer_length=64,random_positions_max=0')
+                          baseline='max_length=64,linformer_length=64,random_positions_max=0,'
+                                   'batch_size=32')
   assert '[eval position_ids=random]' in table
   assert os.path.getsize(tmp_path / 'cmp_extrapolation.png') > 10_000
 
