@@ -17,6 +17,7 @@ import numpy as np
 
 from training import paths as paths_lib
 from tools import curves as curves_lib
+from tools import group_styles
 from tools import legend
 from tools import plot_style
 from tools import plots
@@ -166,8 +167,6 @@ REFERENCE = {'model.position': 'alibi', 'model.random_positions_max': 0}
 # stops here where one goes higher (the clipped curves are marked at the top edge and named; the
 # loss row above has them whole).
 RATIO_TOP = 1.5
-# Line styles in turn by group, so that groups are told apart without colour (ALiBi from KERPLE).
-LINE_STYLES = ('-', '--', '-.', ':')
 
 
 def legend_labels(groups):
@@ -224,7 +223,9 @@ def figure(groups, band_kind='minmax'):
   train_length = lengths[0]  # the shortest window: the training length of an x1 evaluation
   means = _mean_curves(curves, lengths, train_length, band_kind)
   colors = [plt.cm.tab10(i % 10) for i in range(len(groups))]
-  styles = [LINE_STYLES[i % len(LINE_STYLES)] for i in range(len(groups))]
+  # Line styles in turn too, so that groups are told apart without colour (ALiBi from KERPLE).
+  styles = [group_styles.LINE_STYLES[i % len(group_styles.LINE_STYLES)]
+            for i in range(len(groups))]
   clipped = set()
   for col, length in enumerate(lengths):
     ax = axes[0][col]

@@ -18,8 +18,9 @@ longest test length; 8L would be the test length itself), and a RoPE model train
 the reference for "uses more context" (batch 8, so that it trains on the same tokens as the others;
 evaluated at 64-512 tokens like them). The randomized
 cell is also evaluated at sorted random ids, as it trained (eval_variants).
-Compare: python -m tools.compare DIR --baseline=position=alibi --out=DIR/compare.png
-`:code,quick`: the smoke form (60 files a split, a few steps).
+Compare: python -m tools.compare DIR --baseline=CELL --out=DIR/compare.png (CELL: a cell's label
+as the table prints it, e.g. ALiBi's)
+`:code,quick`: the smoke form (12 files a split, 2 layers, a few steps).
 """
 
 from configs import default
@@ -85,7 +86,7 @@ def _code_sweep(arg):
   cell evaluated at 64, 128, 256 and 512 tokens (the training length is in every cell's name, so
   that each length reads its own --lengths). `quick`: RoPE, randomized RoPE and the reference."""
   quick = 'quick' in default.parse_arg(arg)
-  length = CODE_LENGTH
+  length = CODE_LENGTH  # L
   cells = [{'data.max_length': length, 'model.position': p}
            for p in (('rope',) if quick else POSITIONS)]
   cells.append({'data.max_length': length, 'model.position': 'rope',
