@@ -25,6 +25,18 @@ kernels_taking = attention_kernels.kernels_taking
 PROJECTION_OPTIONS = ('head_dim', 'attention_bias', 'attention_dropout', 'kernel_init')
 
 
+def projection_params(d_model, num_heads, num_kv_heads=None, *, use_bias=False, head_dim=None):
+  """q, k, v, o projections: D·N·H + 2·D·K·H + N·H·D (+ N·H + 2·K·H + D biases).
+
+  With N·H = D that is 4·D² for MHA (K = N) and 2·D² + 2·D·K·H for GQA/MQA: how the D columns are
+  split into heads does not change the count, only K does. `head_dim` None is H = D / N.
+  """
+  k = num_heads if num_kv_heads is None else num_kv_heads
+  h = d_model // num_heads if head_dim is None else head_dim
+  weights = 2 * d_model * num_heads * h + 2 * d_model * k * h
+  return weights + (num_heads * h + 2 * k * h + d_model if use_bias else 0)
+
+
 class Attention(nnx.Module, options.Configurable):
   """Multi-head attention with `num_kv_heads` key/value heads (MHA, GQA, MQA) and q/k/v/o
   projections.
@@ -118,6 +130,15 @@ class Attention(nnx.Module, options.Configurable):
                scale=1.0 if cfg.get('unscaled', False) else None,
                kernel_init=initializers.kernel_init(cfg),
                dropout_rate=cfg.get('attention_dropout', 0.0), rngs=rngs)
+
+  @classmethod
+  def param_count(cls, cfg):
+    """The parameters one layer of this variant holds, in closed form, from a resolved
+    `config.model` (models.accounting sums them and tests them against the built model). A
+    variant with parameters of its own extends this."""
+    return projection_params(cfg.d_model, cfg.num_heads, cfg.num_kv_heads,
+                             use_bias=initializers.attention_bias(cfg),
+                             head_dim=initializers.head_dim(cfg))
 
   @classmethod
   def check_options(cls, model_cfg):

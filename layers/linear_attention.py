@@ -376,6 +376,11 @@ class LinformerAttention(attention_lib.Attention):
   has_paged_cache = False
   options = attention_lib.Attention.options + ('linformer_k', 'linformer_length')
 
+  @classmethod
+  def param_count(cls, cfg):
+    """The projections and E, F `[k, max_length]`, shared by the heads."""
+    return super().param_count(cfg) + 2 * cfg.linformer_k * cfg.linformer_length
+
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, k=32, max_length, rngs, **kwargs):
     super().__init__(d_model, num_heads, num_kv_heads, rngs=rngs, **kwargs)
     self.max_length = int(max_length)

@@ -16,6 +16,8 @@ import jax
 from flax import nnx
 
 import models
+from layers import attention
+from layers import attention_variants
 from layers import block
 from layers import initializers
 from layers import moe
@@ -30,15 +32,10 @@ GATED_FFNS = ('swiglu', 'geglu')
 # --- Closed forms ---------------------------------------------------------------------------------
 
 def attention_params(d_model, num_heads, num_kv_heads=None, *, use_bias=False, head_dim=None):
-  """q, k, v, o projections: D·N·H + 2·D·K·H + N·H·D (+ N·H + 2·K·H + D biases).
-
-  With N·H = D that is 4·D² for MHA (K = N) and 2·D² + 2·D·K·H for GQA/MQA: how the D columns are
-  split into heads does not change the count, only K does. `head_dim` None is H = D / N.
-  """
-  k = num_heads if num_kv_heads is None else num_kv_heads
-  h = d_model // num_heads if head_dim is None else head_dim
-  weights = 2 * d_model * num_heads * h + 2 * d_model * k * h
-  return weights + (num_heads * h + 2 * k * h + d_model if use_bias else 0)
+  """q, k, v, o projections (`layers.attention.projection_params`): D·N·H + 2·D·K·H + N·H·D
+  (+ N·H + 2·K·H + D biases); 4·D² for MHA with N·H = D."""
+  return attention.projection_params(d_model, num_heads, num_kv_heads, use_bias=use_bias,
+                                     head_dim=head_dim)
 
 
 def ffn_params(d_model, d_ff, ffn='relu', *, use_bias=False):
@@ -97,13 +94,9 @@ def stack_layout(arch):
 
 
 def self_attention_params(cfg):
-  """One layer's self-attention, including the variant's own parameters (Linformer's E and F)."""
-  n = attention_params(cfg.d_model, cfg.num_heads, cfg.num_kv_heads,
-                       use_bias=initializers.attention_bias(cfg),
-                       head_dim=initializers.head_dim(cfg))
-  if cfg.attention == 'linformer':
-    n += 2 * cfg.linformer_k * cfg.linformer_length  # E, F [k, max_length], shared by the heads
-  return n
+  """One layer's self-attention as its variant declares it (`param_count`): the projections and
+  the variant's own parameters (Linformer's E and F)."""
+  return attention_variants.VARIANTS[cfg.attention].param_count(cfg)
 
 
 def formula_params(cfg, vocab_size, max_length):
