@@ -74,6 +74,9 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   model.final_logit_softcap = 0.0  # c > 0: logits c·tanh(logits / c), each in (-c, c) (Gemma 2:
   #                                  30); 0 = off
   model.attention_dropout = 0.0  # dropout on the attention probabilities (xla, blockwise only)
+  model.attention_gate = 'none'  # none | headwise | elementwise: each head's output times
+  #                               sigmoid(x W) before the output projection (Qiu et al. 2025)
+  model.qk_norm = 'none'  # none | rmsnorm: per-head RMSNorm of queries and keys before RoPE
   model.ffn_dropout = 0.0  # dropout on the feed-forward activations (after the nonlinearity)
   # mixture of experts (layers/moe.py, docs/moe.md); every moe_* field stays at its default while
   # moe_experts = 0

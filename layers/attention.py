@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from layers import attention_heads
 from layers import attention_kernels
 from layers import attention_xla
 from layers import contract
@@ -70,6 +71,9 @@ class Attention(nnx.Module, options.Configurable):
       pattern or state), or None (no cached decoding: eval.py's translation and tools.aot's decode
       program are refused at validation).
     has_paged_cache: `decode` reads a paged KV cache (`init_paged_cache`).
+    gates_output, norms_qk: every output of the layer goes through `output` (model.attention_gate)
+      and its q/k through `project` (model.qk_norm); a variant that computes either its own way
+      sets the one it does not apply to False, and validation refuses that option for it.
     options: the `config.model` fields `from_config` reads beyond the sizes.
   """
 
@@ -81,12 +85,14 @@ class Attention(nnx.Module, options.Configurable):
   scannable = True
   cached_decoding = 'dense'
   has_paged_cache = True
-  options = ('use_bias', 'attention_impl', 'unscaled')
+  gates_output = True
+  norms_qk = True
+  options = ('use_bias', 'attention_impl', 'unscaled', 'attention_gate', 'qk_norm')
   dropout_rate = 0.0  # attention dropout (set by __init__); a variant built otherwise has none
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, head_dim=None, use_bias=False,
                implementation='xla', local_window_size=None, scale=None, kernel_init=None,
-               dropout_rate=0.0, rngs):
+               dropout_rate=0.0, gate='none', qk_norm='none', rngs):
     """Args:
       d_model: D, the input and output width.
       num_heads, num_kv_heads: N query heads, K key/value heads (None: K = N).
@@ -98,6 +104,7 @@ class Attention(nnx.Module, options.Configurable):
       scale: the score scale (None: 1/sqrt(H)).
       kernel_init: the projections' initialiser (None: lecun_normal).
       dropout_rate: attention dropout on the probabilities while training (`__call__`'s rngs).
+      gate, qk_norm: see `layers.attention_heads` (GATES, QK_NORMS).
       rngs: parameter initialisation.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -120,6 +127,8 @@ class Attention(nnx.Module, options.Configurable):
     self.key = proj(d_model, (num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
     self.value = proj(d_model, (num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
     self.out = proj((num_heads, head_dim), d_model, ('heads', 'head_dim', 'embed'), axis=(-2, -1))
+    self.output_gate, self.qk_norm = attention_heads.make(
+        gate, qk_norm, d_model, num_heads, head_dim, use_bias=use_bias, kernel_init=init, rngs=rngs)
 
   @classmethod
   def from_config(cls, cfg, *, rngs):
@@ -129,22 +138,25 @@ class Attention(nnx.Module, options.Configurable):
                use_bias=initializers.attention_bias(cfg), implementation=cfg.attention_impl,
                scale=1.0 if cfg.get('unscaled', False) else None,
                kernel_init=initializers.kernel_init(cfg),
-               dropout_rate=cfg.get('attention_dropout', 0.0), rngs=rngs)
+               dropout_rate=cfg.get('attention_dropout', 0.0), rngs=rngs,
+               **attention_heads.layer_options(cfg))
 
   @classmethod
   def param_count(cls, cfg):
     """The parameters one layer of this variant holds, in closed form, from a resolved
     `config.model` (models.accounting sums them and tests them against the built model). A
     variant with parameters of its own extends this."""
-    return projection_params(cfg.d_model, cfg.num_heads, cfg.num_kv_heads,
-                             use_bias=initializers.attention_bias(cfg),
-                             head_dim=initializers.head_dim(cfg))
+    bias, head_dim = initializers.attention_bias(cfg), initializers.head_dim(cfg)
+    return (projection_params(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, use_bias=bias,
+                              head_dim=head_dim)
+            + attention_heads.param_count(cfg, cfg.d_model, cfg.num_heads, head_dim, use_bias=bias))
 
   @classmethod
   def check_options(cls, model_cfg):
     """`model.head_dim` (0 or a positive integer), `model.attention_bias` (a bool),
-    `model.attention_dropout` (a rate in [0, 1))."""
+    `model.attention_dropout` (a rate in [0, 1)), `model.attention_gate`, `model.qk_norm`."""
     m = model_cfg
+    attention_heads.check_options(m)
     head_dim = m.get('head_dim', 0)
     if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 0:
       raise options.ConfigError(f'model.head_dim={head_dim!r} must be an integer >= 0 (0 = '
@@ -166,6 +178,11 @@ class Attention(nnx.Module, options.Configurable):
     del data_cfg
     m = model_cfg
     options.boolean('model.unscaled', m.unscaled)
+    for name, declared, default in (('attention_gate', cls.gates_output, 'none'),
+                                    ('qk_norm', cls.norms_qk, 'none')):
+      if not declared and m.get(name, default) != default:
+        raise options.ConfigError(f'model.{name}={m[name]!r} is not applied by model.attention='
+                                  f'{m.attention!r}; valid value here: {default!r}')
     if cls.from_config.__func__ is not Attention.from_config.__func__:
       # A variant building itself through its own from_config (sparse, linear) does not pass the
       # projection options on: refuse them rather than ignore them.
@@ -221,9 +238,20 @@ class Attention(nnx.Module, options.Configurable):
     context = x if context is None else context
     names = ('batch', 'length', 'heads', 'head_dim')
     kv_names = ('batch', 'length', 'kv_heads', 'head_dim')
-    return (sharding.constrain(self.query(x), names),
-            sharding.constrain(self.key(context), kv_names),
-            sharding.constrain(self.value(context), kv_names))
+    q, k = self.norm_qk(sharding.constrain(self.query(x), names),
+                        sharding.constrain(self.key(context), kv_names))
+    return q, k, sharding.constrain(self.value(context), kv_names)
+
+  def norm_qk(self, q, k):
+    """QK-norm (model.qk_norm) of projected q `[B, T, N, H]` and k `[B, S, K, H]` (either may be
+    None), before a position method rotates them; unchanged without it."""
+    return (q, k) if self.qk_norm is None else self.qk_norm(q, k)
+
+  def output(self, y, x):
+    """The layer's `[B, T, D]` output from the heads' `y` `[B, T, N, H]`: the output gate of `x`
+    `[B, T, D]`, the queries' input (model.attention_gate), then the output projection. Every
+    variant's forward and cached steps end here."""
+    return self.out(y if self.output_gate is None else self.output_gate(y, x))
 
   def score_stats(self, x, *, segment_ids=None, positions=None, is_causal=False, position=None):
     """The training diagnostics' softmax statistics of this layer's self-attention on `x`.
@@ -240,7 +268,7 @@ class Attention(nnx.Module, options.Configurable):
       position: None or a `layers.positions` object acting inside attention.
 
     Returns:
-      {'attn_max_logit': scalar, 'attn_entropy': scalar (nats)}, see
+      {'attn_max_logit': scalar, 'attn_entropy': scalar (nats), 'attn_sink_share': scalar}, see
       `attention_xla.score_statistics`.
     """
     if not self.has_scores:
@@ -284,7 +312,7 @@ class Attention(nnx.Module, options.Configurable):
     out = self.attend(q, k, v, terms, segment_ids=seg, is_causal=is_causal,
                       window=self.local_window_size, implementation=self.implementation,
                       dropout_rng=dropout_rng)  # [B, T, N, H]
-    return self.out(out)  # [B, T, D]
+    return self.output(out, x)  # [B, T, D]
 
   def attend(self, q, k, v, terms, *, segment_ids=None, is_causal=False, window=None,
              implementation='xla', dropout_rng=None):
@@ -344,7 +372,8 @@ class Attention(nnx.Module, options.Configurable):
 
   def context_cache(self, context):
     """Cross-attention keys/values of an encoder output, computed once per source: {'k', 'v'}."""
-    return {'k': self.key(context), 'v': self.value(context)}  # [B, S, K, H] each
+    return {'k': self.norm_qk(None, self.key(context))[1],
+            'v': self.value(context)}  # [B, S, K, H] each
 
   def decode(self, x, cache, index, *, position=None):
     """Causal self-attention of one new token per row against the cache, which it extends.
@@ -422,7 +451,7 @@ class Attention(nnx.Module, options.Configurable):
     impl = self.implementation if KERNELS[self.implementation].decodes else 'xla'
     out = self.attend(q, keys, values, contract.ScoreTerms(bias=bias, mask=vis[:, None]),
                       implementation=impl)  # [B, 1, N, H]
-    return self.out(out), cache  # [B, 1, D]
+    return self.output(out, x), cache  # [B, 1, D]
 
   def decode_context(self, x, context_cache, context_mask=None):
     """Cross-attention of `x` `[B, 1, D]` to cached encoder keys/values; mask `[B, S]` True = real.
@@ -430,11 +459,11 @@ class Attention(nnx.Module, options.Configurable):
     Returns:
       `[B, 1, D]`.
     """
-    q = self.query(x)  # [B, 1, N, H]
+    q = self.norm_qk(self.query(x), None)[0]  # [B, 1, N, H]
     mask = None if context_mask is None else context_mask[:, None, None, :]  # [B, 1, 1, S]
     out = self.attend(q, context_cache['k'], context_cache['v'],
                       contract.ScoreTerms(mask=mask))  # [B, 1, N, H]
-    return self.out(out)
+    return self.output(out, x)
 
   def weights(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
               is_causal=False, positions=None, context_positions=None, position=None):

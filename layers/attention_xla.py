@@ -177,7 +177,10 @@ def score_statistics(logits, vis, real):
 
   Returns:
     {'attn_max_logit': the largest logit at a visible key of a real query row that sees some key,
-     'attn_entropy': the softmax entropy in nats, averaged over heads and those query rows}.
+     'attn_entropy': the softmax entropy in nats, averaged over heads and those query rows,
+     'attn_sink_share': the probability p_{i,0} those rows put on key 0 (the row's first token),
+     averaged the same way: near 1 when the heads park their attention on the first token (an
+     attention sink), 1/S-like when they spread it}.
   """
   if vis is None:
     vis = jnp.ones(logits.shape, bool)
@@ -186,5 +189,7 @@ def score_statistics(logits, vis, real):
   logp = jax.nn.log_softmax(jnp.where(vis, logits, NEG), -1)  # [B, N, T, S]
   # Hidden keys have probability 0 and add nothing (0·log 0 = 0), not 0·(-huge).
   entropy = -jnp.sum(jnp.where(vis, jnp.exp(logp) * logp, 0.0), -1)  # [B, N, T]
-  return {'attn_max_logit': max_logit,
-          'attn_entropy': jnp.sum(entropy * rows) / jnp.maximum(jnp.sum(rows), 1.0)}
+  sink = jnp.where(vis[..., 0], jnp.exp(logp[..., 0]), 0.0)  # [B, N, T]: p_{i,0}, 0 if hidden
+  count = jnp.maximum(jnp.sum(rows), 1.0)
+  return {'attn_max_logit': max_logit, 'attn_entropy': jnp.sum(entropy * rows) / count,
+          'attn_sink_share': jnp.sum(sink * rows) / count}

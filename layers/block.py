@@ -91,9 +91,10 @@ class Block(nnx.Module):
   Attributes:
     collect_stats: opt-in diagnostics (False by default, so the train step computes nothing
       extra): while True, each `__call__` sows {'act_rms', and for self-attention with
-      `has_scores` 'attn_max_logit', 'attn_entropy'; under rezero 'gate_self', 'gate_ffn' (and
-      'gate_cross'), the gates' values} as `nnx.Intermediate` 'stats' (read them with
-      `nnx.capture(..., nnx.Intermediate)` or `nnx.pop(model, nnx.Intermediate)`).
+      `has_scores` 'attn_max_logit', 'attn_entropy', 'attn_sink_share'; under rezero
+      'gate_self', 'gate_ffn' (and 'gate_cross'), the gates' values} as `nnx.Intermediate`
+      'stats' (read them with `nnx.capture(..., nnx.Intermediate)` or
+      `nnx.pop(model, nnx.Intermediate)`).
   """
 
   collect_stats = False

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from layers import attention as attention_lib
+from layers import attention_heads
 from layers import attention_xla
 from layers import options
 
@@ -199,7 +200,7 @@ class _Kernel(attention_lib.Attention):
                                is_causal)
     out = kernel_attention(qf, kf, v, is_causal=is_causal, chunk=self.chunk)  # [B, T, K, G, H]
     b, t = out.shape[:2]
-    return self.out(out.reshape(b, t, -1, out.shape[-1]).astype(x.dtype))
+    return self.output(out.reshape(b, t, -1, out.shape[-1]).astype(x.dtype), x)
 
   def weights(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
               is_causal=False, positions=None, context_positions=None, position=None):
@@ -250,12 +251,13 @@ class _Kernel(attention_lib.Attention):
     num = jnp.einsum('BKGM,BKMH->BKGH', qf[:, 0], kv)
     den = jnp.einsum('BKGM,BKM->BKG', qf[:, 0], z)
     out = _safe_divide(num, den[..., None]).reshape(b, 1, -1, h)  # [B, 1, N, H]
-    return self.out(out.astype(x.dtype)), {'kv': kv, 'z': z, 'shift': shift}
+    return self.output(out.astype(x.dtype), x), {'kv': kv, 'z': z, 'shift': shift}
 
 
 def _common(cfg):
   return dict(use_bias=cfg.use_bias, implementation=cfg.attention_impl,
-              scale=1.0 if cfg.get('unscaled', False) else None)
+              scale=1.0 if cfg.get('unscaled', False) else None,
+              **attention_heads.layer_options(cfg))
 
 
 class LinearAttention(_Kernel):
@@ -431,7 +433,7 @@ class LinformerAttention(attention_lib.Attention):
                                  position, is_causal)
     out = attention_lib.dot_product_attention(q, kp, vp, scale=self.scale,
                                               implementation='xla')  # [B, T, N, H], O(T·k)
-    return self.out(out)
+    return self.output(out, x)
 
   def weights(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
               is_causal=False, positions=None, context_positions=None, position=None):

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from layers import attention as attention_lib
+from layers import attention_heads
 from layers import attention_xla
 from layers import masks
 from layers import options
@@ -203,7 +204,7 @@ class _Sparse(attention_lib.Attention):
                            scale=self._scale(q.shape[-1]),
                            block=self.block, is_causal=is_causal, q_segment_ids=segment_ids,
                            kv_segment_ids=segment_ids)  # [B, T, N, H]
-    return self.out(out)
+    return self.output(out, x)
 
   def weights(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
               is_causal=False, positions=None, context_positions=None, position=None):
@@ -228,7 +229,8 @@ class _Sparse(attention_lib.Attention):
 
 def _common(cfg):
   return dict(use_bias=cfg.use_bias, implementation=cfg.attention_impl,
-              scale=1.0 if cfg.get('unscaled', False) else None)
+              scale=1.0 if cfg.get('unscaled', False) else None,
+              **attention_heads.layer_options(cfg))
 
 
 def _check_window(m):

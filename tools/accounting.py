@@ -118,18 +118,21 @@ def _parameters(m, counted, vocab_size, length):
   shared = stacks == 1 or m.get('share_embeddings', True)
   positions = {'learned': 'T_max·D per stack', 't5_bias': 'buckets·N per stack'}
   linformer = ' + 2·k·T (E, F)' if m.attention == 'linformer' else ''
+  gate = {'headwise': ' + D·N (gate)', 'elementwise': ' + D·N·H (gate)'}.get(
+      m.get('attention_gate', 'none'), '')
+  gate += ' + 2·H (QK-norm)' if m.get('qk_norm', 'none') == 'rmsnorm' else ''
   rows = [
       ('embedding', '', '', _n(counted['embedding']),
        'V·D' + ('' if shared else ' x2 (not shared)')),
       ('positions', '', '', _n(counted['positions']), positions.get(m.position, '0')),
       ('attention', _n(counted['attention'] / layers), layers, _n(counted['attention']),
-       attn_form + biases + linformer),
+       attn_form + biases + linformer + gate),
   ]
   per_layer = _n(layer)
   if cross:
     cross_layer = counted['cross_attention'] / m.num_layers
     rows.append(('cross-attention', _n(cross_layer), m.num_layers,
-                 _n(counted['cross_attention']), attn_form + biases))
+                 _n(counted['cross_attention']), attn_form + biases + gate))
     per_layer = f'enc {_n(layer)}, dec {_n(layer + cross_layer)}'
   rows += _ffn_rows(m, counted['ffn'], stacks, biases)
   rows += [

@@ -87,9 +87,10 @@ def group_sq_norms(tree, leaf_groups, num_groups):
 
 
 def diagnostic_pass(graphdef, variables, batch):
-  """Per-block activation RMS and attention max logit/entropy on `batch` (no dropout; jit it), and
-  under model.norm_position='rezero' each block's residual gates (`gate_self`, `gate_cross`,
-  `gate_ffn`): the value each sublayer's output is multiplied by, 0 at initialisation.
+  """Per-block activation RMS and attention max logit, entropy and sink share on `batch` (no
+  dropout; jit it), and under model.norm_position='rezero' each block's residual gates
+  (`gate_self`, `gate_cross`, `gate_ffn`): the value each sublayer's output is multiplied by, 0 at
+  initialisation.
 
   The statistics come from the model's own forward pass: every `Block` is switched to
   `collect_stats`, sows them (its self-attention's `score_stats` where it `has_scores`), and they
@@ -99,6 +100,7 @@ def diagnostic_pass(graphdef, variables, batch):
 
   Returns:
     {'act_rms/decoder/blocks/0': scalar, 'attn_max_logit/...', 'attn_entropy/...',
+     'attn_sink_share/...',
      'gate_self/...' (rezero), ...}.
   """
   model = state_lib.merge(graphdef, variables)

@@ -87,7 +87,7 @@ def test_attention_entropy_matches_the_attention_maps(segments):
   x = batch(1, segments)
   diag = quick_jit(functools.partial(diagnostics.diagnostic_pass, graphdef))(state['params'], x)
   keys = {f'{k}/decoder/blocks/{i}' for i in range(3)
-          for k in ('act_rms', 'attn_max_logit', 'attn_entropy')}
+          for k in ('act_rms', 'attn_max_logit', 'attn_entropy', 'attn_sink_share')}
   assert set(diag) == keys
   model = nnx.merge(graphdef, state['params'])
   maps = model.decoder.attention_weights(jnp.asarray(x['inputs']),
@@ -104,8 +104,9 @@ def test_attention_entropy_matches_the_attention_maps(segments):
 
 
 def test_golden_values_zero_queries_and_post_ln_rms():
-  """Zero query kernels: every logit is 0, so the max logit is 0 and each causal row's entropy is
-  log(i + 1); Post-LN's block outputs are LayerNorm outputs (unit scale at init): RMS 1."""
+  """Zero query kernels: every logit is 0, so the max logit is 0, each causal row's entropy is
+  log(i + 1) and its share on the first token 1 / (i + 1); Post-LN's block outputs are LayerNorm
+  outputs (unit scale at init): RMS 1."""
   config = tiny_config(norm_position='post', position='sinusoidal')
   graphdef, _, state = state_lib.create_state(config, VOCAB)
   params = jax.tree_util.tree_map_with_path(
@@ -116,6 +117,8 @@ def test_golden_values_zero_queries_and_post_ln_rms():
   for i in range(3):
     assert float(diag[f'attn_max_logit/decoder/blocks/{i}']) == 0.0
     np.testing.assert_allclose(diag[f'attn_entropy/decoder/blocks/{i}'], expected, rtol=1e-5)
+    np.testing.assert_allclose(diag[f'attn_sink_share/decoder/blocks/{i}'],
+                               np.mean(1.0 / np.arange(1, T + 1)), rtol=1e-5)
     np.testing.assert_allclose(diag[f'act_rms/decoder/blocks/{i}'], 1.0, atol=1e-3)
 
 

@@ -158,7 +158,7 @@ def test_block_sows_statistics_only_when_asked_and_they_match_a_numpy_softmax():
   y_stats, sown = run(blk)
   np.testing.assert_array_equal(y_stats, y)
   stats = sown['stats'].get_value()[-1]
-  assert set(stats) == {'act_rms', 'attn_max_logit', 'attn_entropy'}
+  assert set(stats) == {'act_rms', 'attn_max_logit', 'attn_entropy', 'attn_sink_share'}
 
   q, k, _ = (np.asarray(a, np.float64) for a in blk.self_attention.project(blk.self_norm(x)))
   k = np.repeat(k, 2, axis=2)  # [B, S, N, H]: query head n reads key head n // 2
@@ -175,6 +175,8 @@ def test_block_sows_statistics_only_when_asked_and_they_match_a_numpy_softmax():
   p = p / p.sum(-1, keepdims=True)
   entropy = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0), -1)  # [B, N, T]
   np.testing.assert_allclose(stats['attn_entropy'], entropy[real].mean(), rtol=1e-5)
+  # Key 0 is the first token of row 0's only segment, and hidden from row 1's second segment.
+  np.testing.assert_allclose(stats['attn_sink_share'], p[..., 0][real].mean(), rtol=1e-5)
   y64 = np.asarray(y, np.float64)
   np.testing.assert_allclose(stats['act_rms'], np.sqrt(np.mean(y64[s > 0] ** 2)), rtol=1e-5)
 
