@@ -19,6 +19,7 @@ from layers import options
 from layers import positions
 from models import accounting
 from tests.unit import test_decoding
+from tests.unit import test_scan_layers
 from training import validation
 
 D, N, K, H = 16, 4, 2, 4  # GQA: query heads n and n + 1 read key head n // 2
@@ -303,3 +304,15 @@ def test_sink_share_is_the_mean_probability_on_the_first_key():
   vis = vis.at[..., 3, 0].set(False)
   stats = attention_xla.score_statistics(logits, vis, jnp.ones((1, 4)))
   np.testing.assert_allclose(stats['attn_sink_share'], (1 + 3 / 4 + 3 / 5 + 0) / 4, rtol=1e-6)
+
+
+def test_scanned_layers_equal_unrolled_with_both_on():
+  """model.scan_layers stacks the gate's and the scales' parameters per layer like the others."""
+  kw = dict(attention_gate='elementwise', qk_norm='rmsnorm')
+  params = nnx.state(test_scan_layers.init('decoder_only', **kw))
+  unrolled = test_scan_layers.graphdef('decoder_only', **kw)
+  scanned = test_scan_layers.graphdef('decoder_only', scan_layers=True, **kw)
+  x = test_scan_layers.batch('decoder_only')
+  want = nnx.merge(unrolled, params)(x)
+  got = nnx.merge(scanned, test_scan_layers.stacked_like(params))(x)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
