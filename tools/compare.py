@@ -151,7 +151,8 @@ def define_flags():
                       'the line style (e.g. model.num_layers); default: the next such field when '
                       'colour alone does not tell the groups apart; none: solid lines.')
   flags.DEFINE_list('metrics', [], 'Logged training metrics to draw over training beside the '
-                    'loss (OUT_metrics.png) and tabulate, e.g. moe_drop_fraction,moe_load_cv.')
+                    'loss (OUT_metrics.png) and tabulate, e.g. moe_drop_fraction,moe_load_cv; '
+                    'a per-layer diagnostic bare (attn_sink_share) is its mean over the layers.')
   flags.DEFINE_string('baseline', None, 'A cell\'s name as the table prints it (its overrides '
                       'without the seed): every other cell gets a verdict against it, better, '
                       'worse or n.s. at 5% (paired t-test by seed, else Welch).')

@@ -3,6 +3,8 @@ training per group, mean and band across seeds, drawn into OUT_metrics.png, and 
 mean over the run and its last logged value, mean [min, max] across seeds.
 
 For example the MoE layers' `moe_drop_fraction` and `moe_load_cv` (docs/moe.md), or `grad_norm`.
+A per-layer diagnostic is named with its layer (`attn_sink_share/decoder/blocks/0`), or bare
+(`attn_sink_share`, `attn_entropy`) for its mean over the layers a row logged it for.
 """
 
 import numpy as np
@@ -14,11 +16,22 @@ from tools import plot_style
 from tools import plots
 
 
+def value(row, metric):
+  """A row's `metric`; where the row has no such key, the mean of its per-layer values
+  `metric/<layer>` (the diagnostics' `attn_sink_share/decoder/blocks/0`, ...); else None."""
+  if metric in row:
+    return row[metric]
+  layers = [v for k, v in row.items() if k.startswith(metric + '/')]
+  return float(np.mean(layers)) if layers else None
+
+
 def curve(run, metric):
-  """(steps, values) of `metric` in a run's training rows (empty where it never logged it)."""
-  rows = [r for r in run['rows'] if r.get('split') == 'train' and metric in r]
-  return (np.asarray([r['step'] for r in rows], np.int64),
-          np.asarray([r[metric] for r in rows], np.float64))
+  """(steps, values) of `metric` (see `value`) in a run's training rows (empty where it never
+  logged it)."""
+  rows = [(r['step'], value(r, metric)) for r in run['rows'] if r.get('split') == 'train']
+  rows = [(step, v) for step, v in rows if v is not None]
+  return (np.asarray([step for step, _ in rows], np.int64),
+          np.asarray([v for _, v in rows], np.float64))
 
 
 def check_metrics(groups, metrics):

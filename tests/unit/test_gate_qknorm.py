@@ -4,6 +4,8 @@ and gradient; off, the layer is the one it was; every variant applies both, also
 step; bad values are refused in one line. And the attn_sink_share diagnostic against a hand-computed
 value. (Two training steps through train.py: tests/integration/test_gate_qknorm_train.py.)"""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,8 @@ from layers import options
 from layers import positions
 from models import accounting
 from tests.unit import test_decoding
+from tests.unit import test_plots
+from tools import compare
 from tests.unit import test_scan_layers
 from training import validation
 
@@ -316,3 +320,21 @@ def test_scanned_layers_equal_unrolled_with_both_on():
   want = nnx.merge(unrolled, params)(x)
   got = nnx.merge(scanned, test_scan_layers.stacked_like(params))(x)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compare_tabulates_the_sink_share_per_layer_and_its_layer_mean(tmp_path):
+  """tools.compare --metrics: `attn_sink_share/decoder/blocks/1` is that layer's, the bare name
+  the mean over the layers of each row."""
+  for cell, share in (('a', 0.2), ('b', 0.6)):
+    workdir = tmp_path / 'sw' / cell
+    test_plots.write_run(str(workdir), {'model.attention_gate': cell, 'train.seed': 0},
+                         [4.0, 3.9])
+    rows = [{'step': s, 'split': 'train', 'loss': 4.0, 'attn_sink_share/decoder/blocks/0': share,
+             'attn_sink_share/decoder/blocks/1': share / 2 * s / 10} for s in (10, 20)]
+    with open(workdir / 'metrics.jsonl', 'w') as f:
+      f.write('\n'.join(json.dumps(r) for r in rows) + '\n')
+  table = compare.compare([str(tmp_path / 'sw')], str(tmp_path / 'cmp.png'),
+                          metrics=['attn_sink_share', 'attn_sink_share/decoder/blocks/1'])
+  # Cell a: layer means (0.2 + 0.1)/2 = 0.15 and (0.2 + 0.2)/2 = 0.2, run mean 0.175;
+  # layer 1 alone: 0.1, 0.2, run mean 0.15.
+  assert '| attention_gate=a | 0.175 | 0.2 | 0.15 | 0.2 |' in table, table
