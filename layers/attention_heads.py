@@ -29,11 +29,16 @@ def check_options(model_cfg):
   options.choice('model.qk_norm', model_cfg.get('qk_norm', 'none'), QK_NORMS)
 
 
+def gate_width(cfg, num_heads, head_dim):
+  """The gates per token: 0, N (headwise) or N·H (elementwise); the gate's kernel is D x this."""
+  return {'none': 0, 'headwise': num_heads, 'elementwise': num_heads * head_dim}[
+      cfg.get('attention_gate', 'none')]
+
+
 def param_count(cfg, d_model, num_heads, head_dim, *, use_bias):
   """The gate's D·N (headwise) or D·N·H (elementwise) weights (+ one bias per gate with the
   attention biases) and QK-norm's two scales of H."""
-  width = {'none': 0, 'headwise': num_heads, 'elementwise': num_heads * head_dim}[
-      cfg.get('attention_gate', 'none')]
+  width = gate_width(cfg, num_heads, head_dim)
   gate = d_model * width + (width if use_bias else 0)
   return gate + (2 * head_dim if cfg.get('qk_norm', 'none') == 'rmsnorm' else 0)
 

@@ -17,6 +17,7 @@ from flax import nnx
 
 import models
 from layers import attention
+from layers import attention_heads
 from layers import attention_variants
 from layers import block
 from layers import initializers
@@ -181,7 +182,10 @@ def forward_flops(cfg, vocab_size, length):
   num_moe = moe.num_moe_layers(cfg)
   ffn = ffn_params(d, cfg.d_ff, cfg.ffn) * (cfg.num_layers - num_moe) + (
       num_moe * moe_layer_params(cfg)['active'] if num_moe else 0)
-  stack_weights = attention_params(d, n, k, head_dim=h) * cfg.num_layers + ffn
+  # The output gate (model.attention_gate) is one more D x N(·H) matmul per attention layer.
+  attention_weights = attention_params(d, n, k, head_dim=h) + d * attention_heads.gate_width(
+      cfg, n, h)
+  stack_weights = attention_weights * cfg.num_layers + ffn
   matmul = 2 * t * stack_weights * stacks + 2 * t * d * vocab_size
   full, triangle = t * t, t * (t + 1) // 2  # (query, key) pairs: all, and the causal ones
   pairs = full * cfg.num_layers * stacks  # self-attention, every stack
@@ -189,7 +193,7 @@ def forward_flops(cfg, vocab_size, length):
   causal_pairs = pairs - (0 if cfg.arch == 'encoder_only' else (full - triangle) * cfg.num_layers)
   if cross:
     # q and o over target tokens, k and v over source tokens (both `length`): the same weights.
-    matmul += 2 * t * attention_params(d, n, k, head_dim=h) * cfg.num_layers
+    matmul += 2 * t * attention_weights * cfg.num_layers
     pairs += full * cfg.num_layers
     causal_pairs += full * cfg.num_layers  # cross-attention sees the whole source
   return {'matmul': matmul, 'scores': 4 * pairs * n * h, 'scores_causal': 4 * causal_pairs * n * h}

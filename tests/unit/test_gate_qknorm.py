@@ -19,7 +19,10 @@ from layers import attention_variants
 from layers import attention_xla
 from layers import options
 from layers import positions
+import models
 from models import accounting
+from tests.helpers import quick_jit, tiny
+from tests.unit import test_accounting
 from tests.unit import test_decoding
 from tests.unit import test_plots
 from tools import compare
@@ -98,7 +101,7 @@ def test_gate_matches_the_float64_formula_forward_and_gradient(kind):
   # d/dW_θ of sum(ct · out) = x^T [(ct Wo^T) ⊙ y ⊙ σ'(z)], summed over H for one gate per head.
   graphdef, params = nnx.split(lyr)
   loss, ct = loss_of(graphdef)
-  grads = jax.grad(loss)(params, x)
+  grads, grads_x = quick_jit(jax.grad(loss, (0, 1)))(params, x)
   dy = np.einsum('BTD,NHD->BTNH', ct, f64(lyr.out.kernel[...])) * y  # [B, T, N, H]
   dz = (dy if kind == 'elementwise' else dy.sum(-1)) * sigmoid(z) * (1 - sigmoid(z))
   want_dw = np.einsum('BTD,BT...->D...', f64(x), dz)
@@ -115,8 +118,7 @@ def test_gate_matches_the_float64_formula_forward_and_gradient(kind):
     g = g if kind == 'elementwise' else g[..., None]
     out = jnp.einsum('BNTS,BSNH->BTNH', p, v) * g
     return jnp.sum(jnp.einsum('BTNH,NHD->BTD', out, lyr.out.kernel[...]) * ct)
-  np.testing.assert_allclose(grads_x := jax.grad(loss, 1)(params, x), jax.grad(plain)(x),
-                             atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(grads_x, quick_jit(jax.grad(plain))(x), atol=1e-5, rtol=1e-5)
   assert np.abs(grads_x).max() > 1e-2
 
 
@@ -153,7 +155,7 @@ def test_qk_norm_matches_the_float64_formula_forward_and_gradient():
   np.testing.assert_allclose(lyr(x, is_causal=True), reference(lyr, x)[0], atol=2e-6, rtol=1e-5)
   graphdef, params = nnx.split(lyr)
   loss, ct = loss_of(graphdef)
-  grads = jax.grad(loss)(params, x)
+  grads, grads_x = quick_jit(jax.grad(loss, (0, 1)))(params, x)
 
   def plain(scales, x):  # the same formula in plain jnp
     def norm(t, s):
@@ -167,11 +169,11 @@ def test_qk_norm_matches_the_float64_formula_forward_and_gradient():
     out = jnp.einsum('BNTS,BSNH->BTNH', p, v) * g
     return jnp.sum(jnp.einsum('BTNH,NHD->BTD', out, lyr.out.kernel[...]) * ct)
   scales = (lyr.qk_norm.query_scale[...], lyr.qk_norm.key_scale[...])
-  want_s, want_x = jax.grad(plain, (0, 1))(scales, x)
+  want_s, want_x = quick_jit(jax.grad(plain, (0, 1)))(scales, x)
   got = grads['qk_norm']
   np.testing.assert_allclose(got['query_scale'][...], want_s[0], atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(got['key_scale'][...], want_s[1], atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(jax.grad(loss, 1)(params, x), want_x, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(grads_x, want_x, atol=1e-5, rtol=1e-5)
 
 
 def test_qk_norm_comes_before_rope_and_scores_stay_relative():
@@ -223,11 +225,13 @@ def test_every_variant_builds_and_counts_the_gate_and_qk_norm(variant):
   assert lyr.output_gate is not None and lyr.qk_norm is not None
   count = sum(v.size for _, v in nnx.to_flat_state(nnx.state(lyr, nnx.Param)))
   assert count == cls.param_count(config.model)
+  graphdef, params = nnx.split(lyr)
+  forward = quick_jit(lambda p, x: nnx.merge(graphdef, p)(x, is_causal=cls.supports_causal))
   x = inputs()
-  causal = cls.supports_causal
-  y = lyr(x, is_causal=causal)
-  lyr.output_gate.proj.kernel.set_value(lyr.output_gate.proj.kernel[...] * 3.0)
-  assert np.abs(f64(lyr(x, is_causal=causal)) - f64(y)).max() > 1e-3
+  y = forward(params, x)
+  params['output_gate']['proj']['kernel'].set_value(params['output_gate']['proj']['kernel'][...]
+                                                    * 3.0)
+  assert np.abs(f64(forward(params, x)) - f64(y)).max() > 1e-3
 
 
 def test_cross_attention_is_gated_and_counted():
@@ -317,8 +321,8 @@ def test_scanned_layers_equal_unrolled_with_both_on():
   unrolled = test_scan_layers.graphdef('decoder_only', **kw)
   scanned = test_scan_layers.graphdef('decoder_only', scan_layers=True, **kw)
   x = test_scan_layers.batch('decoder_only')
-  want = nnx.merge(unrolled, params)(x)
-  got = nnx.merge(scanned, test_scan_layers.stacked_like(params))(x)
+  want, got = quick_jit(lambda p, s: (nnx.merge(unrolled, p)(x), nnx.merge(scanned, s)(x)))(
+      params, test_scan_layers.stacked_like(params))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -338,3 +342,21 @@ def test_compare_tabulates_the_sink_share_per_layer_and_its_layer_mean(tmp_path)
   # Cell a: layer means (0.2 + 0.1)/2 = 0.15 and (0.2 + 0.2)/2 = 0.2, run mean 0.175;
   # layer 1 alone: 0.1, 0.2, run mean 0.15.
   assert '| attention_gate=a | 0.175 | 0.2 | 0.15 | 0.2 |' in table, table
+
+
+def test_forward_flops_count_the_gate_as_xla_does():
+  """The gate is one more D x N·H matmul per layer: 2·T·D·N·H more matmul FLOPs per layer, and the
+  gated model's forward FLOPs agree with XLA's cost analysis as the plain model's do."""
+  length, layers = 64, 2
+  flops = {}
+  for gate in ('none', 'elementwise'):
+    config = tiny(length, attention_gate=gate)
+    graphdef, state = nnx.split(models.build(config.model, 23, length, rngs=nnx.Rngs(0)))
+    batch = {'inputs': jnp.zeros((2, length), jnp.int32)}
+    xla = test_accounting.xla_flops(lambda s, b: nnx.merge(graphdef, s)(b), state, batch)
+    fl = accounting.forward_flops(config.model, 23, length)
+    flops[gate] = fl['matmul']
+    assert xla / (2 * (fl['matmul'] + fl['scores'])) == pytest.approx(
+        1.0, rel=test_accounting.FLOPS_RTOL)
+  m = config.model
+  assert flops['elementwise'] - flops['none'] == 2 * length * m.d_model * m.d_model * layers
