@@ -141,6 +141,13 @@ class Attention(nnx.Module, options.Configurable):
                              head_dim=initializers.head_dim(cfg))
 
   @classmethod
+  def cache_per_token(cls, cfg):
+    """Elements one layer's self-attention cache holds per token, in closed form from a resolved
+    `config.model`: 2·K·H (a key and a value per key/value head); a variant caching something
+    else (MLA's latent) overrides this. models.accounting's KV-cache rows read it."""
+    return 2 * cfg.num_kv_heads * initializers.head_dim(cfg)
+
+  @classmethod
   def check_options(cls, model_cfg):
     """`model.head_dim` (0 or a positive integer), `model.attention_bias` (a bool),
     `model.attention_dropout` (a rate in [0, 1))."""
