@@ -83,6 +83,7 @@ class Attention(nnx.Module, options.Configurable):
   has_paged_cache = True
   options = ('use_bias', 'attention_impl', 'unscaled')
   dropout_rate = 0.0  # attention dropout (set by __init__); a variant built otherwise has none
+  cache_form = '2·K·H'  # `cache_per_token` in words (tools.accounting's cache rows)
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, head_dim=None, use_bias=False,
                implementation='xla', local_window_size=None, scale=None, kernel_init=None,
@@ -144,7 +145,8 @@ class Attention(nnx.Module, options.Configurable):
   def cache_per_token(cls, cfg):
     """Elements one layer's self-attention cache holds per token, in closed form from a resolved
     `config.model`: 2·K·H (a key and a value per key/value head); a variant caching something
-    else (MLA's latent) overrides this. models.accounting's KV-cache rows read it."""
+    else (MLA's latent) overrides this, and `cache_form`, its closed form in words, with it.
+    models.accounting's KV-cache rows read both."""
     return 2 * cfg.num_kv_heads * initializers.head_dim(cfg)
 
   @classmethod

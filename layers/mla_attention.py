@@ -52,6 +52,7 @@ class MultiHeadLatentAttention(attention.Attention):
   takes_score_terms = False  # the absorbed cached step adds no [T, S] terms
   cached_decoding = 'own'  # `decode` below: the latent cache and the absorbed projections
   has_paged_cache = False
+  cache_form = 'd_c + d_h^R'
   options = ('attention_impl', 'unscaled', 'head_dim', 'kernel_init', 'attention_dropout',
              'mla_kv_rank', 'mla_q_rank', 'mla_rope_dim')
 
@@ -151,18 +152,7 @@ class MultiHeadLatentAttention(attention.Attention):
       if m.get(name, False):
         raise options.ConfigError(f'model.{name}={m[name]!r}: model.attention=\'mla\' has no '
                                   'projection biases (DeepSeek-V2); valid value here: False')
-    position = positions_lib.POSITIONS[m.position]
-    turning = sorted(p for p, v in positions_lib.POSITIONS.items() if v.rotates_any_width)
-    if position.rotates and not position.rotates_any_width:
-      raise options.ConfigError(
-          f'model.position={m.position!r} rotates q and k at their head width only, which '
-          "model.attention='mla' cannot apply to its decoupled rotary key; valid values: "
-          f'{", ".join(turning + _plain_positions(m))}')
-    if m.get('mla_rope_dim', 0) and not position.rotates_any_width:
-      raise options.ConfigError(
-          f'model.mla_rope_dim={m.mla_rope_dim!r} is a rotary part, which model.position='
-          f'{m.position!r} does not rotate; valid: model.mla_rope_dim=0, or model.position in: '
-          f'{", ".join(turning)}')
+    _check_position(m)
 
   # --- The full forward pass ----------------------------------------------------------------------
 
@@ -286,8 +276,27 @@ class MultiHeadLatentAttention(attention.Attention):
     return self.out(self.absorbed_output(o_lat)), cache  # [B, 1, D]
 
 
-def _plain_positions(model_cfg):
-  """The position methods that neither rotate nor add score terms (for messages)."""
-  return sorted(p for p, v in positions_lib.POSITIONS.items()
-                if not v.rotates and not v.terms_for(model_cfg))
 
+def _check_position(model_cfg):
+  """`model.position` against MLA: a method that rotates any width (RoPE) for the rotary part,
+  or one acting outside attention (sinusoidal, learned, nope) with no rotary part; score terms
+  (the absorbed step has no [T, S] scores to add them to) and xPos (a head-width rotation) are
+  refused. Read from the methods' declarations (`rotates`, `rotates_any_width`, `terms_for`)."""
+  m = model_cfg
+  position = positions_lib.POSITIONS[m.position]
+  turning = sorted(p for p, v in positions_lib.POSITIONS.items() if v.rotates_any_width)
+  plain = sorted(p for p, v in positions_lib.POSITIONS.items()
+                 if not v.rotates and not v.terms_for(m))
+  why = None
+  if position.terms_for(m):
+    why = 'adds a term to the scores, which the absorbed cached step does not add'
+  elif position.rotates and not position.rotates_any_width:
+    why = 'rotates q and k at their head width only, not the decoupled rotary key'
+  if why:
+    raise options.ConfigError(f'model.position={m.position!r} {why}: model.attention=\'mla\' '
+                              f'cannot take it; valid values: {", ".join(sorted(turning + plain))}')
+  if m.get('mla_rope_dim', 0) and not position.rotates_any_width:
+    raise options.ConfigError(
+        f'model.mla_rope_dim={m.mla_rope_dim!r} is a rotary part, which model.position='
+        f'{m.position!r} does not rotate; valid: model.mla_rope_dim=0, or model.position in: '
+        f'{", ".join(turning)}')
