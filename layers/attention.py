@@ -84,6 +84,7 @@ class Attention(nnx.Module, options.Configurable):
   options = ('use_bias', 'attention_impl', 'unscaled')
   dropout_rate = 0.0  # attention dropout (set by __init__); a variant built otherwise has none
   cache_form = '2·K·H'  # `cache_per_token` in words (tools.accounting's cache rows)
+  param_form = None  # `param_count` in words where it is not the q/k/v/o projections' (MLA's)
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, head_dim=None, use_bias=False,
                implementation='xla', local_window_size=None, scale=None, kernel_init=None,

@@ -53,6 +53,8 @@ class MultiHeadLatentAttention(attention.Attention):
   cached_decoding = 'own'  # `decode` below: the latent cache and the absorbed projections
   has_paged_cache = False
   cache_form = 'd_c + d_h^R'
+  param_form = ('D·d_c + d_c + 2·d_c·K·H + D·d_h^R + N·H·D + D·N·(H + d_h^R) (or with d_c\': '
+                'D·d_c\' + d_c\' + d_c\'·N·(H + d_h^R))')
   options = ('attention_impl', 'unscaled', 'head_dim', 'kernel_init', 'attention_dropout',
              'mla_kv_rank', 'mla_q_rank', 'mla_rope_dim')
 
@@ -295,6 +297,11 @@ def _check_position(model_cfg):
   if why:
     raise options.ConfigError(f'model.position={m.position!r} {why}: model.attention=\'mla\' '
                               f'cannot take it; valid values: {", ".join(sorted(turning + plain))}')
+  if position.rotates_any_width and m.get('rope_fraction', 1.0) != 1.0:
+    # A RoPE option for the heads' own rotation; MLA's rotary part is rotated whole.
+    raise options.ConfigError(
+        f'model.rope_fraction={m.rope_fraction!r} is not read by model.attention=\'mla\', '
+        'whose decoupled rotary part (model.mla_rope_dim) is rotated whole; valid value here: 1.0')
   if m.get('mla_rope_dim', 0) and not position.rotates_any_width:
     raise options.ConfigError(
         f'model.mla_rope_dim={m.mla_rope_dim!r} is a rotary part, which model.position='

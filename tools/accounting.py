@@ -115,7 +115,8 @@ def _parameters(m, counted, vocab_size, length):
   layers = m.num_layers * stacks
   layer = (counted['attention'] + counted['ffn']) / layers  # self-attention + FFN
   biases = ' + biases' if m.use_bias else ''
-  attn_form = '4·D²' if m.num_kv_heads == m.num_heads else '2·D² + 2·D·K·H'
+  attn_form = attention_variants.VARIANTS[m.attention].param_form or (
+      '4·D²' if m.num_kv_heads == m.num_heads else '2·D² + 2·D·K·H')
   shared = stacks == 1 or m.get('share_embeddings', True)
   positions = {'learned': 'T_max·D per stack', 't5_bias': 'buckets·N per stack'}
   linformer = ' + 2·k·T (E, F)' if m.attention == 'linformer' else ''

@@ -236,6 +236,7 @@ def test_the_cache_per_token_is_below_mha_and_reported():
   validation.validate(config)
   text = accounting_tool.report(config, 23)
   assert '| this config (attention=mla, K=8) | d_c + d_h^R | 64 |' in text
+  assert '| attention | 720,928 | 2 | 1,441,856 | D·d_c + d_c + 2·d_c·K·H' in text
   assert '| MHA (K = N = 8) | 2·N·H | 1,024 |' in text and '| MQA (K = 1) | 2·H | 128 |' in text
 
 
@@ -249,6 +250,7 @@ def test_the_cache_per_token_is_below_mha_and_reported():
     ({'position': 'sinusoidal', 'mla_rope_dim': 4},
      r"model.mla_rope_dim=4 is a rotary part, which model.position='sinusoidal' does not rotate; "
      r'valid: model.mla_rope_dim=0, or model.position in: rope$'),
+    ({'rope_fraction': 0.5}, r"model.rope_fraction=0.5 is not read by model.attention='mla'"),
     ({'use_bias': True}, r"model.use_bias=True: model.attention='mla' has no projection biases"),
 ])
 def test_bad_values_are_refused_in_one_line(model, message):
