@@ -32,10 +32,10 @@ class MultiHeadLatentAttention(attention.Attention):
 
   Per head n (H the head width, d_h^R the rotary width, K key/value heads, G = N / K):
     c_KV = RMSNorm(W_DKV h), k^C = W_UK c_KV, v = W_UV c_KV                   (eqs. 9-11)
-    k^R = RoPE(W_KR h), one rotary key shared by every head                   (eq. 13)
-    c_Q = RMSNorm(W_DQ h), q^C = W_UQ c_Q, q^R = RoPE(W_QR c_Q)               (eqs. 12, 14-15)
+    c_Q = RMSNorm(W_DQ h), q^C = W_UQ c_Q, q^R = RoPE(W_QR c_Q)               (eqs. 12-14)
       (with `q_rank` 0 there is no query latent: q^C = W_Q h, q^R = RoPE(W_QR h))
-    q = [q^C; q^R], k = [k^C; k^R], softmax(q·k / sqrt(H + d_h^R)) v, then W_O (eqs. 16-19).
+    k^R = RoPE(W_KR h), one rotary key shared by every head                   (eq. 16)
+    q = [q^C; q^R], k = [k^C; k^R], softmax(q·k / sqrt(H + d_h^R)) v, then W_O (eqs. 15, 17-19).
   The RMSNorms on c_KV and c_Q are DeepSeek-V2's (its released code, not written in the eqs.).
   With K < N each up-projected key/value head serves G query heads (DeepSeek-V2 has K = N).
 

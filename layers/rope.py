@@ -205,7 +205,7 @@ class RoPE(nnx.Module, options.Configurable):
   def rotate(self, x, positions):
     """x `[B, T, N, d]` rotated over all its d dimensions (any even d, not only this method's
     head width) with this method's base and scaling: a variant's own rotary part (MLA's decoupled
-    query and key, DeepSeek-V2 eq. 12-13).
+    query and key, DeepSeek-V2 eqs. 14 and 16).
 
     Args:
       x: `[B, T, N, d]`, d even.

@@ -77,8 +77,8 @@ def reference(p, x, pos, seg, *, kv_heads, q_rank, rope_dim, causal):
   q, k = q_c, k_c
   if rope_dim:
     q_r = rot(jnp.einsum('BTE,ENR->BTNR', c_q, p['query_rope/kernel']))  # (14)
-    k_r = rot((x @ p['key_rope/kernel'])[:, :, None])  # [B, T, 1, R]  (15)
-    q = jnp.concatenate([q_c, q_r], -1)  # (16)
+    k_r = rot((x @ p['key_rope/kernel'])[:, :, None])  # [B, T, 1, R]  (16)
+    q = jnp.concatenate([q_c, q_r], -1)  # (15)
     k = jnp.concatenate([k_c, jnp.broadcast_to(k_r, k_c.shape[:3] + (rope_dim,))], -1)  # (17)
   g = N // kv_heads
   k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)  # [B, S, N, .]
