@@ -130,6 +130,10 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   model.linformer_length = 0  # linformer: length of E, F (longest input); 0 = data.max_length
   model.performer_features = 64  # performer: number of random features M
   model.performer_redraw = 0  # performer: 0 = fixed features, R = redraw every R steps
+  model.mla_kv_rank = 32  # mla: d_c, the key/value latent width each token caches (> 0)
+  model.mla_q_rank = 0  # mla: d_c', the query latent width; 0 = no query latent (q = W_Q h)
+  model.mla_rope_dim = 0  # mla: d_h^R, the decoupled RoPE width per head (one rotary key shared
+  #                         by the heads); 0 = H/2 (even, >= 2) under position=rope, else none
   # encoder_decoder
   model.share_embeddings = True  # one token embedding for encoder, decoder and output (else two)
   model.decoder_attention = ''  # the decoder's self-attention variant ('' = model.attention), e.g.

@@ -89,6 +89,8 @@ class Attention(nnx.Module, options.Configurable):
   norms_qk = True
   options = ('use_bias', 'attention_impl', 'unscaled', 'attention_gate', 'qk_norm')
   dropout_rate = 0.0  # attention dropout (set by __init__); a variant built otherwise has none
+  cache_form = '2·K·H'  # `cache_per_token` in words (tools.accounting's cache rows)
+  param_form = None  # `param_count` in words where it is not the q/k/v/o projections' (MLA's)
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, head_dim=None, use_bias=False,
                implementation='xla', local_window_size=None, scale=None, kernel_init=None,
@@ -150,6 +152,14 @@ class Attention(nnx.Module, options.Configurable):
     return (projection_params(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, use_bias=bias,
                               head_dim=head_dim)
             + attention_heads.param_count(cfg, cfg.d_model, cfg.num_heads, head_dim, use_bias=bias))
+
+  @classmethod
+  def cache_per_token(cls, cfg):
+    """Elements one layer's self-attention cache holds per token, in closed form from a resolved
+    `config.model`: 2·K·H (a key and a value per key/value head); a variant caching something
+    else (MLA's latent) overrides this, and `cache_form`, its closed form in words, with it.
+    models.accounting's KV-cache rows read both."""
+    return 2 * cfg.num_kv_heads * initializers.head_dim(cfg)
 
   @classmethod
   def check_options(cls, model_cfg):

@@ -32,7 +32,7 @@ def _cudnn(query, key, value, bias=None, mask=None, *, scale, is_causal=False, w
 # Exact softmax attention kernels, keyed by `config.model.attention_impl`, and what each takes
 # (layers.contract.Kernel): validation derives every kernel rule from this one table.
 KERNELS = {
-    'xla': contract.Kernel(attention_xla.attention, dropout=True, decodes=True),
+    'xla': contract.Kernel(attention_xla.attention, dropout=True, decodes=True, value_width=True),
     'blockwise': contract.Kernel(attention_blockwise.attention, dropout=True),
     # Custom calls XLA cannot partition: per device under shard_map on a mesh (attention_sharded),
     # each device holding the whole sequence. They take dense arrays, not a bias function.

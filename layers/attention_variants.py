@@ -8,6 +8,7 @@ declared on `Attention` (has_scores, takes_score_terms, ...).
 
 from layers import attention
 from layers import linear_attention
+from layers import mla_attention
 from layers import sparse_attention
 
 VARIANTS = {
@@ -18,4 +19,5 @@ VARIANTS = {
     'linformer': linear_attention.LinformerAttention,
     'performer': linear_attention.PerformerAttention,
     'linear': linear_attention.LinearAttention,
+    'mla': mla_attention.MultiHeadLatentAttention,
 }

@@ -65,6 +65,8 @@ class Kernel:
       mesh.sequence must be 1) or 'needed' (it splits the length: mesh.sequence > 1).
     platforms: the jax backends it runs on.
     decodes: it serves the one-row cached decoding step; the others leave that step to 'xla'.
+    value_width: v's head dim may differ from q's and k's (MLA: H beside H + d_h^R); a caller of
+      a kernel without it pads v with zeros to their width.
   """
 
   fn: Callable
@@ -73,6 +75,7 @@ class Kernel:
   sequence_mesh: str = 'any'
   platforms: tuple = ('cpu', 'gpu', 'tpu')
   decodes: bool = False
+  value_width: bool = False
 
   def missing(self, terms):
     """The names in `terms` this kernel cannot take."""

@@ -173,6 +173,14 @@ class _Kernel(attention_lib.Attention):
   cached_decoding = 'own'  # `decode` below: running sums of the key features
   has_paged_cache = False
 
+  cache_form = '0 (a state of fixed size)'
+
+  @classmethod
+  def cache_per_token(cls, cfg):
+    """0: the cached state is running sums of a fixed size (`init_cache`), nothing per token."""
+    del cfg
+    return 0
+
   def features(self, q, k):
     """(`[B, T, K, G, M]`, `[B, S, K, M]`) non-negative features of q `[B, T, N, H]`,
     k `[B, S, K, H]`."""

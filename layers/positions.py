@@ -30,9 +30,15 @@ class Position(nnx.Module, options.Configurable):
     terms: the `layers.contract.ScoreTerms` fields `in_attention` may set (ALiBi's slopes, T5's
       bias, ...): only attention with `[T, S]` scores takes them, and each kernel only those it
       declares (`layers.contract.Kernel.terms`). `terms_for` refines it by the config.
+    rotates: `in_attention` rotates q and k (RoPE, xPos).
+    rotates_any_width: it also has `rotate(x, positions)`, the same rotation for a tensor of any
+      even width, which a variant with a rotary part of its own applies to it (MLA's decoupled
+      key); False where the rotation belongs to the head width it was built for (xPos's decay).
   """
 
   terms = ()
+  rotates = False
+  rotates_any_width = False
 
   @classmethod
   def terms_for(cls, model_cfg):

@@ -126,6 +126,8 @@ class RoPE(nnx.Module, options.Configurable):
   """
 
   terms = ()  # it rotates q and k; the scores get no term
+  rotates = True
+  rotates_any_width = True  # `rotate` below (layers.positions.Position's declarations)
   options = ('rope_base', 'rope_fraction', 'rope_scaling', 'rope_scaling_factor')
 
   @classmethod
@@ -200,6 +202,22 @@ class RoPE(nnx.Module, options.Configurable):
   def check_length(self, length):
     del length
 
+  def rotate(self, x, positions):
+    """x `[B, T, N, d]` rotated over all its d dimensions (any even d, not only this method's
+    head width) with this method's base and scaling: a variant's own rotary part (MLA's decoupled
+    query and key, DeepSeek-V2 eqs. 14 and 16).
+
+    Args:
+      x: `[B, T, N, d]`, d even.
+      positions: `[B|1, T]` int positions, or None for 0..T-1.
+    """
+    if positions is None:
+      positions = jnp.arange(x.shape[1])[None]  # [1, T]
+    inv_freq = rope_inv_freq(x.shape[-1], self.base, self.scaling, self.factor,
+                             self.original_max_length)  # [d/2]
+    return apply_rope(x, positions, jnp.asarray(inv_freq, jnp.float32),
+                      attention_factor(self.scaling, self.factor))
+
   def in_attention(self, q, k, q_pos, k_pos, *, is_causal):
     del is_causal
     if q_pos is None:
@@ -257,6 +275,8 @@ class XPos(RoPE):
   before, m >= (n // w - 1) w. With w the training length, training is plain causal attention.
   """
 
+  # Its decay belongs to the head width it was built for: no `rotate` of another width.
+  rotates_any_width = False
   options = RoPE.options + ('xpos_scale_base', 'xpos_block')
 
   def __init__(self, head_dim, *, scale_base=512.0, centre=0, block=0, **kwargs):

@@ -153,6 +153,16 @@ def kv_cache_elements(num_layers, num_kv_heads, head_dim, length):
   return 2 * num_layers * num_kv_heads * head_dim * length
 
 
+def kv_cache_per_token(cfg):
+  """Elements a sequence's self-attention cache holds per token over all decoder layers: L x the
+  decoder variant's declared `cache_per_token` (2·K·H for a key and a value per KV head; MLA's
+  d_c + d_h^R); None for an architecture with no decoder (encoder_only)."""
+  if cfg.arch not in ('decoder_only', 'encoder_decoder'):
+    return None
+  variant = attention_variants.VARIANTS[cfg.get('decoder_attention', '') or cfg.attention]
+  return cfg.num_layers * variant.cache_per_token(cfg)
+
+
 def score_bytes(length, bytes_per_element, *, key_length=None, with_softmax=False):
   """One head's `[T, S]` score matrix (x2 with the softmax output kept beside it)."""
   s = length if key_length is None else key_length

@@ -20,6 +20,7 @@ from data import synthetic
 from data import text_corpus
 from data import tokenizer as tokenizer_lib
 from data import toy_translation
+from layers import attention_variants
 from layers import initializers
 from layers import moe
 from layers import sharding
@@ -114,7 +115,8 @@ def _parameters(m, counted, vocab_size, length):
   layers = m.num_layers * stacks
   layer = (counted['attention'] + counted['ffn']) / layers  # self-attention + FFN
   biases = ' + biases' if m.use_bias else ''
-  attn_form = '4·D²' if m.num_kv_heads == m.num_heads else '2·D² + 2·D·K·H'
+  attn_form = attention_variants.VARIANTS[m.attention].param_form or (
+      '4·D²' if m.num_kv_heads == m.num_heads else '2·D² + 2·D·K·H')
   shared = stacks == 1 or m.get('share_embeddings', True)
   positions = {'learned': 'T_max·D per stack', 't5_bias': 'buckets·N per stack'}
   linformer = ' + 2·k·T (E, F)' if m.attention == 'linformer' else ''
@@ -218,21 +220,23 @@ def _flops(m, vocab_size, length, batch_size):
 
 
 def _kv_cache(m, length):
-  """The KV cache of this config (none for encoder-only) and of the textbook example."""
+  """The KV cache of this config (none for encoder-only), per token against MHA, GQA and MQA of
+  the same width, and the textbook example."""
   _, cross = accounting.stack_layout(m.arch)
   h = m.d_model // m.num_heads
 
   def row(label, elems):
     return (label, _n(elems), human_bytes(4 * elems), human_bytes(2 * elems))
 
-  out = ['', '## KV cache (2 x layers x K x H x length x bytes)', '']
+  out = ['', '## KV cache (layers x what a layer caches per token x length x bytes)', '']
   rows = []
   if m.arch == 'encoder_only':
     out += ['Encoder-only: no autoregressive decoding, no KV cache.']
   else:
-    elems = accounting.kv_cache_elements(m.num_layers, m.num_kv_heads, h, length)
+    elems = accounting.kv_cache_per_token(m) * length
     if cross:
-      elems *= 2  # the cross-attention keys/values of the source (length T), cached once
+      # the cross-attention keys/values of the source (length T), cached once
+      elems += accounting.kv_cache_elements(m.num_layers, m.num_kv_heads, h, length)
     label = f'this config, one sequence of {length}' + (' (self + cross)' if cross else '')
     rows.append(row(label, elems))
   for name, kv in (('MHA', 32), ('GQA, 8 KV heads', 8), ('MQA', 1)):
@@ -242,7 +246,30 @@ def _kv_cache(m, length):
   out += ['', 'The example is 2 x 32 layers x 32 heads x 64 x 2048 = 268,435,456 elements (the '
           '"268 MB" some texts print is that element count, not bytes); 8 KV heads keep a quarter '
           'of it, one KV head a 32nd.']
+  if m.arch != 'encoder_only':
+    out += _cache_per_token(m, h)
   return out
+
+
+def _cache_per_token(m, h):
+  """Self-attention cache per token and layer: this config's variant (its `cache_per_token`)
+  against MHA, GQA and MQA of the same D, N and H."""
+  def row(label, form, elems):
+    return (label, form, _n(elems), human_bytes(4 * elems * m.num_layers),
+            human_bytes(2 * elems * m.num_layers))
+
+  own = accounting.kv_cache_per_token(m) // m.num_layers
+  attention = m.get('decoder_attention', '') or m.attention
+  form = attention_variants.VARIANTS[attention].cache_form
+  rows = [row(f'this config (attention={attention}, K={m.num_kv_heads})', form, own),
+          row(f'MHA (K = N = {m.num_heads})', '2·N·H', 2 * m.num_heads * h)]
+  if 1 < m.num_kv_heads < m.num_heads:
+    rows.append(row(f'GQA (K = {m.num_kv_heads})', '2·K·H', 2 * m.num_kv_heads * h))
+  rows.append(row('MQA (K = 1)', '2·H', 2 * h))
+  return (['', f'Per token and layer, against the dense forms of the same width (D={m.d_model}, '
+           f'N={m.num_heads}, H={h}; bytes over the {m.num_layers} layers):', '']
+          + _table(('self-attention', 'closed form', 'elements per layer', 'fp32, all layers',
+                    'fp16/bf16, all layers'), rows))
 
 
 def _scores(m, length):

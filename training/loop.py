@@ -19,6 +19,7 @@ from data import python_code
 from data import text_corpus
 from layers import sharding
 import models
+from models import accounting
 from training import callbacks as callbacks_lib
 from training import checkpointing
 from training import distributed
@@ -335,6 +336,10 @@ def _write_run_info(run):
   run.info_path = paths.join(run.workdir, 'run_info.json')
   info = paths.read_json(run.info_path) if paths.exists(run.info_path) else {}
   info.update(num_params=sum(group_sizes.values()), params_by_group=group_sizes)
+  if config.model.arch in accounting.TRANSFORMER_ARCHS:
+    # The decoder's self-attention cache per token, all layers (models.accounting; None without
+    # a decoder): what its variant declares (2·K·H a layer, MLA's d_c + d_h^R).
+    info['kv_cache_per_token'] = accounting.kv_cache_per_token(config.model)
   spec = pipeline.text_spec(config.data)
   if spec is not None:
     info.setdefault('corpus', text_corpus.fingerprint(spec))

@@ -148,6 +148,10 @@ BAD_VALUES = [
     ('train.z_loss', float('nan'), 'train.z_loss=nan must be'),
     ('train.z_loss', float('inf'), 'train.z_loss=inf must be'),
     ('train.z_loss', None, 'train.z_loss=None must be'),
+    # MLA's latent width (layers/mla_attention.py), refused whichever variant is chosen.
+    ('model.mla_kv_rank', 0, r'model.mla_kv_rank=0 must be a positive integer$'),
+    ('model.mla_kv_rank', -8, r'model.mla_kv_rank=-8 must be a positive integer$'),
+    ('model.mla_rope_dim', 3, r'model.mla_rope_dim=3 must be even \(RoPE rotates pairs\)'),
 ]
 
 
