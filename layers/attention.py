@@ -178,6 +178,17 @@ class Attention(nnx.Module, options.Configurable):
       raise options.ConfigError(f'model.attention_dropout={rate!r} must be in [0, 1)')
 
   @classmethod
+  def check_heads(cls, model_cfg):
+    """Refuses `model.attention_gate` and `model.qk_norm` where the variant declares it does not
+    apply them (`gates_output`, `norms_qk`)."""
+    m = model_cfg
+    for name, declared, default in (('attention_gate', cls.gates_output, 'none'),
+                                    ('qk_norm', cls.norms_qk, 'none')):
+      if not declared and m.get(name, default) != default:
+        raise options.ConfigError(f'model.{name}={m[name]!r} is not applied by model.attention='
+                                  f'{m.attention!r}; valid value here: {default!r}')
+
+  @classmethod
   def check_config(cls, model_cfg, data_cfg):
     """`model.unscaled` and the projection options a variant's own `from_config` would ignore.
 
@@ -188,11 +199,7 @@ class Attention(nnx.Module, options.Configurable):
     del data_cfg
     m = model_cfg
     options.boolean('model.unscaled', m.unscaled)
-    for name, declared, default in (('attention_gate', cls.gates_output, 'none'),
-                                    ('qk_norm', cls.norms_qk, 'none')):
-      if not declared and m.get(name, default) != default:
-        raise options.ConfigError(f'model.{name}={m[name]!r} is not applied by model.attention='
-                                  f'{m.attention!r}; valid value here: {default!r}')
+    cls.check_heads(m)
     if cls.from_config.__func__ is not Attention.from_config.__func__:
       # A variant building itself through its own from_config (sparse, linear) does not pass the
       # projection options on: refuse them rather than ignore them.

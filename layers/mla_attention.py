@@ -4,6 +4,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from layers import attention
+from layers import attention_heads
 from layers import contract
 from layers import initializers
 from layers import masks
@@ -52,21 +53,23 @@ class MultiHeadLatentAttention(attention.Attention):
   takes_score_terms = False  # the absorbed cached step adds no [T, S] terms
   cached_decoding = 'own'  # `decode` below: the latent cache and the absorbed projections
   has_paged_cache = False
+  norms_qk = False  # the latents c_KV, c_Q have their own RMSNorms; model.qk_norm is refused
   cache_form = 'd_c + d_h^R'
   param_form = ('D·d_c + d_c + 2·d_c·K·H + D·d_h^R + N·H·D + D·N·(H + d_h^R) (or with d_c\': '
                 'D·d_c\' + d_c\' + d_c\'·N·(H + d_h^R))')
   options = ('attention_impl', 'unscaled', 'head_dim', 'kernel_init', 'attention_dropout',
-             'mla_kv_rank', 'mla_q_rank', 'mla_rope_dim')
+             'attention_gate', 'mla_kv_rank', 'mla_q_rank', 'mla_rope_dim')
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, kv_rank, q_rank=0, rope_dim=0,
                head_dim=None, implementation='xla', scale=None, kernel_init=None,
-               dropout_rate=0.0, rngs):
+               dropout_rate=0.0, gate='none', rngs):
     """Args:
       d_model, num_heads, num_kv_heads, head_dim: D, N, K (None: N), H (None: D / N).
       kv_rank: d_c, the key/value latent width.
       q_rank: d_c', the query latent width (0: no query latent).
       rope_dim: d_h^R, the decoupled rotary width per head (0: no rotary part), even.
       implementation, scale, kernel_init, dropout_rate, rngs: as `Attention`.
+      gate: the output gate (model.attention_gate), as `Attention`'s.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     head_dim = d_model // num_heads if head_dim is None else head_dim
@@ -103,6 +106,10 @@ class MultiHeadLatentAttention(attention.Attention):
       self.query_rope = proj(q_in, (n, r), (q_names, 'heads', 'head_dim'))  # W_QR
       self.key_rope = proj(d_model, r, ('embed', None))  # W_KR
     self.out = proj((n, h), d_model, ('heads', 'head_dim', 'embed'), axis=(-2, -1))  # W_O
+    # The output gate as every variant has it; QK-norm is declared off (norms_qk): the latents
+    # have their own RMSNorms.
+    self.output_gate, self.qk_norm = attention_heads.make(
+        gate, 'none', d_model, n, h, use_bias=False, kernel_init=init, rngs=rngs)
 
   @classmethod
   def from_config(cls, cfg, *, rngs):
@@ -113,7 +120,8 @@ class MultiHeadLatentAttention(attention.Attention):
                implementation=cfg.attention_impl,
                scale=1.0 if cfg.get('unscaled', False) else None,
                kernel_init=initializers.kernel_init(cfg),
-               dropout_rate=cfg.get('attention_dropout', 0.0), rngs=rngs)
+               dropout_rate=cfg.get('attention_dropout', 0.0),
+               gate=cfg.get('attention_gate', 'none'), rngs=rngs)
 
   @classmethod
   def param_count(cls, cfg):
@@ -123,7 +131,8 @@ class MultiHeadLatentAttention(attention.Attention):
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, initializers.head_dim(cfg)
     c, cq, r = cfg.mla_kv_rank, cfg.mla_q_rank, rope_dim(cfg)
     query = (d * cq + cq + cq * n * (h + r)) if cq else d * n * (h + r)
-    return d * c + c + 2 * c * k * h + d * r + n * h * d + query
+    gate = attention_heads.param_count(cfg, d, n, h, use_bias=False)  # model.attention_gate
+    return d * c + c + 2 * c * k * h + d * r + n * h * d + query + gate
 
   @classmethod
   def cache_per_token(cls, cfg):
@@ -150,6 +159,7 @@ class MultiHeadLatentAttention(attention.Attention):
     del data_cfg
     m = model_cfg
     options.boolean('model.unscaled', m.unscaled)
+    cls.check_heads(m)
     for name in ('use_bias', 'attention_bias'):
       if m.get(name, False):
         raise options.ConfigError(f'model.{name}={m[name]!r}: model.attention=\'mla\' has no '
@@ -275,7 +285,7 @@ class MultiHeadLatentAttention(attention.Attention):
     o_lat = attention.dot_product_attention(
         q, keys.astype(q.dtype), values.astype(q.dtype), mask=vis[:, None], scale=scale,
         implementation=impl)  # [B, 1, N, d_c]
-    return self.out(self.absorbed_output(o_lat)), cache  # [B, 1, D]
+    return self.output(self.absorbed_output(o_lat), x), cache  # [B, 1, D]
 
 
 
