@@ -127,6 +127,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   model.linformer_length = 0  # linformer: length of E, F (longest input); 0 = data.max_length
   model.performer_features = 64  # performer: number of random features M
   model.performer_redraw = 0  # performer: 0 = fixed features, R = redraw every R steps
+  model.deltanet_conv = 4  # gated_deltanet: width of the causal convolutions on q, k, v
+  model.deltanet_chunk = 64  # gated_deltanet: chunk length of the training form (any length T)
   # encoder_decoder
   model.share_embeddings = True  # one token embedding for encoder, decoder and output (else two)
   model.decoder_attention = ''  # the decoder's self-attention variant ('' = model.attention), e.g.

@@ -7,6 +7,7 @@ declared on `Attention` (has_scores, takes_score_terms, ...).
 """
 
 from layers import attention
+from layers import delta_attention
 from layers import linear_attention
 from layers import sparse_attention
 
@@ -18,4 +19,5 @@ VARIANTS = {
     'linformer': linear_attention.LinformerAttention,
     'performer': linear_attention.PerformerAttention,
     'linear': linear_attention.LinearAttention,
+    'gated_deltanet': delta_attention.GatedDeltaNetAttention,
 }
