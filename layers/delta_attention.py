@@ -58,8 +58,9 @@ class GatedDeltaNetAttention(attention_lib.Attention):
     - training: `delta_rule.chunked` with chunks of `model.deltanet_chunk` (64) tokens;
       decoding: `delta_rule.recurrent_step`, the cache holding the last W-1 projections of
       q, k, v (the convolutions' inputs) and the state S `[B, K, H, H]`, constant in the length.
-    - padding (segment 0) is hidden: it feeds zeros to the convolutions and neither decays (g = 0)
-      nor writes (β = 0) the state. Packed segments are not separated (`supports_segments`).
+    - packed segments (and padding, segment 0) stay apart: the state restarts from zero at each
+      segment start (the decay across it is 0, as if α were 0 there) and the convolutions take no
+      input from another segment.
   """
 
   name = 'gated_deltanet'
@@ -69,7 +70,7 @@ class GatedDeltaNetAttention(attention_lib.Attention):
   takes_score_terms = False
   uses_kernel = False  # model.attention_impl does not apply
   supports_causal = True
-  supports_segments = False  # the state would carry over a segment start
+  supports_segments = True  # the state restarts at each segment start
   scannable = True
   cached_decoding = 'own'
   has_paged_cache = False
@@ -177,21 +178,13 @@ class GatedDeltaNetAttention(attention_lib.Attention):
     return q, k, v.astype(jnp.float32), beta, g
 
   def inputs(self, x, segment_ids, positions, position):
-    """`heads` of the whole sequence x `[B, T, D]`, padding (segment 0) made inert."""
+    """`heads` of the whole sequence x `[B, T, D]`; the convolutions stay within segments."""
     q, k, v = self.project(x)  # [B, T, N, H], [B, T, K, H], [B, T, K, H]
-    real = None if segment_ids is None else (segment_ids > 0)  # [B, T]
-    if real is not None:
-      # Padding before a token would otherwise reach it through the convolution.
-      q, k, v = (a * real[:, :, None, None].astype(a.dtype) for a in (q, k, v))
-    q, _ = delta_rule.short_conv(q, self.conv_q[...])
-    k, _ = delta_rule.short_conv(k, self.conv_k[...])
-    v, _ = delta_rule.short_conv(v, self.conv_v[...])
+    q, _ = delta_rule.short_conv(q, self.conv_q[...], segment_ids=segment_ids)
+    k, _ = delta_rule.short_conv(k, self.conv_k[...], segment_ids=segment_ids)
+    v, _ = delta_rule.short_conv(v, self.conv_v[...], segment_ids=segment_ids)
     q, k = self.positions_without_scores(q, k, positions, position, True)
-    q, k, v, beta, g = self.heads(x, q, k, v)
-    if real is not None:
-      # Padding neither decays nor writes the state: the state passes through it unchanged.
-      beta, g = beta * real[..., None], g * real[..., None]
-    return q, k, v, beta, g
+    return self.heads(x, q, k, v)
 
   def output(self, x, out):
     """RMSNorm(o) ⊙ SiLU(W_g x) per head, then the output projection: `[B, T, K, G, H]` ->
@@ -209,7 +202,8 @@ class GatedDeltaNetAttention(attention_lib.Attention):
     del context_segment_ids, context_positions, rngs
     self._causal_only(context, is_causal)
     q, k, v, beta, g = self.inputs(x, segment_ids, positions, position)
-    out, _ = delta_rule.chunked(q, k, v, beta, g, chunk=self.chunk)  # [B, T, K, G, H]
+    out, _ = delta_rule.chunked(q, k, v, beta, g, chunk=self.chunk,
+                                segment_ids=segment_ids)  # [B, T, K, G, H]
     return self.output(x, out)
 
   def weights(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
@@ -219,7 +213,7 @@ class GatedDeltaNetAttention(attention_lib.Attention):
     del context_segment_ids, context_positions
     self._causal_only(context, is_causal)
     q, k, _, beta, g = self.inputs(x, segment_ids, positions, position)
-    w = delta_rule.implied_weights(q, k, beta, g)  # [B, K, G, T, T]
+    w = delta_rule.implied_weights(q, k, beta, g, segment_ids)  # [B, K, G, T, T]
     return w.reshape(w.shape[0], self.num_heads, *w.shape[-2:])
 
   # --- Recurrent decoding: the convolutions' inputs and the state are the cache -------------------

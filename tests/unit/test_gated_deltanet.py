@@ -1,8 +1,8 @@
 """Gated DeltaNet (model.attention='gated_deltanet'): the chunked training form against a float64
 per-token recurrence written here (forward and gradient), the recurrent decoding form against the
 chunked one, padded chunks, the convolution's causality, the whole layer against a float64 NumPy
-forward of its parameters, cached decoding of the layer and of a model against their full
-forward, and the refusals (one line each)."""
+forward of its parameters, packed segments against separate rows, cached decoding of the layer
+and of a model against their full forward, and the refusals (one line each)."""
 
 import jax
 import jax.numpy as jnp
@@ -35,14 +35,22 @@ def _inputs(seed=0):
   return q, k, v, beta, g
 
 
-def naive(q, k, v, beta, g, s0):
+# Row 0: two segments and padding (a start inside a chunk of 4, on the edge of a chunk of 5);
+# row 1: a start at 3.
+SEGMENTS = np.asarray([[1] * 5 + [2] * 6 + [0] * 2, [1] * 3 + [2] * 10], np.int32)
+
+
+def naive(q, k, v, beta, g, s0, seg=None):
   """The paper's recurrence token by token, state `[J, H]`: S_t = S_{t-1} α_t (I - β_t k_t k_tᵀ)
-  + β_t v_t k_tᵀ, o_t = S_t q_t (jnp, in whatever precision it is given)."""
+  + β_t v_t k_tᵀ, o_t = S_t q_t, with α_t = 0 where `seg` `[B, T]` changes (jnp, in whatever
+  precision it is given)."""
   eye = jnp.eye(q.shape[-1], dtype=q.dtype)
   s = jnp.swapaxes(s0, -1, -2)  # [B, K, J, H]
   outs = []
   for t in range(q.shape[1]):
     kt, bt, at = k[:, t], beta[:, t][..., None, None], jnp.exp(g[:, t])[..., None, None]
+    if seg is not None and t > 0:
+      at = at * (seg[:, t] == seg[:, t - 1])[:, None, None, None]  # a new sequence starts
     s = (at * s @ (eye - bt * kt[..., :, None] * kt[..., None, :])
          + bt * v[:, t][..., :, None] * kt[..., None, :])
     outs.append(jnp.einsum('BKJH,BKGH->BKGJ', s, q[:, t]))
@@ -54,24 +62,29 @@ def _loss(fn, args, w_out, w_state):
   return jnp.sum(out * w_out) + jnp.sum(state * w_state)
 
 
+@pytest.mark.parametrize('segmented', [False, True], ids=['one-sequence', 'segments'])
 @pytest.mark.parametrize('chunk', [1, 4, 5, 13, 64])
-def test_chunked_equals_float64_recurrence_forward_and_gradient(chunk):
+def test_chunked_equals_float64_recurrence_forward_and_gradient(chunk, segmented):
   """Chunks of 4 and 5 do not divide T = 13 (padded); 64 > T is one chunk; a nonzero initial
-  state enters. Gradients of every input, the state included."""
+  state enters; with `SEGMENTS` the state restarts at each start. Gradients of every input, the
+  state included."""
+  seg = SEGMENTS if segmented else None
   q, k, v, beta, g = _inputs()
   rng = np.random.default_rng(1)
   s0 = jnp.asarray(0.3 * rng.standard_normal((B, K, H, H)), jnp.float32)
   w_out = jnp.asarray(rng.standard_normal((B, T, K, G, H)), jnp.float32)
   w_state = jnp.asarray(rng.standard_normal((B, K, H, H)), jnp.float32)
   args = (q, k, v, beta, g, s0)
-  fn = lambda q, k, v, beta, g, s0: delta_rule.chunked(q, k, v, beta, g, chunk=chunk, state=s0)
+  fn = lambda q, k, v, beta, g, s0: delta_rule.chunked(q, k, v, beta, g, chunk=chunk, state=s0,
+                                                       segment_ids=seg)
+  ref_fn = lambda *a: naive(*a, seg=seg)
   out, state = jax.jit(fn)(*args)
   grads = jax.jit(jax.grad(lambda *a: _loss(fn, a, w_out, w_state), argnums=range(6)))(*args)
   with jax.enable_x64(True):
     a64 = [jnp.asarray(np.asarray(a), jnp.float64) for a in args]
     w64 = [jnp.asarray(np.asarray(a), jnp.float64) for a in (w_out, w_state)]
-    ref_out, ref_state = naive(*a64)
-    ref_grads = jax.grad(lambda *a: _loss(naive, a, *w64), argnums=range(6))(*a64)
+    ref_out, ref_state = ref_fn(*a64)
+    ref_grads = jax.grad(lambda *a: _loss(ref_fn, a, *w64), argnums=range(6))(*a64)
     ref_out, ref_state = np.asarray(ref_out), np.asarray(ref_state)
     ref_grads = [np.asarray(x) for x in ref_grads]
   np.testing.assert_allclose(out, ref_out, atol=2e-6, rtol=1e-5)
@@ -96,6 +109,10 @@ def test_implied_weights_give_the_output_and_are_causal():
   w = delta_rule.implied_weights(q, k, beta, g)  # [B, K, G, T, T]
   np.testing.assert_allclose(jnp.einsum('BKGij,BjKH->BiKGH', w, v), out, atol=1e-5, rtol=1e-5)
   assert np.all(np.asarray(w)[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] == 0)
+  out, _ = delta_rule.chunked(q, k, v, beta, g, chunk=5, segment_ids=SEGMENTS)
+  w = delta_rule.implied_weights(q, k, beta, g, SEGMENTS)
+  np.testing.assert_allclose(jnp.einsum('BKGij,BjKH->BiKGH', w, v), out, atol=1e-5, rtol=1e-5)
+  assert np.all(np.asarray(w)[0, ..., 5:, :5] == 0)  # the second segment sees nothing of the first
 
 
 def test_decay_is_in_zero_one_and_l2_norm_is_one():
@@ -192,7 +209,8 @@ def test_layer_gradient_is_causal():
   """The output at t does not depend on inputs after t (the chunks, the convolution)."""
   layer = _layer()
   x = _x()
-  jac = jax.jacrev(lambda x: layer(x, is_causal=True)[0, 6].sum())(x)  # [B, T, D]
+  jac = nnx.jit(lambda m, x: jax.jacrev(lambda x: m(x, is_causal=True)[0, 6].sum())(x))(
+      layer, x)  # [B, T, D]
   assert np.all(np.asarray(jac)[:, 7:] == 0) and np.abs(np.asarray(jac)[0, 3:7]).max() > 0
 
 
@@ -219,14 +237,22 @@ def test_layer_cached_decode_equals_full_forward():
   assert cache['conv_q'].shape == (B, 3, N, D // N)
 
 
-def test_leading_padding_is_inert():
-  """A row with 4 padding tokens first gives, on its real tokens, the unpadded row's outputs."""
+def test_packed_segments_equal_separate_rows():
+  """Each segment of a packed row (padding first, then two sequences) gives the outputs it gives
+  alone: the state and the convolutions restart at each start."""
   layer = _layer()
   x = _x()
-  seg = jnp.asarray([[0] * 4 + [1] * (T - 4), [1] * T])
-  padded = layer(x, is_causal=True, segment_ids=seg)
-  alone = layer(x[:1, 4:], is_causal=True)
-  np.testing.assert_allclose(padded[0, 4:], alone[0], atol=1e-5, rtol=1e-5)
+  seg = jnp.asarray([[0] * 2 + [1] * 5 + [2] * (T - 7), [1] * T])
+
+  @nnx.jit
+  def run(layer, x, seg):
+    alone = [layer(x[:1, lo:hi], is_causal=True)[0] for lo, hi in ((2, 7), (7, T))]
+    return layer(x, is_causal=True, segment_ids=seg), alone, layer(x[1:], is_causal=True)[0]
+
+  packed, alone, row = run(layer, x, seg)
+  np.testing.assert_allclose(packed[0, 2:7], alone[0], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(packed[0, 7:], alone[1], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(packed[1], row, atol=1e-5, rtol=1e-5)
 
 
 def test_param_count_is_the_layers():
@@ -271,12 +297,11 @@ def test_refusals_are_one_line(model, message):
   assert 'valid' in str(e.value)
 
 
-def test_packed_segments_refused_and_a_dense_encoder_accepted():
+def test_packed_segments_and_a_dense_encoder_are_accepted():
   config = default.get_config()
   config.model.attention = 'gated_deltanet'
   config.data.packing = 'segments'
-  with pytest.raises(validation.ConfigError, match=r"^data.packing='segments' is not valid"):
-    validation.validate(validation.resolve(config))
+  validation.validate(validation.resolve(config))
   config = default.get_config()
   config.model.update(arch='encoder_decoder', attention='dense', decoder_attention='gated_deltanet')
   validation.validate(validation.resolve(config))
