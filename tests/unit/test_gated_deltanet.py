@@ -63,9 +63,9 @@ def _loss(fn, args, w_out, w_state):
 
 
 @pytest.mark.parametrize('segmented', [False, True], ids=['one-sequence', 'segments'])
-@pytest.mark.parametrize('chunk', [1, 4, 5, 13, 64])
+@pytest.mark.parametrize('chunk', [1, 4, 5, 64])
 def test_chunked_equals_float64_recurrence_forward_and_gradient(chunk, segmented):
-  """Chunks of 4 and 5 do not divide T = 13 (padded); 64 > T is one chunk; a nonzero initial
+  """Chunks of 4 and 5 do not divide T = 13 (padded); 64 > T is one chunk of T; a nonzero initial
   state enters; with `SEGMENTS` the state restarts at each start. Gradients of every input, the
   state included."""
   seg = SEGMENTS if segmented else None
@@ -263,9 +263,11 @@ def test_param_count_is_the_layers():
   assert delta_attention.GatedDeltaNetAttention.param_count(cfg) == count
 
 
-def test_model_cached_decode_equals_full_forward_and_the_cache_is_constant():
+@pytest.mark.parametrize('scan_layers', [False, True], ids=['layers', 'scanned'])
+def test_model_cached_decode_equals_full_forward_and_the_cache_is_constant(scan_layers):
+  """21 tokens over chunks of 8; the scanned stack runs the chunked form inside its layer scan."""
   model = build('decoder_only', max_length=32, position='rope', num_heads=4, num_kv_heads=2,
-                attention='gated_deltanet', deltanet_chunk=8)
+                attention='gated_deltanet', deltanet_chunk=8, scan_layers=scan_layers)
   tokens = jax.random.randint(jax.random.key(1), (2, 21), 1, V)
   full, step = full_and_cached_logits(model, {'inputs': tokens}, {'inputs': tokens}, tokens)
   np.testing.assert_allclose(step, full, atol=2e-5, rtol=2e-5)
