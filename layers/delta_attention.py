@@ -52,7 +52,8 @@ class GatedDeltaNetAttention(attention_lib.Attention):
       default scale; 1 with `model.unscaled`).
     - β = sigmoid(W_b x), the decay α = exp(g), g = -exp(A_log)·softplus(W_a x + dt_bias)
       (Mamba2's; W_a, W_b `[D, K]` without bias; A_log, dt_bias `[K]`, initialised as
-      `A_RANGE`, `DT_RANGE`).
+      `A_RANGE`, `DT_RANGE`; AdamW's weight decay reaches them as every parameter, where fla
+      exempts them).
     - the output o = RMSNorm(o) ⊙ SiLU(W_g x) per head (one `[H]` scale shared by the heads,
       eps 1e-5; W_g `[D, N, H]` without bias), then the output projection.
     - training: `delta_rule.chunked` with chunks of `model.deltanet_chunk` (64) tokens;
