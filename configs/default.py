@@ -134,6 +134,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   model.mla_q_rank = 0  # mla: d_c', the query latent width; 0 = no query latent (q = W_Q h)
   model.mla_rope_dim = 0  # mla: d_h^R, the decoupled RoPE width per head (one rotary key shared
   #                         by the heads); 0 = H/2 (even, >= 2) under position=rope, else none
+  model.deltanet_conv = 4  # gated_deltanet: width of the causal convolutions on q, k, v
+  model.deltanet_chunk = 64  # gated_deltanet: chunk length of the training form (any length T)
   # encoder_decoder
   model.share_embeddings = True  # one token embedding for encoder, decoder and output (else two)
   model.decoder_attention = ''  # the decoder's self-attention variant ('' = model.attention), e.g.

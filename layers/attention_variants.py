@@ -7,6 +7,7 @@ declared on `Attention` (has_scores, takes_score_terms, ...).
 """
 
 from layers import attention
+from layers import delta_attention
 from layers import linear_attention
 from layers import mla_attention
 from layers import sparse_attention
@@ -20,4 +21,5 @@ VARIANTS = {
     'performer': linear_attention.PerformerAttention,
     'linear': linear_attention.LinearAttention,
     'mla': mla_attention.MultiHeadLatentAttention,
+    'gated_deltanet': delta_attention.GatedDeltaNetAttention,
 }

@@ -49,6 +49,8 @@ def read_quality(sweep_dir):
     path = os.path.join(sweep_dir, name, 'eval.json')
     fields = cell_fields(name)
     variant = fields.get('model.attention', 'dense')
+    if variant == 'dense' and fields.get('model.decoder_attention', 'dense') != 'dense':
+      variant = fields['model.decoder_attention']  # a causal-only variant under a dense encoder
     if fields.get('train.learning_rate'):
       variant += f', lr {fields["train.learning_rate"]}'
     if not os.path.isfile(path):
@@ -66,8 +68,9 @@ def read_quality(sweep_dir):
 
 
 def _entry(out, variant, fields):
+  decoder = fields.get('model.decoder_attention', '')
   return out.setdefault(variant, {'val_loss': [], 'test_em': [], 'long_em': [], 'diverged': 0,
-                                  'decoder': fields.get('model.decoder_attention', '')})
+                                  'decoder': '' if decoder == variant.split(',')[0] else decoder})
 
 
 def _diverged(workdir):

@@ -10,18 +10,21 @@ against each kernel's cost):
 
 Encoder-decoder (configs/encoder_decoder.py: 2 + 2 layers, d_model 128, 1,500 steps): each variant
 runs in its bidirectional form in the encoder and its causal form in the decoder. Linformer has no
-causal form (its projection mixes future positions), so its decoder is dense.
+causal form (its projection mixes future positions), so its decoder is dense; Gated DeltaNet has
+only a causal form (a recurrence), so it runs in the decoder under a dense encoder.
 """
 
 from configs import encoder_decoder
 
 # The keys of layers.attention_variants.VARIANTS, by name: configs/ import no layers
 # (tests/unit/test_sweep.py checks the list against the registry).
-VARIANTS = ('bigbird', 'dense', 'linear', 'linformer', 'longformer', 'mla', 'performer',
-            'sliding_window')
+VARIANTS = ('bigbird', 'dense', 'gated_deltanet', 'linear', 'linformer', 'longformer', 'mla',
+            'performer', 'sliding_window')
 
 # Variants with no causal form: their decoder is this one.
 NON_CAUSAL = {'linformer': 'dense'}
+# Variants with only a causal form: they run in the decoder, under this encoder.
+CAUSAL_ONLY = {'gated_deltanet': 'dense'}
 
 
 def get_config(arg=None):
@@ -47,7 +50,9 @@ def get_config(arg=None):
 
 def get_sweep():
   """One cell per variant, 3 seeds; eval translates test and test_long (greedy)."""
-  cells = [{'model.attention': name, **({'model.decoder_attention': NON_CAUSAL[name]}
+  cells = [{'model.attention': CAUSAL_ONLY[name], 'model.decoder_attention': name}
+           if name in CAUSAL_ONLY else
+           {'model.attention': name, **({'model.decoder_attention': NON_CAUSAL[name]}
                                         if name in NON_CAUSAL else {})}
            for name in VARIANTS]
   return {'cells': cells, 'seeds': [0, 1, 2], 'eval_flags': ['--translate=test_long']}

@@ -121,8 +121,8 @@ def test_every_registry_entry_declares_its_options_and_accepts_the_defaults(fiel
     assert set(entry.options) <= set(config.model), (name, entry.options)
     config.model[field] = name
     entry.check_options(config.model)
-    if field == 'attention' and not entry.supports_causal:
-      config.model.arch = 'encoder_only'
+    if field == 'attention':  # the default arch, or the encoder a variant with no causal form needs
+      config.model.arch = 'decoder_only' if entry.supports_causal else 'encoder_only'
     entry.check_config(config.model, config.data)  # returns; a bad value raises ConfigError
 
 
