@@ -75,6 +75,8 @@ class GatedDeltaNetAttention(attention_lib.Attention):
   scannable = True
   cached_decoding = 'own'
   has_paged_cache = False
+  gates_output = False  # it has its own output gate, RMSNorm(o)·SiLU(W_g x): no second one
+  norms_qk = False  # q and k are L2-normalised already
   options = ('use_bias', 'unscaled', 'head_dim', 'attention_bias', 'kernel_init', 'deltanet_conv',
              'deltanet_chunk')
 
@@ -140,6 +142,7 @@ class GatedDeltaNetAttention(attention_lib.Attention):
     del data_cfg
     m = model_cfg
     options.boolean('model.unscaled', m.unscaled)
+    cls.check_heads(m)
     if m.get('attention_dropout', 0.0) != 0.0:
       raise options.ConfigError(f'model.attention_dropout={m.attention_dropout!r} is not read by '
                                 f'model.attention={cls.name!r} (no attention weights to drop); '
