@@ -13,6 +13,7 @@ from configs import default
 from layers import attention
 from layers import attention_variants
 from models import accounting
+from tools import accounting as accounting_cli
 from training import diagnostics
 from training import validation
 from training import validation_attention
@@ -223,3 +224,14 @@ def test_the_diagnostic_pass_reports_scores_for_the_layers_that_have_them():
     assert (f'attn_entropy/decoder/blocks/{i}' in out) == (i % 2 == 1), sorted(out)
   # A dense layer's entropy is at most log(keys seen) (the last query sees 9 keys).
   assert 0 < float(out['attn_entropy/decoder/blocks/1']) <= np.log(9)
+
+
+def test_the_accounting_cli_prints_the_pattern_and_sums_its_layers():
+  """Three linear layers to one dense, D 32, K 2 of 4 heads (H 8): each layer's projections are
+  2·D² + 2·D·K·H = 3,072, the linear layers having no parameters of their own."""
+  config = make_config('linear,linear,linear,dense', position='sinusoidal')
+  validation.validate(config)
+  text = accounting_cli.report(config, V)
+  assert 'layer_pattern=linear,linear,linear,dense' in text.splitlines()[0]
+  assert '| attention | 3,072 | 4 | 12,288 |' in text
+  assert 'the linear layers compute their own pattern' in text
