@@ -13,6 +13,7 @@ from configs import default
 from layers import attention
 from layers import attention_variants
 from models import accounting
+from models import decoding
 from tools import accounting as accounting_cli
 from training import diagnostics
 from training import validation
@@ -235,3 +236,17 @@ def test_the_accounting_cli_prints_the_pattern_and_sums_its_layers():
   assert 'layer_pattern=linear,linear,linear,dense' in text.splitlines()[0]
   assert '| attention | 3,072 | 4 | 12,288 |' in text
   assert 'the linear layers compute their own pattern' in text
+
+
+def test_a_mixed_decoder_generates_the_same_with_and_without_its_caches():
+  """Cached greedy decoding equals greedy over full forward passes, and one beam (whose step
+  reorders every layer's cache, states and keys alike, by beam) equals greedy."""
+  model = build('linear,sliding_window,dense', num_layers=3)
+  prompts = [[1, 7, 8, 3], [1, 9, 3], [1, 10, 11, 12, 13, 3]]
+  kwargs = dict(length=20, max_new=8, eos_id=2, batch_size=3)
+  greedy = decoding.greedy_translate(model, prompts, **kwargs)
+  assert greedy == decoding.greedy_translate(model, prompts, use_cache=False, **kwargs)
+  beam = decoding.generate(model, prompts, max_new=8, eos_id=2, method='beam', num_beams=1,
+                           length_penalty=0.6)
+  assert beam == decoding.generate(model, prompts, max_new=8, eos_id=2)
+  assert any(len(g) > 0 for g in greedy)
