@@ -148,6 +148,11 @@ BAD_VALUES = [
     ('train.z_loss', float('nan'), 'train.z_loss=nan must be'),
     ('train.z_loss', float('inf'), 'train.z_loss=inf must be'),
     ('train.z_loss', None, 'train.z_loss=None must be'),
+    # A hybrid stack's pattern (models/stack.py): known variants separated by commas.
+    ('model.layer_pattern', 'dense,nope', r"model.layer_pattern='dense,nope': entry 'nope' is not "
+                                          'valid; valid entries: bigbird, dense, '),
+    ('model.layer_pattern', 'dense,', "model.layer_pattern='dense,': entry '' is not valid"),
+    ('model.layer_pattern', None, 'model.layer_pattern=None must be a comma-separated string'),
 ]
 
 
