@@ -31,6 +31,9 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   config.model = model = ml_collections.ConfigDict()
   model.arch = 'decoder_only'  # decoder_only | encoder_only | encoder_decoder | rnn_seq2seq
   model.attention = 'dense'  # attention variant, a key of layers.attention_variants.VARIANTS
+  model.layer_pattern = ''  # hybrid stack: variants repeated over each stack's layers (layer i
+  #                           takes entry i mod len), e.g. 'linear,linear,linear,dense'; '' = every
+  #                           layer model.attention
   model.attention_impl = 'xla'  # softmax kernel: xla | blockwise | pallas | cudnn (GPU) | ring
   model.position = 'sinusoidal'  # sinusoidal | learned | rope | alibi | t5_bias | nope | fire |
   #                                kerple (log variant) | xpos

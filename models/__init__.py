@@ -4,6 +4,7 @@ from models import decoder_only
 from models import encoder_decoder
 from models import encoder_only
 from models import rnn_seq2seq
+from models import stack
 
 SpecialIds = encoder_only.SpecialIds  # the token ids `build(..., special_ids=)` takes
 
@@ -21,6 +22,29 @@ BATCH_FORMATS = {
     'encoder_decoder': 'encoder_decoder',
     'rnn_seq2seq': 'encoder_decoder',
 }
+
+
+
+def _same(cfg):
+  return cfg
+
+
+# The Transformer stacks of each architecture, by role ('encoder' bidirectional, 'decoder' causal):
+# the stack's config from `config.model` (an encoder-decoder's decoder reads decoder_attention).
+STACKS = {
+    'decoder_only': {'decoder': _same},
+    'encoder_only': {'encoder': _same},
+    'encoder_decoder': {'encoder': _same, 'decoder': encoder_decoder.decoder_config},
+    'rnn_seq2seq': {},
+}
+
+
+def layer_attentions(cfg):
+  """{role: the self-attention variant of each layer} of `cfg.arch`'s Transformer stacks (the
+  roles of `STACKS`; {} for rnn_seq2seq): `model.attention` in every layer, or
+  `model.layer_pattern` repeated (models.stack.layer_attentions)."""
+  return {role: stack.layer_attentions(config_of(cfg))
+          for role, config_of in STACKS[cfg.arch].items()}
 
 
 def batch_format(arch):

@@ -10,6 +10,7 @@ B batch, T length, S key length, D d_model, N heads, K KV heads, H head dim, F d
 L layers per stack.
 """
 
+import collections
 import math
 
 import jax
@@ -100,6 +101,21 @@ def self_attention_params(cfg):
   return attention_variants.VARIANTS[cfg.attention].param_count(cfg)
 
 
+def self_attention_layers_params(cfg):
+  """Every stack's self-attention layers, each as its own variant declares it: a hybrid stack
+  (`model.layer_pattern`) or an encoder-decoder's `decoder_attention` sums different variants."""
+  counts = collections.Counter(name for names in models.layer_attentions(cfg).values()
+                               for name in names)
+  total = 0
+  for name, layers in counts.items():
+    layer_cfg = cfg
+    if name != cfg.attention:
+      layer_cfg = cfg.copy_and_resolve_references()
+      layer_cfg.attention = name
+    total += self_attention_params(layer_cfg) * layers
+  return total
+
+
 def formula_params(cfg, vocab_size, max_length):
   """Closed-form parameter counts per component (totals over all layers and stacks).
 
@@ -124,7 +140,7 @@ def formula_params(cfg, vocab_size, max_length):
   return {
       'embedding': vocab_size * d * (1 if shared else 2),
       'positions': position_params(cfg, max_length) * stacks,
-      'attention': self_attention_params(cfg) * layers,
+      'attention': self_attention_layers_params(cfg),
       # Cross-attention is dense (layers.block), with the gate and QK-norm when they are on.
       'cross_attention': attention.Attention.param_count(cfg) * cfg.num_layers if cross else 0,
       'ffn': ffn_layers_params(cfg) * stacks,  # MoE blocks: router, experts, shared experts

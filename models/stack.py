@@ -44,14 +44,43 @@ def deepnorm_role(cfg, cross_attention):
   return 'single'
 
 
+def pattern_entries(cfg):
+  """The entries of `model.layer_pattern` ('linear, dense' -> ('linear', 'dense')); () if unset."""
+  pattern = cfg.get('layer_pattern', '')
+  return tuple(entry.strip() for entry in pattern.split(',')) if pattern else ()
+
+
+def layer_attentions(cfg):
+  """The self-attention variant of each of a stack's `num_layers` layers: `model.layer_pattern`
+  repeated (layer i takes entry i mod its length; Qwen3-Next's 'linear,linear,linear,dense' is
+  three linear layers to one dense), or `model.attention` everywhere when the pattern is ''."""
+  entries = pattern_entries(cfg) or (cfg.attention,)
+  return tuple(entries[i % len(entries)] for i in range(cfg.num_layers))
+
+
 def layer_config(cfg, stream, layer):
-  """`cfg` with the attention seed of layer `layer` of stack `stream`: random draws differ across
-  layers and stacks, and stay a function of `model.attention_seed`."""
-  if 'attention_seed' not in cfg:
+  """`cfg` with the attention variant (`layer_attentions`) and the attention seed of layer `layer`
+  of stack `stream`: random draws differ across layers and stacks, and stay a function of
+  `model.attention_seed`."""
+  hybrid = bool(pattern_entries(cfg))
+  if 'attention_seed' not in cfg and not hybrid:
     return cfg
   out = cfg.copy_and_resolve_references()
-  out.attention_seed = int(np.random.SeedSequence([cfg.attention_seed, stream, layer])
-                           .generate_state(1)[0])
+  if hybrid:
+    out.attention = layer_attentions(cfg)[layer]
+  if 'attention_seed' in cfg:
+    out.attention_seed = int(np.random.SeedSequence([cfg.attention_seed, stream, layer])
+                             .generate_state(1)[0])
+  return out
+
+
+def scanned_config(cfg):
+  """`cfg` for a scanned stack's one traced block: a pattern's single variant as the attention
+  (a pattern of several variants cannot share one trace; validation refuses it with scan)."""
+  if not pattern_entries(cfg):
+    return cfg
+  out = cfg.copy_and_resolve_references()
+  out.attention = layer_attentions(cfg)[0]
   return out
 
 
@@ -109,9 +138,9 @@ class Stack(nnx.Module):
     if self.scan_layers:
       # One Block whose variables are the layers' stacked on a leading [L] axis. All layers share
       # one config, so the per-layer `attention_seed` cannot apply (training.validation refuses the
-      # variants that read it).
-      self.blocks = stacked_blocks(cfg, cfg.num_layers, cross_attention=cross_attention,
-                                   deepnorm=deepnorm, rngs=rngs)
+      # variants that read it), nor a pattern of several variants (validation refuses both).
+      self.blocks = stacked_blocks(scanned_config(cfg), cfg.num_layers,
+                                   cross_attention=cross_attention, deepnorm=deepnorm, rngs=rngs)
     else:
       self.blocks = nnx.List([
           block.Block(layer_config(cfg, stream, i), cross_attention=cross_attention,

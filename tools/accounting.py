@@ -24,6 +24,7 @@ from layers import attention_variants
 from layers import initializers
 from layers import moe
 from layers import sharding
+import models
 from models import accounting
 from training import validation
 
@@ -101,11 +102,18 @@ def report(config, vocab_size):
   return '\n'.join(out)
 
 
+def _variants(m):
+  """The self-attention variants of every layer of every stack (models.layer_attentions)."""
+  return {name for names in models.layer_attentions(m).values() for name in names}
+
+
 def _heading(m, vocab_size, length):
   h = m.d_model // m.num_heads
+  pattern = m.get('layer_pattern', '')
+  attention = f'layer_pattern={pattern}' if pattern else f'attention={m.attention}'
   return [f'# Accounting: arch={m.arch}, L={m.num_layers} per stack, D={m.d_model}, '
           f'N={m.num_heads}, K={m.num_kv_heads}, H={h}, F={m.d_ff}, V={vocab_size}, T={length}, '
-          f'ffn={m.ffn}, norm={m.norm}, position={m.position}, attention={m.attention}, '
+          f'ffn={m.ffn}, norm={m.norm}, position={m.position}, {attention}, '
           f'use_bias={m.use_bias}']
 
 
@@ -119,7 +127,7 @@ def _parameters(m, counted, vocab_size, length):
       '4·D²' if m.num_kv_heads == m.num_heads else '2·D² + 2·D·K·H')
   shared = stacks == 1 or m.get('share_embeddings', True)
   positions = {'learned': 'T_max·D per stack', 't5_bias': 'buckets·N per stack'}
-  linformer = ' + 2·k·T (E, F)' if m.attention == 'linformer' else ''
+  linformer = ' + 2·k·T (E, F)' if 'linformer' in _variants(m) else ''
   gate = {'headwise': ' + D·N (gate)', 'elementwise': ' + D·N·H (gate)'}.get(
       m.get('attention_gate', 'none'), '')
   gate += ' + 2·H (QK-norm)' if m.get('qk_norm', 'none') == 'rmsnorm' else ''
@@ -213,9 +221,11 @@ def _flops(m, vocab_size, length, batch_size):
     out.append(f'MoE blocks count what a token passes through: the router, the shared experts '
                f'and k = {m.moe_top_k} of the E = {m.moe_experts} experts (capacity padding and '
                'dropped tokens aside).')
-  if m.attention != 'dense':
-    out.append(f'Scores are counted as exact dense attention; model.attention={m.attention!r} '
-               'computes its own pattern, so its score FLOPs differ.')
+  others = sorted(_variants(m) - {'dense'})
+  if others:
+    out.append(f'Scores are counted as exact dense attention in every layer; '
+               f'the {", ".join(others)} layers compute their own pattern, so their score '
+               'FLOPs differ.')
   return out
 
 
@@ -239,6 +249,10 @@ def _kv_cache(m, length):
       elems += accounting.kv_cache_elements(m.num_layers, m.num_kv_heads, h, length)
     label = f'this config, one sequence of {length}' + (' (self + cross)' if cross else '')
     rows.append(row(label, elems))
+    if m.get('layer_pattern', ''):
+      out += [f'Every layer counted as keeping keys and values; under model.layer_pattern='
+              f'{m.layer_pattern} only the dense-cache layers do (the recurrent ones keep a '
+              'fixed-size state, a window its last w keys at most).', '']
   for name, kv in (('MHA', 32), ('GQA, 8 KV heads', 8), ('MQA', 1)):
     elems = accounting.kv_cache_elements(32, kv, 64, 2048)
     rows.append(row(f'example: 32 layers, 32 heads, H 64, length 2048, {name}', elems))

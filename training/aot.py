@@ -226,7 +226,7 @@ def compile_config(config, devices, *, vocab_size, special_ids=None,
       program, so any tokenizer's serve to compile it).
     programs: which of 'train' (the loop's jitted `train_step`, state donated), 'eval'
       (`steps.eval_step`) and 'decode' (one cached `decode_step` of a batch: decoder-only and
-      encoder-decoder models whose decoder attention declares a cached step) to compile.
+      encoder-decoder models each of whose decoder layers declares a cached step) to compile.
 
   Returns:
     {program: `analyse(...)`} for each compiled program.
@@ -250,8 +250,7 @@ def compile_config(config, devices, *, vocab_size, special_ids=None,
   if 'eval' in programs:
     out['eval'] = analyse(lower(jax.jit(functools.partial(steps.eval_step, graphdef)),
                                 variables, batch))
-  decoder = validation_attention.decoder_layer(config.model)
-  if 'decode' in programs and decoder is not None and decoder[1].cached_decoding is not None:
+  if 'decode' in programs and validation_attention.decodes_with_cache(config.model):
     out['decode'] = analyse(lower(*_decode_program(config, graphdef, variables, batch, mesh,
                                                    rules)))
   return out

@@ -76,6 +76,7 @@ def _validate_model(config):
   m, d = config.model, config.data
   _choice('model.arch', m.arch, models.ARCHS)
   _choice('model.attention', m.attention, attention_variants.VARIANTS)
+  _validate_layer_pattern(config)
   _choice('model.attention_impl', m.attention_impl, attention.KERNELS)
   _choice('model.position', m.position, positions.POSITIONS)
   _choice('model.norm', m.norm, norms.NORMS)
@@ -300,8 +301,14 @@ def _validate_scan(config):
     raise ConfigError("model.scan_layers=True is not valid for model.arch='rnn_seq2seq' (no "
                       'Transformer blocks); valid archs: decoder_only, encoder_decoder, '
                       'encoder_only')
-  if not attention_variants.VARIANTS[m.attention].scannable:
-    raise ConfigError(f'model.scan_layers=True is not valid for model.attention={m.attention!r} '
+  names = stack.layer_attentions(m)
+  if len(set(names)) > 1:
+    raise ConfigError(f'model.scan_layers=True is not valid for model.layer_pattern='
+                      f'{m.layer_pattern!r} (layers of different variants cannot share one '
+                      'scanned trace); use scan_layers=False, or a pattern of one variant')
+  if not attention_variants.VARIANTS[names[0]].scannable:
+    raise ConfigError(f'model.scan_layers=True is not valid for '
+                      f'{validation_attention.variant_label(m, names[0], "encoder")} '
                       '(its layers draw their own random blocks/features from '
                       'model.attention_seed, and scanned layers share one trace); use '
                       'scan_layers=False')
@@ -345,7 +352,47 @@ def _validate_model_options(config):
                       'the output as a table without a bias); valid with tie_output=False: 0')
 
 
+def _validate_layer_pattern(config):
+  """`model.layer_pattern`: a comma-separated string of attention variants (or '')."""
+  m = config.model
+  pattern = m.get('layer_pattern', '')
+  if not isinstance(pattern, str):
+    raise ConfigError(f'model.layer_pattern={pattern!r} must be a comma-separated string of '
+                      f'attention variants (or \'\'); valid entries: '
+                      f'{", ".join(sorted(attention_variants.VARIANTS))}')
+  if not pattern:
+    return
+  for entry in stack.pattern_entries(m):
+    if entry not in attention_variants.VARIANTS:
+      raise ConfigError(f'model.layer_pattern={pattern!r}: entry {entry!r} is not valid; valid '
+                        f'entries: {", ".join(sorted(attention_variants.VARIANTS))}')
+  if m.arch == 'rnn_seq2seq':
+    raise ConfigError(f"model.layer_pattern={pattern!r} is not valid for model.arch='rnn_seq2seq' "
+                      "(no Transformer blocks); valid value here: ''")
+  if m.get('decoder_attention', ''):
+    raise ConfigError(f'model.layer_pattern={pattern!r} sets every stack\'s layers, so '
+                      f'model.decoder_attention={m.decoder_attention!r} would be ignored; valid '
+                      "value with a pattern: ''")
+
+
 def _validate_attention(config):
+  """`model.attention`, or each entry of `model.layer_pattern` checked as if it were
+  `model.attention` (its message then names the pattern and the entry)."""
+  m = config.model
+  pattern = m.get('layer_pattern', '')
+  if not pattern:
+    _validate_variant(config)
+    return
+  for entry in dict.fromkeys(stack.pattern_entries(m)):
+    entry_config = config.copy_and_resolve_references()
+    entry_config.model.update(attention=entry, layer_pattern='')
+    try:
+      _validate_variant(entry_config)
+    except ConfigError as e:
+      raise ConfigError(f'model.layer_pattern={pattern!r}, entry {entry!r}: {e}') from None
+
+
+def _validate_variant(config):
   """`model.attention`: the variant's own checks, then its declared capabilities against the
   architecture and the packing."""
   m = config.model

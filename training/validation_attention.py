@@ -7,54 +7,71 @@ position method's `terms_for`. No position, kernel or variant is named here, so 
 checked as soon as it declares what it does.
 """
 
+import models
 from layers import attention
 from layers import attention_variants
 from layers import contract
 from layers import options
 from layers import positions
+from models import stack
 
 ConfigError = options.ConfigError
 
 
-def attention_layers(model_cfg):
-  """[(field, class, takes the position)] for every attention the model builds: each stack's
-  self-attention (the position acts there) and the decoder's cross-attention (it does not)."""
+def variant_label(model_cfg, name, role='decoder'):
+  """How a message names the self-attention variant `name` of stack `role` (models.STACKS):
+  "model.attention='x'", "model.decoder_attention='x'" or "model.layer_pattern entry 'x'"."""
   m = model_cfg
-  variants = attention_variants.VARIANTS
-  if m.arch == 'rnn_seq2seq':
-    return []  # its attention is layers.rnn_attention's, with no kernel
-  layers = [('model.attention', variants[m.attention], True)]
-  if m.arch == 'encoder_decoder':
-    decoder = m.get('decoder_attention', '')
-    if decoder:
-      layers.append(('model.decoder_attention', variants[decoder], True))
+  if stack.pattern_entries(m):
+    return f'model.layer_pattern entry {name!r}'
+  if role == 'decoder' and m.arch == 'encoder_decoder' and m.get('decoder_attention', ''):
+    return f'model.decoder_attention={name!r}'
+  return f'model.attention={name!r}'
+
+
+def self_attentions(model_cfg, roles=None):
+  """[(label, class)] of each distinct self-attention variant of the stacks in `roles` (None:
+  every stack), each layer's own under `model.layer_pattern` (models.layer_attentions)."""
+  out = {}
+  for role, names in models.layer_attentions(model_cfg).items():
+    if roles is None or role in roles:
+      for name in names:
+        out.setdefault(variant_label(model_cfg, name, role), attention_variants.VARIANTS[name])
+  return list(out.items())
+
+
+def attention_layers(model_cfg):
+  """[(label, class, takes the position)] for every attention the model builds: each distinct
+  self-attention variant of its stacks (the position acts there) and the decoder's
+  cross-attention (it does not)."""
+  layers = [(label, cls, True) for label, cls in self_attentions(model_cfg)]
+  if model_cfg.arch == 'encoder_decoder':
     layers.append(('cross-attention', attention.Attention, False))
   return layers
 
 
-def decoder_layer(model_cfg):
-  """(field, class) of the self-attention that decodes token by token, or None (no decoder)."""
-  m = model_cfg
-  if m.arch == 'decoder_only':
-    return 'model.attention', attention_variants.VARIANTS[m.attention]
-  if m.arch == 'encoder_decoder':
-    decoder = m.get('decoder_attention', '')
-    field = 'model.decoder_attention' if decoder else 'model.attention'
-    return field, attention_variants.VARIANTS[decoder or m.attention]
-  return None
+def decoder_layers(model_cfg):
+  """[(label, class)] of the self-attention variants that decode token by token ([]: no
+  decoder)."""
+  return self_attentions(model_cfg, roles=('decoder',))
+
+
+def decodes_with_cache(model_cfg):
+  """Whether the model has a decoder and every one of its layers a cached step."""
+  layers = decoder_layers(model_cfg)
+  return bool(layers) and all(cls.cached_decoding is not None for _, cls in layers)
 
 
 def check_decoding(model_cfg, what):
-  """Raises ConfigError if `what` (e.g. '--translate') needs a KV-cache decode the decoder's
-  attention variant does not declare (`cached_decoding` None)."""
-  layer = decoder_layer(model_cfg)
-  if layer is None or layer[1].cached_decoding is not None:
-    return
-  field, cls = layer
-  valid = [name for name, v in attention_variants.VARIANTS.items()
-           if v.cached_decoding is not None and v.supports_causal]
-  raise ConfigError(f'{what} decodes with a KV cache, which {field}={model_cfg[field[6:]]!r} '
-                    f'({cls.__name__}) does not have; valid values: {", ".join(valid)}')
+  """Raises ConfigError if `what` (e.g. '--translate') needs a KV-cache decode a layer of the
+  decoder does not declare (`cached_decoding` None): every layer decodes with its own cache."""
+  for label, cls in decoder_layers(model_cfg):
+    if cls.cached_decoding is not None:
+      continue
+    valid = [name for name, v in attention_variants.VARIANTS.items()
+             if v.cached_decoding is not None and v.supports_causal]
+    raise ConfigError(f'{what} decodes with a KV cache, which {label} ({cls.__name__}) does not '
+                      f'have; valid values: {", ".join(valid)}')
 
 
 def _positions_without(terms_allowed, model_cfg):
@@ -71,13 +88,13 @@ def check_position_terms(model_cfg, layers):
   if not terms:
     return
   kernel = attention.KERNELS[m.attention_impl]
-  for field, cls, takes_position in layers:
+  for label, cls, takes_position in layers:
     if not takes_position:
       continue
     if not cls.takes_score_terms:
       raise ConfigError(
           f'model.position={m.position!r} adds {contract.TERM_NAMES[terms[0]]} to the scores, '
-          f'which {field}={m[field[6:]]!r} does not take; valid values: '
+          f'which {label} does not take; valid values: '
           f'{", ".join(_positions_without((), m))}')
     missing = kernel.missing(terms) if cls.uses_kernel else []
     if missing:
@@ -99,9 +116,9 @@ def check_kernel(config):
   users = [cls for _, cls, _ in layers if cls.uses_kernel]
   if not users:
     if impl != 'xla':
-      raise ConfigError(f'model.attention_impl={impl!r} is not used: model.attention='
-                        f'{m.attention!r} computes its attention its own way; valid value: '
-                        "'xla' (the default)")
+      labels = ', '.join(label for label, _, _ in layers) or f'model.arch={m.arch!r}'
+      raise ConfigError(f'model.attention_impl={impl!r} is not used: {labels} computes its '
+                        "attention its own way; valid value: 'xla' (the default)")
     return
   rate = m.get('attention_dropout', 0.0)
   if rate > 0 and not kernel.dropout:

@@ -152,6 +152,11 @@ BAD_VALUES = [
     ('model.mla_kv_rank', 0, r'model.mla_kv_rank=0 must be a positive integer$'),
     ('model.mla_kv_rank', -8, r'model.mla_kv_rank=-8 must be a positive integer$'),
     ('model.mla_rope_dim', 3, r'model.mla_rope_dim=3 must be even \(RoPE rotates pairs\)'),
+    # A hybrid stack's pattern (models/stack.py): known variants separated by commas.
+    ('model.layer_pattern', 'dense,nope', r"model.layer_pattern='dense,nope': entry 'nope' is not "
+                                          'valid; valid entries: bigbird, dense, '),
+    ('model.layer_pattern', 'dense,', "model.layer_pattern='dense,': entry '' is not valid"),
+    ('model.layer_pattern', None, 'model.layer_pattern=None must be a comma-separated string'),
 ]
 
 
