@@ -74,6 +74,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   model.final_logit_softcap = 0.0  # c > 0: logits c·tanh(logits / c), each in (-c, c) (Gemma 2:
   #                                  30); 0 = off
   model.attention_dropout = 0.0  # dropout on the attention probabilities (xla, blockwise only)
+  model.attn_logit_softcap = 0.0  # c > 0: attention logits c·tanh(s / c) (Gemma 2: 50); 0 = off
+  model.attention_sinks = False  # a learned logit per head in the softmax's denominator (GPT-OSS)
   model.ffn_dropout = 0.0  # dropout on the feed-forward activations (after the nonlinearity)
   # mixture of experts (layers/moe.py, docs/moe.md); every moe_* field stays at its default while
   # moe_experts = 0

@@ -1,5 +1,6 @@
 """Multi-head attention: the NNX layer and its cached step; the kernels are in attention_kernels."""
 
+import dataclasses
 import math
 
 import jax
@@ -19,6 +20,9 @@ from layers import sharding
 KERNELS = attention_kernels.KERNELS
 dot_product_attention = attention_kernels.dot_product_attention
 kernels_taking = attention_kernels.kernels_taking
+
+# The ScoreTerms fields the layer sets itself (`Attention.layer_terms`), and the option of each.
+LAYER_TERMS = {'softcap': 'attn_logit_softcap', 'sinks': 'attention_sinks'}
 
 # The projection options only `Attention.from_config` passes on (head_dim, attention_bias,
 # attention_dropout, kernel_init); a variant with its own `from_config` does not read them yet.
@@ -70,6 +74,9 @@ class Attention(nnx.Module, options.Configurable):
       pattern or state), or None (no cached decoding: eval.py's translation and tools.aot's decode
       program are refused at validation).
     has_paged_cache: `decode` reads a paged KV cache (`init_paged_cache`).
+    layer_terms: the `contract.ScoreTerms` fields the layer sets itself from its options
+      (`LAYER_TERMS`: the logit soft cap, the sinks) that this variant applies; () where it
+      computes attention its own way without them (validation refuses the options there).
     options: the `config.model` fields `from_config` reads beyond the sizes.
   """
 
@@ -81,12 +88,13 @@ class Attention(nnx.Module, options.Configurable):
   scannable = True
   cached_decoding = 'dense'
   has_paged_cache = True
-  options = ('use_bias', 'attention_impl', 'unscaled')
+  layer_terms = ('softcap', 'sinks')
+  options = ('use_bias', 'attention_impl', 'unscaled', 'attn_logit_softcap', 'attention_sinks')
   dropout_rate = 0.0  # attention dropout (set by __init__); a variant built otherwise has none
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, head_dim=None, use_bias=False,
                implementation='xla', local_window_size=None, scale=None, kernel_init=None,
-               dropout_rate=0.0, rngs):
+               dropout_rate=0.0, softcap=0.0, sinks=False, rngs):
     """Args:
       d_model: D, the input and output width.
       num_heads, num_kv_heads: N query heads, K key/value heads (None: K = N).
@@ -98,6 +106,9 @@ class Attention(nnx.Module, options.Configurable):
       scale: the score scale (None: 1/sqrt(H)).
       kernel_init: the projections' initialiser (None: lecun_normal).
       dropout_rate: attention dropout on the probabilities while training (`__call__`'s rngs).
+      softcap: c > 0 caps every logit at c·tanh(s / c) (0: off); see `dot_product_attention`.
+      sinks: a learned sink logit per query head, `sink_logits` `[N]`, initialised to 0 (an empty
+        key's weight: at init a row's sink takes 1 / (1 + sum_j exp(s_ij)) of the mass).
       rngs: parameter initialisation.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -107,6 +118,9 @@ class Attention(nnx.Module, options.Configurable):
     self.local_window_size = local_window_size
     self.scale = scale
     self.dropout_rate = dropout_rate
+    self.softcap = float(softcap)
+    self.sink_logits = (nnx.Param(jnp.zeros((num_heads,), jnp.float32), logical_axes=('heads',))
+                        if sinks else None)
     init = nnx.initializers.lecun_normal() if kernel_init is None else kernel_init
     zeros = nnx.initializers.zeros
 
@@ -129,21 +143,26 @@ class Attention(nnx.Module, options.Configurable):
                use_bias=initializers.attention_bias(cfg), implementation=cfg.attention_impl,
                scale=1.0 if cfg.get('unscaled', False) else None,
                kernel_init=initializers.kernel_init(cfg),
-               dropout_rate=cfg.get('attention_dropout', 0.0), rngs=rngs)
+               dropout_rate=cfg.get('attention_dropout', 0.0),
+               softcap=cfg.get('attn_logit_softcap', 0.0),
+               sinks=cfg.get('attention_sinks', False), rngs=rngs)
 
   @classmethod
   def param_count(cls, cfg):
     """The parameters one layer of this variant holds, in closed form, from a resolved
     `config.model` (models.accounting sums them and tests them against the built model). A
     variant with parameters of its own extends this."""
+    on = 'sinks' in cls.layer_terms and cfg.get('attention_sinks', False)
+    sinks = cfg.num_heads if on else 0  # a logit per head
     return projection_params(cfg.d_model, cfg.num_heads, cfg.num_kv_heads,
                              use_bias=initializers.attention_bias(cfg),
-                             head_dim=initializers.head_dim(cfg))
+                             head_dim=initializers.head_dim(cfg)) + sinks
 
   @classmethod
   def check_options(cls, model_cfg):
     """`model.head_dim` (0 or a positive integer), `model.attention_bias` (a bool),
-    `model.attention_dropout` (a rate in [0, 1))."""
+    `model.attention_dropout` (a rate in [0, 1)), `model.attn_logit_softcap` (a number >= 0),
+    `model.attention_sinks` (a bool)."""
     m = model_cfg
     head_dim = m.get('head_dim', 0)
     if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 0:
@@ -154,6 +173,12 @@ class Attention(nnx.Module, options.Configurable):
     options.positive('model.attention_dropout', rate, zero_ok=True)
     if rate >= 1:
       raise options.ConfigError(f'model.attention_dropout={rate!r} must be in [0, 1)')
+    cap = m.get('attn_logit_softcap', 0.0)
+    if (not isinstance(cap, (int, float)) or isinstance(cap, bool) or not math.isfinite(cap)
+        or cap < 0):
+      raise options.ConfigError(f'model.attn_logit_softcap={cap!r} must be a finite number >= 0 '
+                                '(0 = off)')
+    options.boolean('model.attention_sinks', m.get('attention_sinks', False))
 
   @classmethod
   def check_config(cls, model_cfg, data_cfg):
@@ -200,6 +225,19 @@ class Attention(nnx.Module, options.Configurable):
     """The score scale: `scale`, or 1/sqrt(H)."""
     return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
 
+  def with_layer_terms(self, terms):
+    """`terms` with the layer's own soft cap and sinks added, where set."""
+    own = {'softcap': self.softcap or None,
+           'sinks': None if self.sink_logits is None else self.sink_logits[...]}  # [N]
+    own = {name: value for name, value in own.items() if value is not None}
+    return dataclasses.replace(terms, **own) if own else terms
+
+  def normalised(self, logits, vis, sinks=None):
+    """`normalise` with the `[N]` sinks as one more key of no value (attention_xla.with_sink)."""
+    if sinks is None:
+      return self.normalise(logits, vis)
+    return self.normalise(*attention_xla.with_sink(logits, vis, sinks))[..., :-1]  # [B, N, T, S]
+
   def prepare(self, x, context=None, *, positions=None, context_positions=None, position=None,
               is_causal=False):
     """The preamble `__call__`, `score_stats` and `weights` share: q `[B, T, N, H]`, k and v
@@ -214,7 +252,7 @@ class Attention(nnx.Module, options.Configurable):
     terms = contract.NONE
     if position is not None:
       q, k, terms = position.in_attention(q, k, positions, context_positions, is_causal=is_causal)
-    return q, k, v, terms
+    return q, k, v, self.with_layer_terms(terms)
 
   def project(self, x, context=None):
     """q `[B, T, N, H]`, k and v `[B, S, K, H]`."""
@@ -251,7 +289,7 @@ class Attention(nnx.Module, options.Configurable):
     logits, vis = attention_xla.scores(
         q, k, scale=self.score_scale(q.shape[-1]), is_causal=is_causal,
         window=masks.normalize_window(self.local_window_size), q_segment_ids=segment_ids,
-        kv_segment_ids=segment_ids, **terms.kwargs())  # [B, N, T, S]
+        kv_segment_ids=segment_ids, **terms.logit_kwargs())  # [B, N, T, S], the keys' only
     real = (jnp.ones(x.shape[:2], jnp.float32) if segment_ids is None
             else (segment_ids > 0).astype(jnp.float32))  # [B, T]
     return attention_xla.score_statistics(logits, vis, real)
@@ -307,8 +345,9 @@ class Attention(nnx.Module, options.Configurable):
           q, k, scale=self.score_scale(q.shape[-1]), is_causal=is_causal,
           window=masks.normalize_window(window),
           q_segment_ids=None if segment_ids is None else segment_ids[0],
-          kv_segment_ids=None if segment_ids is None else segment_ids[1], **terms.kwargs())
-      probs = self.normalise(logits, vis)  # [B, N, T, S]
+          kv_segment_ids=None if segment_ids is None else segment_ids[1],
+          **terms.logit_kwargs())
+      probs = self.normalised(logits, vis, terms.sinks)  # [B, N, T, S]
       if rate > 0:
         probs = attention_xla.drop(probs, rate, attention_xla.dropout_seed(dropout_rng))
       return attention_xla.combine(probs, v).astype(q.dtype)  # [B, T, N, H]
@@ -420,8 +459,8 @@ class Attention(nnx.Module, options.Configurable):
     # One query row gains nothing from a flash kernel: a kernel that does not declare `decodes`
     # leaves the step to the dense reference.
     impl = self.implementation if KERNELS[self.implementation].decodes else 'xla'
-    out = self.attend(q, keys, values, contract.ScoreTerms(bias=bias, mask=vis[:, None]),
-                      implementation=impl)  # [B, 1, N, H]
+    terms = self.with_layer_terms(contract.ScoreTerms(bias=bias, mask=vis[:, None]))
+    out = self.attend(q, keys, values, terms, implementation=impl)  # [B, 1, N, H]
     return self.out(out), cache  # [B, 1, D]
 
   def decode_context(self, x, context_cache, context_mask=None):
@@ -433,7 +472,7 @@ class Attention(nnx.Module, options.Configurable):
     q = self.query(x)  # [B, 1, N, H]
     mask = None if context_mask is None else context_mask[:, None, None, :]  # [B, 1, 1, S]
     out = self.attend(q, context_cache['k'], context_cache['v'],
-                      contract.ScoreTerms(mask=mask))  # [B, 1, N, H]
+                      self.with_layer_terms(contract.ScoreTerms(mask=mask)))  # [B, 1, N, H]
     return self.out(out)
 
   def weights(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
@@ -447,5 +486,5 @@ class Attention(nnx.Module, options.Configurable):
     logits, vis = attention_xla.scores(
         q.astype(jnp.float32), k.astype(jnp.float32), scale=self.score_scale(q.shape[-1]),
         is_causal=is_causal, window=masks.normalize_window(self.local_window_size),
-        q_segment_ids=segment_ids, kv_segment_ids=context_segment_ids, **terms.kwargs())
-    return self.normalise(logits, vis)  # [B, N, T, S]
+        q_segment_ids=segment_ids, kv_segment_ids=context_segment_ids, **terms.logit_kwargs())
+    return self.normalised(logits, vis, terms.sinks)  # [B, N, T, S]

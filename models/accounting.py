@@ -120,15 +120,12 @@ def formula_params(cfg, vocab_size, max_length):
   final_norms = stacks if block.FINAL_NORM[cfg.norm_position] else 0
   gates = sublayers if cfg.norm_position == 'rezero' else 0
   shared = cfg.get('share_embeddings', True) or stacks == 1
-  attention_bias = initializers.attention_bias(cfg)
   return {
       'embedding': vocab_size * d * (1 if shared else 2),
       'positions': position_params(cfg, max_length) * stacks,
       'attention': self_attention_params(cfg) * layers,
-      'cross_attention': (attention_params(d, cfg.num_heads, cfg.num_kv_heads,
-                                           use_bias=attention_bias,
-                                           head_dim=initializers.head_dim(cfg)) * cfg.num_layers
-                          if cross else 0),
+      # Cross-attention is the dense layer, whatever the self-attention variant (its sinks too).
+      'cross_attention': attention.Attention.param_count(cfg) * cfg.num_layers if cross else 0,
       'ffn': ffn_layers_params(cfg) * stacks,  # MoE blocks: router, experts, shared experts
       'norms': norm_params(d, cfg.norm) * (sublayers * per_sublayer + final_norms) + gates,
       'output': 0 if cfg.get('tie_output', True) else d * vocab_size + vocab_size,

@@ -148,6 +148,11 @@ BAD_VALUES = [
     ('train.z_loss', float('nan'), 'train.z_loss=nan must be'),
     ('train.z_loss', float('inf'), 'train.z_loss=inf must be'),
     ('train.z_loss', None, 'train.z_loss=None must be'),
+    ('model.attn_logit_softcap', -1.0, r'model.attn_logit_softcap=-1.0 must be a finite number '
+                                       r'>= 0 \(0 = off\)$'),
+    ('model.attn_logit_softcap', float('nan'), 'model.attn_logit_softcap=nan must be'),
+    ('model.attn_logit_softcap', None, 'model.attn_logit_softcap=None must be'),
+    ('model.attention_sinks', None, 'model.attention_sinks=None must be True or False$'),
 ]
 
 
