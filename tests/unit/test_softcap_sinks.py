@@ -5,6 +5,7 @@ reference; the cached decode equals the full forward pass; the parameters are co
 refusals are one line."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,6 @@ SCALE = 1.0 / np.sqrt(H)
 CAP = 1.5  # scores of std ~1 reach ~4: the cap bends them
 SINKS = np.array([-1.0, 0.5, 2.0, 0.0], np.float32)  # [N]
 TOL = dict(atol=1e-5, rtol=1e-5)  # float32, as tests/unit/test_attention_kernels.py
-TPU_TOL = dict(atol=1e-4, rtol=0)  # as tests/unit/test_pallas_tpu.py's gradients
 V = 23
 
 CASES = {
@@ -136,7 +136,7 @@ def test_kernel_matches_the_float64_reference(impl, case):
 
 def test_the_mosaic_kernel_interpreted_matches_the_float64_reference():
   arrays, kw = _case('window_segments_mqa')
-  _check(_got(_kernel('pallas_tpu', kw), arrays), _want(arrays, kw), TPU_TOL)
+  _check(_got(_kernel('pallas_tpu', kw), arrays), _want(arrays, kw), TOL)
 
 
 @pytest.mark.parametrize('case', ['causal_gqa', 'window_segments_mqa'])
@@ -202,14 +202,23 @@ def test_cached_decoding_equals_the_full_forward(arch):
     cache_batch = {k: v for k, v in batch.items() if k.startswith('src_')}
   full, cached = full_and_cached_logits(model, batch, cache_batch, tokens)
   np.testing.assert_allclose(cached, full, atol=2e-5, rtol=2e-5)
-  # Both change the output: the cap bends scores of this size, the sinks take mass.
+
+
+def test_both_change_the_output():
+  """The cap bends scores of this size, and the sinks take mass: neither is a no-op."""
+  config = _config()
+  model = _with_sinks(models.build(config.model, V, 16, rngs=nnx.Rngs(0)))
   layers = [n for _, n in nnx.iter_graph(model) if isinstance(n, attention.Attention)]
-  for layer in layers:
-    layer.softcap = 0.0
-  assert np.abs(np.asarray(model(batch)) - np.asarray(full)).max() > 1e-3
-  for layer in layers:
-    layer.softcap, layer.sink_logits[...] = 0.5, jnp.full((N,), -30.0)  # no mass to the sinks
-  assert np.abs(np.asarray(model(batch)) - np.asarray(full)).max() > 1e-3
+  tokens = jax.random.randint(jax.random.key(1), (2, 9), 1, V)
+  outs = []
+  for cap, sink in ((0.5, None), (0.0, None), (0.5, -30.0)):  # -30: no mass to the sinks
+    for layer in layers:
+      layer.softcap = cap
+      if sink is not None:
+        layer.sink_logits[...] = jnp.full((N,), sink)
+    graphdef, state = nnx.split(model)
+    outs.append(quick_jit(lambda s, x: nnx.merge(graphdef, s)({'inputs': x}))(state, tokens))
+  assert np.abs(outs[1] - outs[0]).max() > 1e-3 and np.abs(outs[2] - outs[0]).max() > 1e-3
 
 
 @pytest.mark.parametrize('arch', ['decoder_only', 'encoder_decoder'])
@@ -253,3 +262,26 @@ def test_refusals_are_one_line(overrides):
   with pytest.raises(validation.ConfigError) as e:
     validation.validate(config)
   assert str(e.value) == REFUSALS[overrides]
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['f32', 'bf16'])
+def test_pallas_with_both_lowers_for_tpu_and_cuda(dtype):
+  """Mosaic's and Triton's lowering rules accept the cap and the sinks in the forward, dQ and
+  dK/dV kernels (tests/unit/test_pallas_lowering.py's check, every option on)."""
+  t, h = 200, 64
+  q = jax.ShapeDtypeStruct((1, t, N, h), dtype)
+  kv = jax.ShapeDtypeStruct((1, t, 2, h), dtype)
+  sinks = jax.ShapeDtypeStruct((N,), jnp.float32)
+
+  def loss(q, k, v, sinks):
+    out = attention.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=(100, 0),
+        alibi_slopes=jnp.linspace(0.5, 0.01, N),
+        segment_ids=jnp.arange(t, dtype=jnp.int32)[None] // 70, implementation='pallas',
+        softcap=50.0, sinks=sinks)
+    return jnp.sum(out.astype(jnp.float32))
+
+  traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, kv, kv, sinks)
+  for platform, call in (('tpu', 'tpu_custom_call'), ('cuda', '__gpu$xla.gpu.triton')):
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    assert re.findall(r'custom_call @([\w$.]+)', text) == [call] * 3, platform
