@@ -285,3 +285,15 @@ def test_pallas_with_both_lowers_for_tpu_and_cuda(dtype):
   for platform, call in (('tpu', 'tpu_custom_call'), ('cuda', '__gpu$xla.gpu.triton')):
     text = traced.lower(lowering_platforms=(platform,)).as_text()
     assert re.findall(r'custom_call @([\w$.]+)', text) == [call] * 3, platform
+
+
+def test_the_attention_maps_are_the_forward_pass_weights():
+  """`Attention.weights` (eval.py's maps) caps the logits and leaves the sinks' share out: the
+  maps times v give the forward pass, and a row sums to 1 - p_sink < 1."""
+  layer = _with_sinks(attention.Attention(16, 4, 2, softcap=0.5, sinks=True, rngs=nnx.Rngs(0)))
+  x = jax.random.normal(jax.random.key(2), (2, 6, 16))
+  maps = layer.weights(x, is_causal=True)  # [B, N, T, S]
+  _, _, v = layer.project(x)
+  want = attention_xla.combine(maps, v)  # [B, T, N, H]
+  np.testing.assert_allclose(layer(x, is_causal=True), layer.out(want), atol=2e-6)
+  assert np.all(np.asarray(maps.sum(-1)) < 1.0)
