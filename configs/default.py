@@ -80,6 +80,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   model.attention_gate = 'none'  # none | headwise | elementwise: each head's output times
   #                               sigmoid(x W) before the output projection (Qiu et al. 2025)
   model.qk_norm = 'none'  # none | rmsnorm: per-head RMSNorm of queries and keys before RoPE
+  model.attn_logit_softcap = 0.0  # c > 0: attention logits c·tanh(s / c) (Gemma 2: 50); 0 = off
+  model.attention_sinks = False  # a learned logit per head in the softmax's denominator (GPT-OSS)
   model.ffn_dropout = 0.0  # dropout on the feed-forward activations (after the nonlinearity)
   # mixture of experts (layers/moe.py, docs/moe.md); every moe_* field stays at its default while
   # moe_experts = 0

@@ -1,11 +1,13 @@
-"""Multi-head attention: the NNX layer and its cached step; the kernels are in attention_kernels."""
+"""Multi-head attention: the NNX layer; its cached steps are in attention_cache, the kernels in
+attention_kernels."""
 
+import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from layers import attention_cache
 from layers import attention_heads
 from layers import attention_kernels
 from layers import attention_xla
@@ -13,13 +15,15 @@ from layers import contract
 from layers import initializers
 from layers import masks
 from layers import options
-from layers import paged_attention
 from layers import sharding
 
 # Re-exported: the kernels' contract and table live in attention_kernels.
 KERNELS = attention_kernels.KERNELS
 dot_product_attention = attention_kernels.dot_product_attention
 kernels_taking = attention_kernels.kernels_taking
+
+# The ScoreTerms fields the layer sets itself (`Attention.layer_terms`), and the option of each.
+LAYER_TERMS = {'softcap': 'attn_logit_softcap', 'sinks': 'attention_sinks'}
 
 # The projection options only `Attention.from_config` passes on (head_dim, attention_bias,
 # attention_dropout, kernel_init); a variant with its own `from_config` does not read them yet.
@@ -38,7 +42,7 @@ def projection_params(d_model, num_heads, num_kv_heads=None, *, use_bias=False, 
   return weights + (num_heads * h + 2 * k * h + d_model if use_bias else 0)
 
 
-class Attention(nnx.Module, options.Configurable):
+class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
   """Multi-head attention with `num_kv_heads` key/value heads (MHA, GQA, MQA) and q/k/v/o
   projections.
 
@@ -74,6 +78,9 @@ class Attention(nnx.Module, options.Configurable):
     gates_output, norms_qk: every output of the layer goes through `output` (model.attention_gate)
       and its q/k through `project` (model.qk_norm); a variant that computes either its own way
       sets the one it does not apply to False, and validation refuses that option for it.
+    layer_terms: the `contract.ScoreTerms` fields the layer sets itself from its options
+      (`LAYER_TERMS`: the logit soft cap, the sinks) that this variant applies; () where it
+      computes attention its own way without them (validation refuses the options there).
     options: the `config.model` fields `from_config` reads beyond the sizes.
   """
 
@@ -87,14 +94,16 @@ class Attention(nnx.Module, options.Configurable):
   has_paged_cache = True
   gates_output = True
   norms_qk = True
-  options = ('use_bias', 'attention_impl', 'unscaled', 'attention_gate', 'qk_norm')
+  layer_terms = ('softcap', 'sinks')
+  options = ('use_bias', 'attention_impl', 'unscaled', 'attention_gate', 'qk_norm',
+             'attn_logit_softcap', 'attention_sinks')
   dropout_rate = 0.0  # attention dropout (set by __init__); a variant built otherwise has none
   cache_form = '2·K·H'  # `cache_per_token` in words (tools.accounting's cache rows)
   param_form = None  # `param_count` in words where it is not the q/k/v/o projections' (MLA's)
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, head_dim=None, use_bias=False,
                implementation='xla', local_window_size=None, scale=None, kernel_init=None,
-               dropout_rate=0.0, gate='none', qk_norm='none', rngs):
+               dropout_rate=0.0, gate='none', qk_norm='none', softcap=0.0, sinks=False, rngs):
     """Args:
       d_model: D, the input and output width.
       num_heads, num_kv_heads: N query heads, K key/value heads (None: K = N).
@@ -107,6 +116,9 @@ class Attention(nnx.Module, options.Configurable):
       kernel_init: the projections' initialiser (None: lecun_normal).
       dropout_rate: attention dropout on the probabilities while training (`__call__`'s rngs).
       gate, qk_norm: see `layers.attention_heads` (GATES, QK_NORMS).
+      softcap: c > 0 caps every logit at c·tanh(s / c) (0: off); see `dot_product_attention`.
+      sinks: a learned sink logit per query head, `sink_logits` `[N]`, initialised to 0 (an empty
+        key's weight: at init a row's sink takes 1 / (1 + sum_j exp(s_ij)) of the mass).
       rngs: parameter initialisation.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -116,6 +128,9 @@ class Attention(nnx.Module, options.Configurable):
     self.local_window_size = local_window_size
     self.scale = scale
     self.dropout_rate = dropout_rate
+    self.softcap = float(softcap)
+    self.sink_logits = (nnx.Param(jnp.zeros((num_heads,), jnp.float32), logical_axes=('heads',))
+                        if sinks else None)
     init = nnx.initializers.lecun_normal() if kernel_init is None else kernel_init
     zeros = nnx.initializers.zeros
 
@@ -140,7 +155,9 @@ class Attention(nnx.Module, options.Configurable):
                use_bias=initializers.attention_bias(cfg), implementation=cfg.attention_impl,
                scale=1.0 if cfg.get('unscaled', False) else None,
                kernel_init=initializers.kernel_init(cfg),
-               dropout_rate=cfg.get('attention_dropout', 0.0), rngs=rngs,
+               dropout_rate=cfg.get('attention_dropout', 0.0),
+               softcap=cfg.get('attn_logit_softcap', 0.0),
+               sinks=cfg.get('attention_sinks', False), rngs=rngs,
                **attention_heads.layer_options(cfg))
 
   @classmethod
@@ -149,8 +166,10 @@ class Attention(nnx.Module, options.Configurable):
     `config.model` (models.accounting sums them and tests them against the built model). A
     variant with parameters of its own extends this."""
     bias, head_dim = initializers.attention_bias(cfg), initializers.head_dim(cfg)
+    on = 'sinks' in cls.layer_terms and cfg.get('attention_sinks', False)
+    sinks = cfg.num_heads if on else 0  # a logit per head
     return (projection_params(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, use_bias=bias,
-                              head_dim=head_dim)
+                              head_dim=head_dim) + sinks
             + attention_heads.param_count(cfg, cfg.d_model, cfg.num_heads, head_dim, use_bias=bias))
 
   @classmethod
@@ -164,7 +183,8 @@ class Attention(nnx.Module, options.Configurable):
   @classmethod
   def check_options(cls, model_cfg):
     """`model.head_dim` (0 or a positive integer), `model.attention_bias` (a bool),
-    `model.attention_dropout` (a rate in [0, 1)), `model.attention_gate`, `model.qk_norm`."""
+    `model.attention_dropout` (a rate in [0, 1)), `model.attention_gate`, `model.qk_norm`,
+    `model.attn_logit_softcap` (a number >= 0), `model.attention_sinks` (a bool)."""
     m = model_cfg
     attention_heads.check_options(m)
     head_dim = m.get('head_dim', 0)
@@ -176,6 +196,12 @@ class Attention(nnx.Module, options.Configurable):
     options.positive('model.attention_dropout', rate, zero_ok=True)
     if rate >= 1:
       raise options.ConfigError(f'model.attention_dropout={rate!r} must be in [0, 1)')
+    cap = m.get('attn_logit_softcap', 0.0)
+    if (not isinstance(cap, (int, float)) or isinstance(cap, bool) or not math.isfinite(cap)
+        or cap < 0):
+      raise options.ConfigError(f'model.attn_logit_softcap={cap!r} must be a finite number >= 0 '
+                                '(0 = off)')
+    options.boolean('model.attention_sinks', m.get('attention_sinks', False))
 
   @classmethod
   def check_heads(cls, model_cfg):
@@ -234,6 +260,19 @@ class Attention(nnx.Module, options.Configurable):
     """The score scale: `scale`, or 1/sqrt(H)."""
     return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
 
+  def with_layer_terms(self, terms):
+    """`terms` with the layer's own soft cap and sinks added, where set."""
+    own = {'softcap': self.softcap or None,
+           'sinks': None if self.sink_logits is None else self.sink_logits[...]}  # [N]
+    own = {name: value for name, value in own.items() if value is not None}
+    return dataclasses.replace(terms, **own) if own else terms
+
+  def normalised(self, logits, vis, sinks=None):
+    """`normalise` with the `[N]` sinks as one more key of no value (attention_xla.with_sink)."""
+    if sinks is None:
+      return self.normalise(logits, vis)
+    return self.normalise(*attention_xla.with_sink(logits, vis, sinks))[..., :-1]  # [B, N, T, S]
+
   def prepare(self, x, context=None, *, positions=None, context_positions=None, position=None,
               is_causal=False):
     """The preamble `__call__`, `score_stats` and `weights` share: q `[B, T, N, H]`, k and v
@@ -248,7 +287,7 @@ class Attention(nnx.Module, options.Configurable):
     terms = contract.NONE
     if position is not None:
       q, k, terms = position.in_attention(q, k, positions, context_positions, is_causal=is_causal)
-    return q, k, v, terms
+    return q, k, v, self.with_layer_terms(terms)
 
   def project(self, x, context=None):
     """q `[B, T, N, H]`, k and v `[B, S, K, H]`."""
@@ -296,7 +335,7 @@ class Attention(nnx.Module, options.Configurable):
     logits, vis = attention_xla.scores(
         q, k, scale=self.score_scale(q.shape[-1]), is_causal=is_causal,
         window=masks.normalize_window(self.local_window_size), q_segment_ids=segment_ids,
-        kv_segment_ids=segment_ids, **terms.kwargs())  # [B, N, T, S]
+        kv_segment_ids=segment_ids, **terms.logit_kwargs())  # [B, N, T, S], the keys' only
     real = (jnp.ones(x.shape[:2], jnp.float32) if segment_ids is None
             else (segment_ids > 0).astype(jnp.float32))  # [B, T]
     return attention_xla.score_statistics(logits, vis, real)
@@ -352,8 +391,9 @@ class Attention(nnx.Module, options.Configurable):
           q, k, scale=self.score_scale(q.shape[-1]), is_causal=is_causal,
           window=masks.normalize_window(window),
           q_segment_ids=None if segment_ids is None else segment_ids[0],
-          kv_segment_ids=None if segment_ids is None else segment_ids[1], **terms.kwargs())
-      probs = self.normalise(logits, vis)  # [B, N, T, S]
+          kv_segment_ids=None if segment_ids is None else segment_ids[1],
+          **terms.logit_kwargs())
+      probs = self.normalised(logits, vis, terms.sinks)  # [B, N, T, S]
       if rate > 0:
         probs = attention_xla.drop(probs, rate, attention_xla.dropout_seed(dropout_rng))
       return attention_xla.combine(probs, v).astype(q.dtype)  # [B, T, N, H]
@@ -361,126 +401,6 @@ class Attention(nnx.Module, options.Configurable):
                                  scale=self.scale, local_window_size=window,
                                  implementation=implementation, dropout_rate=rate,
                                  dropout_rng=dropout_rng, **terms.kwargs())
-
-
-  # --- KV cache path (autoregressive decoding) -------------------------------------------------
-
-  def init_cache(self, batch_size, max_length, dtype=jnp.float32):
-    """An empty self-attention cache of `num_kv_heads` heads only (GQA/MQA shrink it by N/K).
-
-    Returns:
-      {'k': `[B, S_max, K, H]`, 'v': `[B, S_max, K, H]`} zeros.
-    """
-    shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
-    return {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}
-
-  def init_paged_cache(self, num_pages, page_size, dtype=jnp.float32):
-    """An empty page pool (layers.paged_attention) of `num_kv_heads` heads, shared by all rows.
-
-    Returns:
-      {'k_pages': `[P, page_size, K, H]`, 'v_pages': `[P, page_size, K, H]`} zeros.
-    """
-    if not self.has_paged_cache:
-      # Variants decode through their own `decode` (sparse patterns sized from cache['k'],
-      # recurrent prefix sums): none of them reads a page pool yet.
-      raise NotImplementedError(f'{type(self).__name__} has no paged KV cache; decode it with the '
-                                "contiguous cache (paged=False) or model.attention='dense'")
-    return paged_attention.init_pages(num_pages, page_size, self.num_kv_heads, self.head_dim, dtype)
-
-  def context_cache(self, context):
-    """Cross-attention keys/values of an encoder output, computed once per source: {'k', 'v'}."""
-    return {'k': self.norm_qk(None, self.key(context))[1],
-            'v': self.value(context)}  # [B, S, K, H] each
-
-  def decode(self, x, cache, index, *, position=None):
-    """Causal self-attention of one new token per row against the cache, which it extends.
-
-    Args:
-      x: `[B, 1, D]` the new tokens' input.
-      cache: {'k', 'v'} `[B, S_max, K, H]`; slots `< index` hold the row's earlier tokens.
-      index: `[B]` int (or a scalar), each row's absolute position; its k/v go into that slot.
-      position: None or the `layers.positions` object (absolute positions go to its hooks).
-
-    Returns:
-      (`[B, 1, D]`, the updated cache).
-    """
-    if self.cached_decoding != 'dense':
-      # A variant with its own attention pattern needs its own cached step, not this dense one
-      # (validation refuses decoding where `cached_decoding` is None).
-      raise NotImplementedError(f'{type(self).__name__} has no KV-cache decode path; decode with '
-                                "model.attention='dense' (or add one to the variant)")
-    window = masks.normalize_window(self.local_window_size)
-    return self.cached_step(x, cache, index, position=position, visible=lambda q_pos, k_pos: (
-        masks.visible(q_pos, k_pos, is_causal=True, window=window)))
-
-  def cached_step(self, x, cache, index, *, position, visible):
-    """The body of `decode`: `visible(q_pos [B, 1, 1], k_pos [B, 1, S_max])` -> `[B, 1, S_max]`
-    says which cached slots the new token sees (it must apply causality: later slots are empty).
-
-    Variants with their own pattern (layers.sparse_attention) call this with theirs. `cache` is
-    contiguous ({'k', 'v'} `[B, S_max, K, H]`) or paged ({'k_pages', 'v_pages'} `[P, page, K, H]`
-    with 'block_table' `[B, M]`, S_max = M * page); only the storage differs: slot j of either is
-    the row's absolute position j.
-    """
-    paged = paged_attention.is_paged(cache)
-    b = x.shape[0]
-    s_max = paged_attention.logical_length(cache) if paged else cache['k'].shape[1]
-    index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))  # [B]
-    q, k, v = self.project(x)  # [B, 1, N, H], [B, 1, K, H], [B, 1, K, H]
-    q_pos = index[:, None]  # [B, 1]
-    k_pos = jnp.broadcast_to(jnp.arange(s_max, dtype=jnp.int32), (b, s_max))  # [B, S_max]
-    terms = contract.NONE
-    if position is not None:
-      # The new key is rotated (RoPE) at its own absolute position before it is stored.
-      q_in = q
-      q, k, terms = position.in_attention(q, k, q_pos, q_pos, is_causal=True)
-      if terms.bias is not None or terms.position_bias is not None or terms.mask is not None:
-        # A score term over key positions (T5): recompute it against every cached slot; only the
-        # terms of this call are used, so a method that also rotates q/k is not applied twice.
-        # (keys of the cache's length, zeros: a method that also rotates k (xPos) needs the shape)
-        _, _, terms = position.in_attention(
-            q_in, jnp.zeros((b, s_max) + k.shape[2:], k.dtype), q_pos, k_pos, is_causal=True)
-    if paged:
-      cache = paged_attention.write(cache, index, k[:, 0], v[:, 0])
-      keys, values = paged_attention.gather(cache)  # [B, S_max, K, H] each, in logical order
-    else:
-      rows = jnp.arange(b)
-      cache = {'k': cache['k'].at[rows, index].set(k[:, 0].astype(cache['k'].dtype)),
-               'v': cache['v'].at[rows, index].set(v[:, 0].astype(cache['v'].dtype))}
-      keys, values = cache['k'], cache['v']
-    bias, slopes = terms.bias, terms.alibi_slopes
-    if terms.position_bias is not None:  # FIRE, KERPLE at the absolute positions: [B, N, 1, S_max]
-      dense = terms.position_bias.dense()
-      bias = dense if bias is None else bias + dense
-    position_mask = terms.mask  # xPos's blockwise causal mask, [B, 1, 1, S_max]
-    if slopes is not None:
-      # The kernels compute ALiBi from array indices (0 for the single query row here): use the
-      # absolute positions instead.
-      alibi = jax.vmap(lambda qp, kp: masks.alibi_bias(slopes, qp[:, None], kp[None]))(
-          q_pos, k_pos)  # [B, N, 1, S_max]
-      bias = alibi if bias is None else bias + alibi
-    # Slots after the row's position are empty (or stale): the causal mask on absolute positions.
-    vis = visible(q_pos[:, :, None], k_pos[:, None, :])  # [B, 1, S_max]
-    if position_mask is not None:
-      vis = vis & position_mask[:, 0]
-    # One query row gains nothing from a flash kernel: a kernel that does not declare `decodes`
-    # leaves the step to the dense reference.
-    impl = self.implementation if KERNELS[self.implementation].decodes else 'xla'
-    out = self.attend(q, keys, values, contract.ScoreTerms(bias=bias, mask=vis[:, None]),
-                      implementation=impl)  # [B, 1, N, H]
-    return self.output(out, x), cache  # [B, 1, D]
-
-  def decode_context(self, x, context_cache, context_mask=None):
-    """Cross-attention of `x` `[B, 1, D]` to cached encoder keys/values; mask `[B, S]` True = real.
-
-    Returns:
-      `[B, 1, D]`.
-    """
-    q = self.norm_qk(self.query(x), None)[0]  # [B, 1, N, H]
-    mask = None if context_mask is None else context_mask[:, None, None, :]  # [B, 1, 1, S]
-    out = self.attend(q, context_cache['k'], context_cache['v'],
-                      contract.ScoreTerms(mask=mask))  # [B, 1, N, H]
-    return self.output(out, x)
 
   def weights(self, x, context=None, *, segment_ids=None, context_segment_ids=None,
               is_causal=False, positions=None, context_positions=None, position=None):
@@ -493,5 +413,5 @@ class Attention(nnx.Module, options.Configurable):
     logits, vis = attention_xla.scores(
         q.astype(jnp.float32), k.astype(jnp.float32), scale=self.score_scale(q.shape[-1]),
         is_causal=is_causal, window=masks.normalize_window(self.local_window_size),
-        q_segment_ids=segment_ids, kv_segment_ids=context_segment_ids, **terms.kwargs())
-    return self.normalise(logits, vis)  # [B, N, T, S]
+        q_segment_ids=segment_ids, kv_segment_ids=context_segment_ids, **terms.logit_kwargs())
+    return self.normalised(logits, vis, terms.sinks)  # [B, N, T, S]

@@ -39,6 +39,7 @@ class TileConfig(NamedTuple):
   block_k: int
   dropout_rate: float = 0.0  # attention dropout on the probabilities (0 = none)
   bias_fn: object = None  # PositionBias.fn (FIRE, KERPLE) evaluated per tile, or None
+  softcap: float = 0.0  # c > 0: logits c·tanh(logits / c) (flash_core.tile_logits); 0 = none
 
 
 def _floor_div(x, d):
@@ -109,7 +110,8 @@ def block_logits(q, k, i, j, cfg, *, bias=None, mask=None, slopes=None, q_seg=No
       position_bias=None if pos_bias is None else _tile_position_bias(cfg, *pos_bias).reshape(
           -1, kh, g, bq, bk),
       q_seg=None if q_seg is None else q_seg[:, None, None, :, None],  # [B, 1, 1, bq, 1]
-      k_seg=None if kv_seg is None else kv_seg[:, None, None, None, :], mask=mask)
+      k_seg=None if kv_seg is None else kv_seg[:, None, None, None, :], mask=mask,
+      softcap=cfg.softcap)
 
 
 def _tile_keep(drop_keys, i, j, cfg):
@@ -150,14 +152,15 @@ def _slice_bt(x, i, j, cfg):
   return x
 
 
-def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb):
+def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb, sinks):
   """Online-softmax forward over blocked inputs.
 
   Args:
     q: `[nq, B, K, G, bq, H]`; k, v: `[nk, B, K, bk, H]`; bias/mask: see `_slice_bt`;
     q_seg: `[nq, B, bq]`; kv_seg: `[nk, B, bk]`; pb: None or (params, q_pos `[nq, B|1, bq]`,
     k_pos `[nk, B|1, bk]`) of `cfg.bias_fn`; drop_keys: None or the two uint32 words
-    `[B, K, G]` of attention_xla.head_keys (attention dropout at `cfg.dropout_rate`).
+    `[B, K, G]` of attention_xla.head_keys (attention dropout at `cfg.dropout_rate`); sinks:
+    None or `[K, G]` float32 sink logits.
 
   Returns:
     out `[nq, B, K, G, bq, H]` float32 and logsumexp `[nq, B, K, G, bq]` (+inf on empty rows).
@@ -178,7 +181,9 @@ def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb):
 
     lo, hi = key_block_band(i, cfg, nk)
     carry = lax.fori_loop(lo, hi, body, flash_core.init_carry(qb.shape[:-1], qb.shape[-1]))
-    return None, flash_core.finalize(carry)  # [B, K, G, bq, H] (zeros on empty rows), [B, K, G, bq]
+    sink = None if sinks is None else sinks[:, :, None]  # [K, G, 1]
+    # [B, K, G, bq, H] (zeros on empty rows), [B, K, G, bq]
+    return None, flash_core.finalize(carry, sink)
 
   _, (out, lse) = lax.scan(one_query_block, None,
                            (jnp.arange(nq), q, q_seg, None if pb is None else pb[1]))
@@ -187,7 +192,7 @@ def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb):
 
 def _backward(cfg, args, out, lse, d_out):
   """FlashAttention-2 backward: per key block, sweep its query band, recomputing probabilities."""
-  q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb = args
+  q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb, sinks = args
   nq, nk = q.shape[0], k.shape[0]
   delta = flash_core.backward_delta(out, d_out)  # [nq, B, K, G, bq]
   do = d_out.astype(q.dtype)
@@ -206,7 +211,8 @@ def _backward(cfg, args, out, lse, d_out):
                            do[i], preferred_element_type=jnp.float32)
       dp = _dropped(jnp.einsum('BKGTH,BKSH->BKGTS', do[i], vb, preferred_element_type=jnp.float32),
                     drop_keys, i, j, cfg)
-      ds = flash_core.ds(p, dp, delta[i])  # d loss / d scaled-and-biased score
+      # d loss / d scaled-and-biased score (before the cap)
+      ds = flash_core.ds(p, dp, delta[i], s, cfg.softcap)
       dk = dk + cfg.scale * jnp.einsum('BKGTS,BKGTH->BKSH', ds.astype(q.dtype), q[i],
                                        preferred_element_type=jnp.float32)
       dq_i = cfg.scale * jnp.einsum('BKGTS,BKSH->BKGTH', ds.astype(kb.dtype), kb,
@@ -240,9 +246,12 @@ def _backward(cfg, args, out, lse, d_out):
   (dq, dbias, dpb), (dk, dv) = lax.scan(
       one_key_block, (jnp.zeros(q.shape, jnp.float32), dbias0, dpb0),
       (jnp.arange(nk), k, v, kv_seg))
+  dsinks = None
+  if sinks is not None:
+    dsinks = flash_core.sink_grad(sinks[:, :, None], lse, delta, (0, 1, 4))  # [K, G]
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
           None if bias is None else dbias.astype(bias.dtype), None, None, None, None, None,
-          None if pb is None else (dpb, None, None))
+          None if pb is None else (dpb, None, None), dsinks)
 
 
 # Only O(T) residuals: inputs, output and one logsumexp per row (the dropout mask is redrawn).
@@ -265,7 +274,7 @@ def _blocked_bt(x, n, k, t_pad, s_pad):
 def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
               alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None, dropout_rate=0.0,
               dropout_seed=None, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
-              position_bias=None):
+              position_bias=None, softcap=None, sinks=None):
   """Exact attention in `[block_q, block_k]` tiles; the arguments are those of `attention_xla`.
 
   Args:
@@ -278,6 +287,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
       drops the same probabilities there and here, whatever the tile sizes).
     position_bias: None or a `layers.relative_bias.PositionBias` (FIRE, KERPLE): its function is
       evaluated per tile from the tile's positions, and its parameters receive a gradient.
+    softcap: None/0 or c > 0, the logit soft cap (`flash_core.tile_logits`).
+    sinks: None or `[N]` sink logits in the denominator (`flash_core.finalize`); they receive a
+      gradient.
     block_q, block_k: tile sizes (clipped to T and S); T and S need not be multiples of them.
 
   Returns:
@@ -290,7 +302,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
   nq, nk = -(-t // bq), -(-s // bk)
   tp, sp = nq * bq, nk * bk
   cfg = TileConfig(float(scale), bool(is_causal), None if window is None else tuple(window), t, s,
-                   bq, bk, float(dropout_rate))
+                   bq, bk, float(dropout_rate), softcap=float(softcap or 0.0))
 
   # Block-major layouts, so that a block is one contiguous leading-axis slice.
   pad = flash_core.pad_axis
@@ -316,7 +328,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
     pb = (position_bias.params, qp, kp)
     cfg = cfg._replace(bias_fn=position_bias.fn)
 
-  out = _flash(cfg, q, k, v, bias5, mask5, slopes, q_seg, kv_seg, drop_keys,
-               pb)  # [nq, B, K, G, bq, H]
+  sinks2 = None if sinks is None else sinks.astype(jnp.float32).reshape(kh, g)  # [K, G]
+  out = _flash(cfg, q, k, v, bias5, mask5, slopes, q_seg, kv_seg, drop_keys, pb,
+               sinks2)  # [nq, B, K, G, bq, H]
   out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, n, -1)[:, :t]  # [B, T, N, H]
   return out.astype(query.dtype)

@@ -30,20 +30,24 @@ def _cudnn(query, key, value, bias=None, mask=None, *, scale, is_causal=False, w
 
 
 # Exact softmax attention kernels, keyed by `config.model.attention_impl`, and what each takes
-# (layers.contract.Kernel): validation derives every kernel rule from this one table.
+# (layers.contract.Kernel): validation derives every kernel rule from this one table. The flash
+# kernels (blockwise, ring, Pallas) take the soft cap and the sinks in layers.flash_core.
 KERNELS = {
     'xla': contract.Kernel(attention_xla.attention, dropout=True, decodes=True, value_width=True),
     'blockwise': contract.Kernel(attention_blockwise.attention, dropout=True),
     # Custom calls XLA cannot partition: per device under shard_map on a mesh (attention_sharded),
     # each device holding the whole sequence. They take dense arrays, not a bias function.
     'pallas': contract.Kernel(attention_sharded.per_device(attention_pallas.attention),
-                              terms=('bias', 'alibi_slopes', 'mask'), sequence_mesh='never'),
+                              terms=('bias', 'alibi_slopes', 'mask', 'softcap', 'sinks'),
+                              sequence_mesh='never'),
+    # jax.nn's fused call has no soft cap and no sink.
     'cudnn': contract.Kernel(attention_sharded.per_device(_cudnn),
                              terms=('bias', 'alibi_slopes', 'mask'), sequence_mesh='never',
                              platforms=('gpu',)),
-    # The length split over mesh.sequence: only terms computed from the positions on each device.
-    'ring': contract.Kernel(attention_ring.ring_attention, terms=('alibi_slopes',),
-                            sequence_mesh='needed'),
+    # The length split over mesh.sequence: only terms computed from the positions on each device
+    # (and the per-head ones).
+    'ring': contract.Kernel(attention_ring.ring_attention,
+                            terms=('alibi_slopes', 'softcap', 'sinks'), sequence_mesh='needed'),
 }
 
 
@@ -72,7 +76,7 @@ def check_kernel_call(impl, terms, dropout):
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                           local_window_size=None, alibi_slopes=None, segment_ids=None,
                           implementation=None, position_bias=None, dropout_rate=0.0,
-                          dropout_rng=None):
+                          dropout_rng=None, softcap=None, sinks=None):
   """Scaled dot-product attention, mirroring `jax.nn.dot_product_attention`.
 
   Args:
@@ -92,12 +96,18 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     dropout_rate: attention dropout on the probabilities (xla and blockwise only; 0 = none).
     dropout_rng: a jax key, needed when `dropout_rate` > 0; xla and blockwise drop the same
       probabilities for the same key (attention_xla.dropout_keep).
+    softcap: None/0 or c > 0: the logits (scaled q·k plus the added terms) become c·tanh(s / c)
+      before the mask (Gemma 2).
+    sinks: None or `[N]` learned logits that join each row's softmax denominator only, with no
+      value (GPT-OSS): a row with no visible key is zeros, and the rows sum to less than 1.
 
   Returns:
     `[B, T, N, H]`; a query row with no visible key is zeros.
   """
   impl = 'xla' if implementation is None else implementation
-  given = dict(bias=bias, mask=mask, alibi_slopes=alibi_slopes, position_bias=position_bias)
+  softcap = softcap or None  # 0 is off
+  given = dict(bias=bias, mask=mask, alibi_slopes=alibi_slopes, position_bias=position_bias,
+               softcap=softcap, sinks=sinks)
   check_kernel_call(impl, [n for n in contract.TERMS if given[n] is not None], dropout_rate > 0)
   if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
     raise ValueError('query, key, value must be [B, T, N, H], [B, S, K, H], [B, S, K, H]')
@@ -106,11 +116,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   n, k = query.shape[2], key.shape[2]
   if n % k:
     raise ValueError(f'query heads ({n}) must be a multiple of key/value heads ({k})')
+  if sinks is not None and sinks.shape != (n,):
+    raise ValueError(f'sinks {sinks.shape} must be one logit per query head, ({n},)')
   if scale is None:
     scale = 1.0 / math.sqrt(query.shape[-1])
-  extra = {}
-  if position_bias is not None:
-    extra['position_bias'] = position_bias
+  extra = {name: given[name] for name in ('position_bias', 'softcap', 'sinks')
+           if given[name] is not None}
   if dropout_rate > 0:
     extra.update(dropout_rate=float(dropout_rate),
                  dropout_seed=attention_xla.dropout_seed(dropout_rng))

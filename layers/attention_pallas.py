@@ -40,14 +40,15 @@ def _tile_logits(q, k, i, j, cfg, *, bias=None, mask=None, slope=None, q_seg=Non
       scale=cfg.scale, is_causal=cfg.is_causal, window=cfg.window,
       kv_len=cfg.kv_len,  # keys past S pad the last tile
       bias=bias, slope=slope, q_seg=None if q_seg is None else q_seg[:, None],
-      k_seg=None if kv_seg is None else kv_seg[None, :], mask=None if mask is None else mask != 0)
+      k_seg=None if kv_seg is None else kv_seg[None, :], mask=None if mask is None else mask != 0,
+      softcap=cfg.softcap)
 
 
 def _unpack(refs, flags):
   """Splits the kernel's refs into named optional inputs (absent ones are None) and the rest."""
   refs = list(refs)
   named = {}
-  for name in ('bias', 'mask', 'slopes', 'q_seg', 'kv_seg'):
+  for name in _NAMES:
     named[name] = refs.pop(0) if flags[name] else None
   return named, refs
 
@@ -71,7 +72,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg, flags, num_k_blocks):
 
   lo, hi = blockwise.key_block_band(i, cfg, num_k_blocks)
   carry = lax.fori_loop(lo, hi, body, flash_core.init_carry((q.shape[0],), v_ref.shape[-1]))
-  out, lse = flash_core.finalize(carry)  # [bq, H], [bq]
+  sink = None if extra['sinks'] is None else extra['sinks'][...]  # [1], this head's
+  out, lse = flash_core.finalize(carry, sink)  # [bq, H], [bq]
   o_ref[...] = out.astype(o_ref.dtype)
   lse_ref[...] = lse
 
@@ -93,7 +95,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, flag
         kv_seg=None if extra['kv_seg'] is None else extra['kv_seg'][cols])
     p = flash_core.probabilities(s, lse)  # lse = +inf on empty rows: p = 0
     dp = jnp.dot(do, v_ref[cols, :].T, preferred_element_type=jnp.float32)
-    ds = flash_core.ds(p, dp, delta)
+    ds = flash_core.ds(p, dp, delta, s, cfg.softcap)
     return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   lo, hi = blockwise.key_block_band(i, cfg, num_k_blocks)
@@ -137,7 +139,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, fla
       p = flash_core.probabilities(s, lse_ref[g, rows])  # [bq, bk]
       dv = dv + jnp.dot(p.astype(do.dtype).T, do, preferred_element_type=jnp.float32)
       dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
-      ds = flash_core.ds(p, dp, delta_ref[g, rows])
+      ds = flash_core.ds(p, dp, delta_ref[g, rows], s, cfg.softcap)
       if dbias_ref is not None:
         dbias_ref[g, rows, :] = ds
       dk = dk + jnp.dot(ds.astype(q.dtype).T, q, preferred_element_type=jnp.float32)
@@ -183,7 +185,9 @@ def _extra_specs(extra, g, bq, bk, per_q_tile):
     else:
       specs.append(pl.BlockSpec((None, None, tp, bk),
                                 lambda b, kk, j, bsel=bsel: (bsel(b), 0, 0, j)))
-  if extra['slopes'] is not None:
+  for name in ('slopes', 'sinks'):  # per query head: the tile's one, or the G of kv head kk
+    if extra[name] is None:
+      continue
     if per_q_tile:
       specs.append(pl.BlockSpec((1,), lambda b, n, i: (n,)))
     else:
@@ -199,15 +203,16 @@ def _extra_specs(extra, g, bq, bk, per_q_tile):
   return specs
 
 
+# The optional inputs, in the order of the kernels' refs and of `_extra_specs`.
+_NAMES = ('bias', 'mask', 'slopes', 'sinks', 'q_seg', 'kv_seg')
+
+
 def _extra_args(extra):
-  args = [extra[name] for name in ('bias', 'mask', 'slopes') if extra[name] is not None]
-  if extra['q_seg'] is not None:
-    args += [extra['q_seg'], extra['kv_seg']]
-  return args
+  return [extra[name] for name in _NAMES if extra[name] is not None]
 
 
 def _flags(extra):
-  return {name: extra[name] is not None for name in ('bias', 'mask', 'slopes', 'q_seg', 'kv_seg')}
+  return {name: extra[name] is not None for name in _NAMES}
 
 
 def _forward(static, q, k, v, extra):
@@ -287,6 +292,8 @@ def _backward(static, args, out, lse, d_out):
     dbias = dbias if n1 > 1 else dbias.sum(1, keepdims=True)
   d_extra = {name: None for name in extra}  # slopes and segment ids: no gradient
   d_extra['bias'] = dbias
+  if flags['sinks']:
+    d_extra['sinks'] = flash_core.sink_grad(extra['sinks'][:, None], lse, delta, (0, 2))  # [N]
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_extra
 
 
@@ -294,8 +301,9 @@ _flash = flash_core.flash_vjp(_forward, _backward)  # _flash((cfg, backend), q, 
 
 
 def gpu_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
-                  alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None,
-                  block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, backend='interpret'):
+                  alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None, softcap=None,
+                  sinks=None, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
+                  backend='interpret'):
   """The Triton kernels; arguments as `attention_blockwise.attention`, and `backend`: 'triton'
   (lowers for cuda/rocm only) or 'interpret' (any platform).
 
@@ -311,7 +319,8 @@ def gpu_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=F
   tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
   hp = pl.next_power_of_2(h)
   cfg = blockwise.TileConfig(float(scale), bool(is_causal),
-                             None if window is None else tuple(window), t, s, bq, bk)
+                             None if window is None else tuple(window), t, s, bq, bk,
+                             softcap=float(softcap or 0.0))
   pad_t = flash_core.pad_axis
   q = pad_t(pad_t(query, 1, tp), 3, hp).transpose(0, 2, 1, 3)  # [B, N, Tp, Hp]
   k = pad_t(pad_t(key, 1, sp), 3, hp).transpose(0, 2, 1, 3)  # [B, K, Sp, Hp]
@@ -336,6 +345,7 @@ def gpu_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=F
       'mask': dense_bt(widen(mask), jnp.int8),  # int8: boolean refs do not lower everywhere
       'slopes': None if alibi_slopes is None else lax.stop_gradient(
           alibi_slopes.astype(jnp.float32)),
+      'sinks': None if sinks is None else sinks.astype(jnp.float32),  # [N], differentiated
       'q_seg': None if q_segment_ids is None else pad_t(q_segment_ids.astype(jnp.int32), 1, tp),
       'kv_seg': None if kv_segment_ids is None else pad_t(kv_segment_ids.astype(jnp.int32), 1, sp),
   }
@@ -344,8 +354,8 @@ def gpu_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=F
 
 
 def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
-              alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None,
-              block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
+              alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None, softcap=None,
+              sinks=None, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
   """Pallas FlashAttention-2 for the platform the program is lowered for; the arguments are those
   of `attention_blockwise.attention` (block_q/block_k: the Triton/interpreted kernel's tiles; the
   TPU kernel keeps its own multiples of 128).
@@ -356,23 +366,25 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
   Returns:
     `[B, T, N, H]` in the query's dtype; rows with no visible key are zeros.
   """
-  kw = dict(scale=scale, is_causal=is_causal, window=window)
+  kw = dict(scale=scale, is_causal=is_causal, window=window, softcap=softcap)
 
   def gpu(backend):
     return lambda x, y, z, o: gpu_attention(
         x, y, z, o['bias'], o['mask'], alibi_slopes=o['slopes'], q_segment_ids=o['q_seg'],
-        kv_segment_ids=o['kv_seg'], block_q=block_q, block_k=block_k, backend=backend, **kw)
+        kv_segment_ids=o['kv_seg'], sinks=o['sinks'], block_q=block_q, block_k=block_k,
+        backend=backend, **kw)
 
   def tpu(x, y, z, o):
     if o['bias'] is not None or o['mask'] is not None:
       # The Mosaic kernel takes no dense [T, S] arrays; the blockwise kernel does, in O(T) memory.
       return blockwise.attention(x, y, z, o['bias'], o['mask'], alibi_slopes=o['slopes'],
-                                 q_segment_ids=o['q_seg'], kv_segment_ids=o['kv_seg'], **kw)
+                                 q_segment_ids=o['q_seg'], kv_segment_ids=o['kv_seg'],
+                                 sinks=o['sinks'], **kw)
     return attention_pallas_tpu.attention(x, y, z, alibi_slopes=o['slopes'],
                                           q_segment_ids=o['q_seg'], kv_segment_ids=o['kv_seg'],
-                                          **kw)
+                                          sinks=o['sinks'], **kw)
 
   extra = {'bias': bias, 'mask': mask, 'slopes': alibi_slopes, 'q_seg': q_segment_ids,
-         'kv_seg': kv_segment_ids}
+           'kv_seg': kv_segment_ids, 'sinks': sinks}
   return lax.platform_dependent(query, key, value, extra, cuda=gpu('triton'), rocm=gpu('triton'),
                                 tpu=tpu, default=gpu('interpret'))

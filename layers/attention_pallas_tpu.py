@@ -13,8 +13,9 @@ The tile logits, the online update and finalize (on statistics in that lane layo
 custom VJP are `layers.flash_core`'s, shared with the other flash kernels.
 
 Options: GQA/MQA, causal, sliding window, ALiBi (slopes in SMEM, the bias computed in the kernel),
-segment ids, float32 and bfloat16. Dense bias/mask arrays are not taken (`layers.attention_pallas`
-sends those to the blockwise kernel on TPU).
+segment ids, the logit soft cap, attention sinks (in SMEM, folded in by finalize; their gradient is
+computed outside the kernels from the rows' lse and delta), float32 and bfloat16. Dense bias/mask
+arrays are not taken (`layers.attention_pallas` sends those to the blockwise kernel on TPU).
 """
 
 import functools
@@ -53,7 +54,7 @@ def _logits(q, k, i, j, cfg, *, slope=None, q_seg=None, kv_seg=None):
       j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1),
       scale=cfg.scale, is_causal=cfg.is_causal, window=cfg.window,
       kv_len=cfg.kv_len,  # keys past S pad the last tile
-      slope=slope, q_seg=q_seg, k_seg=kv_seg)
+      slope=slope, q_seg=q_seg, k_seg=kv_seg, softcap=cfg.softcap)
 
 
 def _clamp(x, lo, hi, n):
@@ -63,7 +64,8 @@ def _clamp(x, lo, hi, n):
 
 
 def _pop_options(refs, flags):
-  """(slopes_ref, q_seg_ref, kv_seg_ref, rest): the optional inputs (None when absent)."""
+  """(slopes_ref, q_seg_ref, kv_seg_ref, rest): the optional inputs (None when absent); the
+  sinks' ref, when there is one, leads `rest` (only the forward kernel reads it)."""
   refs = list(refs)
   slopes = refs.pop(0) if flags[0] else None
   q_seg, kv_seg = (refs.pop(0), refs.pop(0)) if flags[1] else (None, None)
@@ -71,8 +73,9 @@ def _pop_options(refs, flags):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg, flags, nk):
-  slopes_ref, q_seg_ref, kv_seg_ref, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _pop_options(
-      refs, flags)
+  slopes_ref, q_seg_ref, kv_seg_ref, rest = _pop_options(refs, flags)
+  sinks_ref = rest.pop(0) if flags[2] else None
+  o_ref, lse_ref, m_sc, l_sc, acc_sc = rest
   n, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
   @pl.when(j == 0)
@@ -95,7 +98,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg, flags, nk):
 
   @pl.when(j == nk - 1)
   def _store():
-    out, lse = flash_core.finalize((m_sc[...], l_sc[...], acc_sc[...]))  # [bq, H], [bq, 128]
+    sink = None if sinks_ref is None else sinks_ref[n]  # a scalar from SMEM
+    out, lse = flash_core.finalize((m_sc[...], l_sc[...], acc_sc[...]), sink)  # [bq, H], [bq, 128]
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
 
@@ -119,7 +123,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, flag
                 kv_seg=None if kv_seg_ref is None else kv_seg_ref[:1, :])  # [bq, bk]
     p = flash_core.probabilities(s, lse_ref[...])  # lse = +inf on empty rows: p = 0
     dp = lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
-    ds = flash_core.ds(p, dp, delta_ref[...])
+    ds = flash_core.ds(p, dp, delta_ref[...], s, cfg.softcap)
     dq_sc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   @pl.when(j == nk - 1)
@@ -152,7 +156,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, fla
     # every TPU generation).
     dv_sc[...] += jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-    ds = flash_core.ds(p, dp, delta_ref[...])
+    ds = flash_core.ds(p, dp, delta_ref[...], s, cfg.softcap)
     dk_sc[...] += jnp.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
 
   @pl.when((g == groups - 1) & (i == nq - 1))
@@ -191,7 +195,8 @@ def _extra_args(extra):
 
 
 def _flags(extra):
-  return (extra['slopes'] is not None, extra['q_seg'] is not None)
+  """(slopes, segment ids, sinks) present; only the forward is given the sinks."""
+  return (extra['slopes'] is not None, extra['q_seg'] is not None, extra['sinks'] is not None)
 
 
 def _lanes(x):
@@ -220,15 +225,17 @@ def _forward(static, q, k, v, extra):
   row_spec = pl.BlockSpec((None, None, bq, LANES), lambda bb, nn, i, j: (bb, nn, i, 0))
   extra_specs = _extra_specs(extra, bq, bk, lambda bb, nn, i, j: (bb, i, 0),
                             lambda bb, nn, i, j: (bb, 0, kv_block(i, j)))
+  sinks = [] if extra['sinks'] is None else [extra['sinks']]  # [N] in SMEM
   out, lse = _call(
       functools.partial(_fwd_kernel, cfg=cfg, flags=_flags(extra), nk=nk), (b, n, nq, nk),
-      [q_spec, kv_spec, kv_spec] + extra_specs, [q_spec, row_spec],
+      [q_spec, kv_spec, kv_spec] + extra_specs
+      + [pl.BlockSpec(memory_space=pltpu.SMEM)] * len(sinks), [q_spec, row_spec],
       [jax.ShapeDtypeStruct((b, n, tp, h), jnp.float32),
        jax.ShapeDtypeStruct((b, n, tp, LANES), jnp.float32)],
       [pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
        pltpu.VMEM((bq, h), jnp.float32)],
       ('parallel', 'parallel', 'parallel', 'arbitrary'), interpret, 'flash_forward_tpu',
-  )(q, k, v, *_extra_args(extra))
+  )(q, k, v, *_extra_args(extra), *sinks)
   return out, lse[..., 0]
 
 
@@ -240,9 +247,12 @@ def _backward(static, args, out, lse, d_out):
   kh, sp = k.shape[1], k.shape[2]
   g, bq, bk = n // kh, cfg.block_q, cfg.block_k
   nq, nk = tp // bq, sp // bk
-  flags = _flags(extra)
-  delta = _lanes(flash_core.backward_delta(out, d_out))  # [B, N, Tp, 128]
-  lse = _lanes(lse)  # [B, N, Tp, 128]
+  flags = _flags(extra)[:2]  # the backward kernels read no sinks
+  delta = flash_core.backward_delta(out, d_out)  # [B, N, Tp]
+  d_extra = {name: None for name in extra}  # slopes and segment ids: no gradient
+  if extra['sinks'] is not None:
+    d_extra['sinks'] = flash_core.sink_grad(extra['sinks'][:, None], lse, delta, (0, 2))  # [N]
+  delta, lse = _lanes(delta), _lanes(lse)  # [B, N, Tp, 128] each
   do = d_out.astype(q.dtype)
 
   def kv_block(i, j):
@@ -283,8 +293,7 @@ def _backward(static, args, out, lse, d_out):
       [pltpu.VMEM((bk, h), jnp.float32), pltpu.VMEM((bk, h), jnp.float32)],
       ('parallel', 'parallel', 'parallel', 'arbitrary', 'arbitrary'), interpret, 'flash_dkv_tpu',
   )(q, k, v, do, lse, delta, *_extra_args(extra))
-  # slopes and segment ids: no gradient
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), {name: None for name in extra}
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_extra
 
 
 _flash = flash_core.flash_vjp(_forward, _backward)  # _flash((cfg, interpret), q, k, v, extra)
@@ -295,13 +304,13 @@ def _round_up(x, m):
 
 
 def attention(query, key, value, *, scale, is_causal=False, window=None, alibi_slopes=None,
-              q_segment_ids=None, kv_segment_ids=None, block_q=DEFAULT_BLOCK_Q,
-              block_k=DEFAULT_BLOCK_K, interpret=False):
+              q_segment_ids=None, kv_segment_ids=None, softcap=None, sinks=None,
+              block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, interpret=False):
   """Mosaic TPU FlashAttention-2; arguments as `attention_blockwise.attention` less bias and mask.
 
   Args:
     query: `[B, T, N, H]`; key, value: `[B, S, K, H]`, N a multiple of K.
-    scale, is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids: as in
+    scale, is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids, softcap, sinks: as in
       `layers.attention.dot_product_attention` (window already normalised to (left, right)).
     block_q, block_k: tile sizes, multiples of 128 (shrunk to the padded length when it is less).
     interpret: run in Pallas's TPU interpret mode (on any backend; the numerics tests on CPU).
@@ -318,7 +327,8 @@ def attention(query, key, value, *, scale, is_causal=False, window=None, alibi_s
   bq, bk = min(block_q, _round_up(t, LANES)), min(block_k, _round_up(s, LANES))
   tp, sp = _round_up(t, bq), _round_up(s, bk)
   cfg = blockwise.TileConfig(float(scale), bool(is_causal),
-                             None if window is None else tuple(window), t, s, bq, bk)
+                             None if window is None else tuple(window), t, s, bq, bk,
+                             softcap=float(softcap or 0.0))
   pad = flash_core.pad_axis
   # A head dim above 128 is padded to whole lanes (the statistics are tiled to it): zero features
   # add nothing to q·k, and v's zero columns give output columns that are dropped.
@@ -326,9 +336,11 @@ def attention(query, key, value, *, scale, is_causal=False, window=None, alibi_s
   q = pad(pad(query, 1, tp), 3, hp).transpose(0, 2, 1, 3)  # [B, N, Tp, Hp]
   k = pad(pad(key, 1, sp), 3, hp).transpose(0, 2, 1, 3)  # [B, K, Sp, Hp]
   v = pad(pad(value, 1, sp), 3, hp).transpose(0, 2, 1, 3)  # [B, K, Sp, Hp]
-  extra = {'slopes': None, 'q_seg': None, 'kv_seg': None}
+  extra = {'slopes': None, 'q_seg': None, 'kv_seg': None, 'sinks': None}
   if alibi_slopes is not None:
     extra['slopes'] = lax.stop_gradient(alibi_slopes.astype(jnp.float32))  # [N]
+  if sinks is not None:
+    extra['sinks'] = sinks.astype(jnp.float32)  # [N], differentiated
   if q_segment_ids is not None:
     # Mosaic layouts: query ids replicated over 128 lanes, key ids over 8 sublanes.
     q_seg = pad(q_segment_ids.astype(jnp.int32), 1, tp)  # [B, Tp]

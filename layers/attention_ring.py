@@ -44,6 +44,7 @@ class RingConfig(NamedTuple):
   is_causal: bool
   window: tuple | None
   kv_len: int  # S before padding to a multiple of P
+  softcap: float = 0.0  # c > 0: logits c·tanh(logits / c) (flash_core.tile_logits); 0 = none
 
 
 def _live(cfg, q_first, q_len, k_first, k_len):
@@ -79,6 +80,7 @@ def _logits(cfg, q, k, q_pos, k_pos, slopes, q_seg, kv_seg):
   # From absolute positions: a block's ALiBi distance and visibility are the whole sequence's.
   return flash_core.tile_logits(
       qk, q_pos[:, None], k_pos[None], scale=cfg.scale, is_causal=cfg.is_causal, window=cfg.window,
+      softcap=cfg.softcap,
       kv_len=cfg.kv_len if cfg.kv_len % cfg.ring else None,  # keys past S pad the last block
       slope=None if slopes is None else slopes.reshape(kh, g, 1, 1),
       q_seg=None if q_seg is None else q_seg[:, None, None, :, None],  # [b, 1, 1, t, 1]
@@ -104,7 +106,7 @@ def _forward_local(cfg, q, k, v, extra):
 
   Args:
     q: `[b, t, n, H]` local queries; k, v: `[b, s, K, H]` this device's key/value block.
-    extra: dict with optional 'slopes' `[n]`, 'q_seg' `[b, t]`, 'kv_seg' `[b, s]`.
+    extra: dict with optional 'slopes' `[n]`, 'q_seg' `[b, t]`, 'kv_seg' `[b, s]`, 'sinks' `[n]`.
 
   Returns:
     out `[b, t, n, H]` float32 and logsumexp `[b, t, n]` (+inf on rows with no visible key).
@@ -139,8 +141,10 @@ def _forward_local(cfg, q, k, v, extra):
   init = (zero[..., 0] - jnp.inf, zero[..., 0], zero)
   block = (kb, vb, extra.get('kv_seg'))
   state, block = lax.fori_loop(0, cfg.ring - 1, step, (init, block))
+  sinks = extra.get('sinks')
+  sink = None if sinks is None else sinks.reshape(qb.shape[1], qb.shape[2], 1)  # [K, G, 1]
   # [b, K, G, t, H] (zeros on rows that saw no key), [b, K, G, t]
-  out, lse = flash_core.finalize(update(cfg.ring - 1, state, block))
+  out, lse = flash_core.finalize(update(cfg.ring - 1, state, block), sink)
   out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, -1)
   return out, lse.transpose(0, 3, 1, 2).reshape(b, t, n)
 
@@ -178,7 +182,7 @@ def _backward_local(cfg, q, k, v, extra, out, lse, d_out):
       dv = dv + jnp.einsum('BKGTS,BKGTH->BKSH', p.astype(do.dtype), do,
                            preferred_element_type=jnp.float32)
       dp = jnp.einsum('BKGTH,BKSH->BKGTS', do, vb, preferred_element_type=jnp.float32)
-      ds = flash_core.ds(p, dp, delta)  # d loss / d scaled score
+      ds = flash_core.ds(p, dp, delta, logits, cfg.softcap)  # d loss / d scaled score
       dk = dk + cfg.scale * jnp.einsum('BKGTS,BKGTH->BKSH', ds.astype(qb.dtype), qb,
                                        preferred_element_type=jnp.float32)
       dq = dq + cfg.scale * jnp.einsum('BKGTS,BKSH->BKGTH', ds.astype(kb.dtype), kb,
@@ -210,7 +214,7 @@ def _specs(cfg, extra):
   batch = cfg.batch if cfg.batch else None
   x = P(batch, LENGTH_AXIS, cfg.heads, None)
   extra_specs = {'slopes': P(cfg.heads), 'q_seg': P(batch, LENGTH_AXIS),
-                 'kv_seg': P(batch, LENGTH_AXIS)}
+                 'kv_seg': P(batch, LENGTH_AXIS), 'sinks': P(cfg.heads)}
   return x, P(batch, LENGTH_AXIS, cfg.heads), {name: extra_specs[name] for name in extra}
 
 
@@ -231,8 +235,13 @@ def _ring_backward(cfg, args, out, lse, d_out):
   x, row, ex = _specs(cfg, extra)
   dq, dk, dv = _shard_map(cfg, _backward_local, (x, x, x, ex, x, row, x), (x, x, x))(
       q, k, v, extra, out, lse, d_out)
-  # Segment ids and ALiBi slopes are not differentiated (ALiBi slopes are fixed).
-  return dq, dk, dv, jax.tree.map(lambda _: None, extra)
+  # Segment ids and ALiBi slopes are not differentiated (ALiBi slopes are fixed); the sinks'
+  # gradient needs only each row's lse and delta, summed over the batch and the length by GSPMD.
+  d_extra = jax.tree.map(lambda _: None, extra)
+  if 'sinks' in extra:
+    delta = flash_core.backward_delta(out, d_out)  # [B, Tp, N]
+    d_extra['sinks'] = flash_core.sink_grad(extra['sinks'], lse, delta, (0, 1))  # [N]
+  return dq, dk, dv, d_extra
 
 
 # Residuals are O(T) per device: the inputs, the output and one logsumexp per row.
@@ -247,7 +256,8 @@ def _reshard(x, spec, mesh):
 
 
 def ring_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
-                   alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None):
+                   alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None, softcap=None,
+                   sinks=None):
   """Exact attention with the length split over the ambient mesh's `sequence` axis.
 
   Call it under a mesh (`with jax.set_mesh(mesh):`) with axes `data`, `fsdp`, `tensor`,
@@ -259,6 +269,7 @@ def ring_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=
     bias, mask: must be None: a dense `[B, N, T, S]` array is what ring attention avoids.
     scale, is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids: see `attention_xla`;
       positions are absolute over the whole sequence, as there.
+    softcap, sinks: the logit soft cap and the `[N]` sink logits, as in `attention_blockwise`.
 
   Returns:
     `[B, T, N, H]` in the query's dtype; rows with no visible key are zeros.
@@ -287,7 +298,7 @@ def ring_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=
   tp = sizes.get(HEAD_AXIS, 1)
   heads = HEAD_AXIS if tp > 1 and n % tp == 0 and kh % tp == 0 else None
   cfg = RingConfig(mesh, ring, batch, heads, float(scale), bool(is_causal),
-                   None if window is None else tuple(window), s)
+                   None if window is None else tuple(window), s, float(softcap or 0.0))
 
   # The length is padded to a multiple of P: padded keys are hidden (`kv_len`), padded query rows
   # are dropped from the output.
@@ -296,6 +307,8 @@ def ring_attention(query, key, value, bias=None, mask=None, *, scale, is_causal=
   pad = lambda x, size: flash_core.pad_axis(x, 1, size)
   if alibi_slopes is not None:
     extra['slopes'] = lax.stop_gradient(alibi_slopes).astype(jnp.float32)
+  if sinks is not None:
+    extra['sinks'] = sinks.astype(jnp.float32)
   if q_segment_ids is not None:
     extra['q_seg'] = pad(q_segment_ids, tp_len)
     extra['kv_seg'] = pad(kv_segment_ids, sp_len)

@@ -19,9 +19,9 @@ attention):
           parallelism, which `implementation='ring'` provides; `training.validation` refuses
           `pallas` / `cudnn` with `mesh.sequence > 1` in one line.
 
-ALiBi slopes are split like the heads, segment ids like the batch, and a dense bias or mask along
-whichever of its batch and head dimensions is full-sized. Outside a mesh, or on one device, the
-kernel is called unchanged.
+ALiBi slopes and sink logits are split like the heads, segment ids like the batch, and a dense bias
+or mask along whichever of its batch and head dimensions is full-sized. Outside a mesh, or on one
+device, the kernel is called unchanged.
 """
 
 import functools
@@ -81,7 +81,9 @@ def per_device(kernel):
 
   @functools.wraps(kernel)
   def call(query, key, value, bias=None, mask=None, *, alibi_slopes=None, q_segment_ids=None,
-           kv_segment_ids=None, **kwargs):
+           kv_segment_ids=None, sinks=None, **kwargs):
+    if sinks is not None:
+      kwargs['sinks'] = sinks  # only when set: a kernel without sinks takes no such argument
     mesh = mesh_in_context()
     if mesh is None:
       return kernel(query, key, value, bias, mask, alibi_slopes=alibi_slopes,
@@ -99,9 +101,11 @@ def per_device(kernel):
     as_4d = lambda a: None if a is None else a.reshape((1,) * (4 - a.ndim) + a.shape)  # noqa: E731
     bias, mask = as_4d(bias), as_4d(mask)
     args = {'bias': bias, 'mask': mask, 'alibi_slopes': alibi_slopes,
-            'q_segment_ids': q_segment_ids, 'kv_segment_ids': kv_segment_ids}
+            'q_segment_ids': q_segment_ids, 'kv_segment_ids': kv_segment_ids,
+            'sinks': kwargs.pop('sinks', None)}
     args = {k: v for k, v in args.items() if v is not None}
-    specs = {'alibi_slopes': P(head_axes), 'q_segment_ids': P(batch_axes, None),
+    specs = {'alibi_slopes': P(head_axes), 'sinks': P(head_axes),
+             'q_segment_ids': P(batch_axes, None),
              'kv_segment_ids': P(batch_axes, None)}
     arg_specs = {k: dense_spec(v) if k in ('bias', 'mask') else specs[k] for k, v in args.items()}
 

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import random as jax_random
 
+from layers import flash_core
 from layers import masks
 
 # A large finite negative instead of -inf for hidden keys: a row with every key hidden stays finite
@@ -12,7 +13,8 @@ NEG = float(jnp.finfo(jnp.float32).min)
 
 
 def scores(query, key, bias=None, mask=None, *, scale, is_causal=False, window=None,
-           alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None, position_bias=None):
+           alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None, position_bias=None,
+           softcap=None):
   """The logits the softmax sees and which keys each query sees: the one score computation that
   `attention`, `attention_weights` and the training statistics (`score_statistics`) share.
 
@@ -25,9 +27,11 @@ def scores(query, key, bias=None, mask=None, *, scale, is_causal=False, window=N
     is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids: see `layers.masks`.
     position_bias: None or a `layers.relative_bias.PositionBias` (FIRE, KERPLE), evaluated here on
       the whole `[T, S]` grid at its own positions.
+    softcap: None/0 or c > 0: the logits (the added terms included) become c·tanh(logits / c).
 
   Returns:
-    (logits `[B, N, T, S]` float32: the scaled scores plus the bias and ALiBi terms, at every key;
+    (logits `[B, N, T, S]` float32: the scaled scores plus the bias and ALiBi terms, capped, at
+    every key;
     vis: boolean `[B, N, T, S]`, True where a key is visible, or None when every key is).
   """
   b, t, n, h = query.shape
@@ -45,6 +49,7 @@ def scores(query, key, bias=None, mask=None, *, scale, is_causal=False, window=N
     logits = logits + masks.alibi_bias(alibi_slopes, q_pos, k_pos)[None]
   if position_bias is not None:
     logits = logits + position_bias.dense()  # [B|1, N, T, S]
+  logits = flash_core.softcap_logits(logits, softcap)
   vis = masks.visible(
       q_pos, k_pos, is_causal=is_causal, window=window,
       q_seg=None if q_segment_ids is None else q_segment_ids[:, :, None],
@@ -58,8 +63,29 @@ def scores(query, key, bias=None, mask=None, *, scale, is_causal=False, window=N
   return logits, vis
 
 
-def probabilities(logits, vis):
-  """Softmax over S of `scores`' logits at the visible keys; a row with no visible key is zeros."""
+def with_sink(logits, vis, sinks):
+  """`scores`' logits and visibility with the sink as one more, always visible key S + 1 (a
+  normalisation over it, then dropping the column, gives attention with a sink of no value).
+
+  Args:
+    logits: `[B, N, T, S]`; vis: boolean `[B, N, T, S]` or None; sinks: `[N]`.
+
+  Returns:
+    (logits `[B, N, T, S + 1]`, vis `[B, N, T, S + 1]` or None).
+  """
+  column = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None],
+                            logits.shape[:3] + (1,))  # [B, N, T, 1]
+  logits = jnp.concatenate([logits, column], axis=-1)
+  if vis is not None:
+    vis = jnp.concatenate([vis, jnp.ones(column.shape, bool)], axis=-1)
+  return logits, vis
+
+
+def probabilities(logits, vis, sinks=None):
+  """Softmax over S of `scores`' logits at the visible keys; a row with no visible key is zeros.
+  `sinks` `[N]` join the denominator only (`with_sink`)."""
+  if sinks is not None:
+    return probabilities(*with_sink(logits, vis, sinks))[..., :-1]  # [B, N, T, S]
   if vis is not None:
     logits = jnp.where(vis, logits, NEG)
   probs = jax.nn.softmax(logits, axis=-1)  # [B, N, T, S]
@@ -112,14 +138,15 @@ def dropout_keep(keys, rate, q_pos, k_pos):
 
 def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False, window=None,
               alibi_slopes=None, q_segment_ids=None, kv_segment_ids=None, dropout_rate=0.0,
-              dropout_seed=None, position_bias=None):
+              dropout_seed=None, position_bias=None, softcap=None, sinks=None):
   """Materialises the `[B, N, T, S]` scores; the arguments are those of `dot_product_attention`.
 
   Args:
     query: `[B, T, N, H]`.
     key, value: `[B, S, K, H]`, N a multiple of K (query head n reads key/value head n // G).
     bias, mask, scale, is_causal, window, alibi_slopes, q_segment_ids, kv_segment_ids,
-      position_bias: see `scores`.
+      position_bias, softcap: see `scores`.
+    sinks: None or `[N]` logits in the denominator only (`with_sink`).
     dropout_rate: drop each attention probability with this rate and scale the kept ones by
       1 / (1 - rate) (the Transformer's attention dropout); 0 = none.
     dropout_seed: `uint32[2]` (`dropout_seed(key)`), needed when `dropout_rate` > 0.
@@ -130,8 +157,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
   logits, vis = scores(query, key, bias, mask, scale=scale, is_causal=is_causal, window=window,
                        alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
                        kv_segment_ids=kv_segment_ids,
-                       position_bias=position_bias)  # [B, N, T, S]
-  probs = probabilities(logits, vis)  # [B, N, T, S]
+                       position_bias=position_bias, softcap=softcap)  # [B, N, T, S]
+  probs = probabilities(logits, vis, sinks)  # [B, N, T, S]
   if dropout_rate > 0:
     probs = drop(probs, dropout_rate, dropout_seed)
   return combine(probs, value).astype(query.dtype)

@@ -1,7 +1,8 @@
 """The contract between position methods, attention variants and kernels.
 
 A position method hands attention a `ScoreTerms` (what it adds to the `[T, S]` scores) and declares
-which of its fields it may set (`Position.terms_for`). A kernel declares in one `Kernel` row what it
+which of its fields it may set (`Position.terms_for`); the attention layer adds its own (the logit
+soft cap, the sinks: `Attention.layer_terms`). A kernel declares in one `Kernel` row which fields it
 takes. An attention variant declares whether it runs a kernel at all and which cached step it has.
 training/validation.py derives every compatibility rule from these declarations; no rule about a
 particular position or kernel is written anywhere else.
@@ -10,14 +11,21 @@ particular position or kernel is written anywhere else.
 import dataclasses
 from typing import Any, Callable
 
-# The fields of ScoreTerms, and how a message names each.
-TERMS = ('bias', 'alibi_slopes', 'position_bias', 'mask')
+# The fields of ScoreTerms, and how a message names each. A new field joins all three tables; a
+# kernel takes it only once its row lists it.
+TERMS = ('bias', 'alibi_slopes', 'position_bias', 'mask', 'softcap', 'sinks')
 TERM_NAMES = {
     'bias': 'a dense [T, S] bias',
     'alibi_slopes': 'ALiBi slopes',
     'position_bias': 'a learned bias function of the positions, evaluated per tile',
     'mask': 'a [T, S] mask',
+    'softcap': 'a logit soft cap',
+    'sinks': 'attention sinks',
 }
+# What each field does to the softmax: 'add' to the scaled scores, 'mask' keys, 'transform' the
+# logits (after the added terms, before the mask), or join the 'denominator' only.
+TERM_KINDS = {'bias': 'add', 'alibi_slopes': 'add', 'position_bias': 'add', 'mask': 'mask',
+              'softcap': 'transform', 'sinks': 'denominator'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +38,18 @@ class ScoreTerms:
     position_bias: a `layers.relative_bias.PositionBias`, a learned function of the positions the
       kernel evaluates per tile (FIRE, KERPLE).
     mask: boolean, broadcastable to `[B, 1, T, S]`, True where a key may be seen (xPos's blocks).
+    softcap: a float c > 0: every logit s (scaled q·k plus the added terms) becomes c·tanh(s / c),
+      before the mask (Gemma 2's attention logit soft-capping).
+    sinks: `[N]` float32, a learned logit per query head that joins the softmax's denominator
+      only: p_ij = exp(s_ij) / (exp(sink_n) + sum_j exp(s_ij)); it has no value (GPT-OSS).
   """
 
   bias: Any = None
   alibi_slopes: Any = None
   position_bias: Any = None
   mask: Any = None
+  softcap: Any = None
+  sinks: Any = None
 
   def names(self):
     """The fields that are set, in `TERMS` order."""
@@ -44,6 +58,11 @@ class ScoreTerms:
   def kwargs(self):
     """The set fields as keyword arguments of `layers.attention.dot_product_attention`."""
     return {name: getattr(self, name) for name in self.names()}
+
+  def logit_kwargs(self):
+    """`kwargs` less the sinks: the terms that shape the `[T, S]` logits
+    (`layers.attention_xla.scores`); the sinks join the normalisation after."""
+    return {name: value for name, value in self.kwargs().items() if name != 'sinks'}
 
   def __bool__(self):
     return bool(self.names())
@@ -58,8 +77,9 @@ class Kernel:
 
   Attributes:
     fn: `fn(q, k, v, bias, mask, *, scale, is_causal, window, alibi_slopes, q_segment_ids,
-      kv_segment_ids, **extra)` -> `[B, T, N, H]` (extra: position_bias, dropout_rate/seed).
-    terms: the ScoreTerms fields it evaluates.
+      kv_segment_ids, **extra)` -> `[B, T, N, H]` (extra: position_bias, softcap, sinks,
+      dropout_rate/seed, each passed only when set).
+    terms: the ScoreTerms fields it evaluates (`TERMS`; the transforms and the sinks included).
     dropout: it takes attention dropout (model.attention_dropout > 0).
     sequence_mesh: 'any' (GSPMD partitions it), 'never' (each device holds the whole sequence:
       mesh.sequence must be 1) or 'needed' (it splits the length: mesh.sequence > 1).

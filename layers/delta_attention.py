@@ -77,6 +77,7 @@ class GatedDeltaNetAttention(attention_lib.Attention):
   has_paged_cache = False
   gates_output = False  # it has its own output gate, RMSNorm(o)·SiLU(W_g x): no second one
   norms_qk = False  # q and k are L2-normalised already
+  layer_terms = ()  # no softmax: no logit soft cap, no sinks
   options = ('use_bias', 'unscaled', 'head_dim', 'attention_bias', 'kernel_init', 'deltanet_conv',
              'deltanet_chunk')
 

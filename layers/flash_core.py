@@ -1,11 +1,12 @@
 """The online-softmax pieces of every flash kernel (blockwise, ring, Pallas GPU/TPU), written once.
 
 Each kernel cuts q, k, v into tiles in its own layout and calls these pure jnp functions on them:
-`tile_logits` (scale, biases, visibility), `online_update` (the running max/sum/output after one key
-tile), `finalize` (output and logsumexp), `probabilities` and `ds` (the backward pass), and
-`flash_vjp` (the custom VJP with O(T) residuals). They run inside Pallas kernel bodies too, so they
-use only ops that both Triton and Mosaic lower: `jnp.where` masks, elementwise math, reductions over
-the last axis, and `lax.dot_general` with float32 accumulation.
+`tile_logits` (scale, biases, soft cap, visibility), `online_update` (the running max/sum/output
+after one key tile), `finalize` (output and logsumexp, the sinks folded in), `probabilities` and
+`ds` (the backward pass), `sink_grad`, and `flash_vjp` (the custom VJP with O(T) residuals). They
+run inside Pallas kernel bodies too, so they use only ops that both Triton and Mosaic lower:
+`jnp.where` masks, elementwise math, reductions over the last axis, and `lax.dot_general` with
+float32 accumulation.
 
 Row statistics (running max, sum, logsumexp, the backward's delta) are `[..., bq]`, one per query
 row, or lane-replicated `[..., bq, 128]` (the Mosaic kernel keeps them one vreg row wide); the
@@ -31,8 +32,13 @@ def pad_axis(x, axis, size, value=0):
   return jnp.pad(x, widths, constant_values=value)
 
 
+def softcap_logits(s, softcap):
+  """c·tanh(s / c) for a cap c > 0 (Gemma 2): every logit in (-c, c); `s` unchanged for c falsy."""
+  return softcap * jnp.tanh(s / softcap) if softcap else s
+
+
 def tile_logits(qk, q_pos, k_pos, *, scale, is_causal=False, window=None, kv_len=None, bias=None,
-                slope=None, position_bias=None, q_seg=None, k_seg=None, mask=None):
+                slope=None, position_bias=None, q_seg=None, k_seg=None, mask=None, softcap=None):
   """Scaled, biased scores of one tile, -inf where the key is hidden from the query.
 
   Args:
@@ -49,6 +55,7 @@ def tile_logits(qk, q_pos, k_pos, *, scale, is_causal=False, window=None, kv_len
       positions, broadcastable to `qk`.
     q_seg, k_seg: None or segment ids broadcastable like q_pos / k_pos (leading batch axes allowed).
     mask: None or a boolean tile broadcastable to `qk`, True where visible.
+    softcap: None/0 or the cap c > 0, applied to the scaled scores plus the added terms.
 
   Returns:
     `[..., bq, bk]` float32 (the broadcast shape).
@@ -61,6 +68,7 @@ def tile_logits(qk, q_pos, k_pos, *, scale, is_causal=False, window=None, kv_len
     s = s - slope * jnp.abs(q_pos - k_pos).astype(jnp.float32)
   if position_bias is not None:
     s = s + position_bias
+  s = softcap_logits(s, softcap)
   vis = masks.visible(q_pos, k_pos, is_causal=is_causal, window=window, q_seg=q_seg, k_seg=k_seg)
   if kv_len is not None:
     in_range = k_pos < kv_len
@@ -136,12 +144,19 @@ def online_update(carry, logits, v, *, dropout=None):
   return m_new, l, _across(alpha, acc) * acc + pv
 
 
-def finalize(carry):
+def finalize(carry, sink=None):
   """(out `[..., bq, H]`, lse) of the online softmax; rows that saw no key give zeros and lse +inf.
 
   +inf makes every probability the backward pass recomputes, exp(s - lse), exactly 0 on such rows.
+  A `sink` logit (broadcastable to the row statistics) joins the sum only, as one more key with no
+  value: it is folded in here rather than at the start, so the tile loop is the same with or
+  without it; lse then includes it, and a row that saw no key gives zeros and lse = sink.
   """
   m, l, acc = carry
+  if sink is not None:
+    m_new = jnp.maximum(m, sink)  # finite: the sink is
+    alpha = jnp.exp(m - m_new)  # 0 where no key was seen (m = -inf)
+    m, l, acc = m_new, alpha * l + jnp.exp(sink - m_new), _across(alpha, acc) * acc
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   return acc / _across(l_safe, acc), jnp.where(empty, jnp.inf, m + jnp.log(l_safe))
@@ -158,10 +173,22 @@ def backward_delta(out, d_out):
   return jnp.sum(out * d_out.astype(jnp.float32), axis=-1)
 
 
-def ds(p, dp, delta):
+def ds(p, dp, delta, logits=None, softcap=None):
   """d loss / d logits of a tile: P * (dP - delta), delta from `backward_delta` (the softmax's
-  Jacobian applied to dP without forming it)."""
-  return p * (dp - _across(delta, p))
+  Jacobian applied to dP without forming it). With a `softcap` c, d loss / d the logits before the
+  cap: times 1 - tanh² = 1 - (s / c)² of the capped `logits` s (clipped: -inf where hidden, and P
+  is 0 there)."""
+  d = p * (dp - _across(delta, p))
+  if softcap:
+    d = d * (1.0 - jnp.square(jnp.clip(logits / softcap, -1.0, 1.0)))
+  return d
+
+
+def sink_grad(sinks, lse, delta, axes):
+  """d loss / d sink logits: -sum over rows of p_sink · delta, p_sink = exp(sink - lse) (the
+  sink's probability; each output row is scaled by 1 - p_sink when the sink grows), summed over
+  `axes` of the `lse`/`delta` rows (the batch and query axes). `sinks` broadcasts against them."""
+  return -jnp.sum(jnp.exp(sinks - lse) * delta, axis=axes)
 
 
 def flash_vjp(forward, backward):

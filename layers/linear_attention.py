@@ -169,6 +169,7 @@ class _Kernel(attention_lib.Attention):
   has_scores = False
   takes_score_terms = False
   uses_kernel = False  # its own attention computation: model.attention_impl does not apply
+  layer_terms = ()  # no logit soft cap, no sinks in its own computation
   supports_segments = False
   cached_decoding = 'own'  # `decode` below: running sums of the key features
   has_paged_cache = False
@@ -380,6 +381,7 @@ class LinformerAttention(attention_lib.Attention):
   has_scores = False
   takes_score_terms = False
   uses_kernel = False  # its own attention computation: model.attention_impl does not apply
+  layer_terms = ()  # no logit soft cap, no sinks in its own computation
   supports_causal = False
   supports_segments = False
   cached_decoding = None  # its projection mixes every position: no causal form to cache

@@ -54,6 +54,7 @@ class MultiHeadLatentAttention(attention.Attention):
   cached_decoding = 'own'  # `decode` below: the latent cache and the absorbed projections
   has_paged_cache = False
   norms_qk = False  # the latents c_KV, c_Q have their own RMSNorms; model.qk_norm is refused
+  layer_terms = ()  # no logit soft cap or sinks in its forward and absorbed steps
   cache_form = 'd_c + d_h^R'
   param_form = ('D·d_c + d_c + 2·d_c·K·H + D·d_h^R + N·H·D + D·N·(H + d_h^R) (or with d_c\': '
                 'D·d_c\' + d_c\' + d_c\'·N·(H + d_h^R))')

@@ -180,6 +180,7 @@ class _Sparse(attention_lib.Attention):
   has_scores = False
   takes_score_terms = False
   uses_kernel = False  # its own attention computation: model.attention_impl does not apply
+  layer_terms = ()  # no logit soft cap, no sinks in its own computation
   cached_decoding = 'own'  # `decode` below: the pattern's rows of the dense cached step
   has_paged_cache = False
 

@@ -141,7 +141,7 @@ def formula_params(cfg, vocab_size, max_length):
       'embedding': vocab_size * d * (1 if shared else 2),
       'positions': position_params(cfg, max_length) * stacks,
       'attention': self_attention_layers_params(cfg),
-      # Cross-attention is dense (layers.block), with the gate and QK-norm when they are on.
+      # Cross-attention is the dense layer (layers.block), with the gate, QK-norm and sinks when on.
       'cross_attention': attention.Attention.param_count(cfg) * cfg.num_layers if cross else 0,
       'ffn': ffn_layers_params(cfg) * stacks,  # MoE blocks: router, experts, shared experts
       'norms': norm_params(d, cfg.norm) * (sublayers * per_sublayer + final_norms) + gates,

@@ -105,6 +105,35 @@ def check_position_terms(model_cfg, layers):
           f'{", ".join(_positions_without(kernel.terms, m))})')
 
 
+def _layer_option(model_cfg, term):
+  """`model.<option>=<value>` of a layer term (`attention.LAYER_TERMS`), as a message names it."""
+  name = attention.LAYER_TERMS[term]
+  return f'model.{name}={model_cfg.get(name)!r}'
+
+
+def check_layer_terms(model_cfg, layers):
+  """The layer's own terms the options turn on (the logit soft cap, the sinks) against each
+  attention the model builds: the variant must declare them (`layer_terms`), and the kernel of a
+  variant that runs one must take them (`Kernel.terms`)."""
+  m = model_cfg
+  on = [term for term, name in attention.LAYER_TERMS.items() if m.get(name)]
+  if on and not layers:
+    raise ConfigError(f'{_layer_option(m, on[0])} is not taken by model.arch={m.arch!r} (no '
+                      'Transformer attention); valid value here: off')
+  kernel = attention.KERNELS[m.attention_impl]
+  variants = attention_variants.VARIANTS
+  for term in on:
+    for label, cls, _ in layers:
+      if term not in cls.layer_terms:
+        valid = sorted(name for name, v in variants.items() if term in v.layer_terms)
+        raise ConfigError(f'{_layer_option(m, term)} is not taken by {label}; '
+                          f'valid values: {", ".join(valid)}')
+      if cls.uses_kernel and term not in kernel.terms:
+        raise ConfigError(f'{_layer_option(m, term)} is not taken by model.attention_impl='
+                          f'{m.attention_impl!r}; valid kernels: '
+                          f'{", ".join(attention.kernels_taking(term))}')
+
+
 def check_kernel(config):
   """`model.attention_impl` against the variants that run it, the position, dropout, the mesh's
   sequence axis and this host's platform."""
@@ -113,6 +142,7 @@ def check_kernel(config):
   kernel = attention.KERNELS[impl]
   layers = attention_layers(m)
   check_position_terms(m, layers)
+  check_layer_terms(m, layers)
   users = [cls for _, cls, _ in layers if cls.uses_kernel]
   if not users:
     if impl != 'xla':

@@ -157,6 +157,11 @@ BAD_VALUES = [
                                           'valid; valid entries: bigbird, dense, '),
     ('model.layer_pattern', 'dense,', "model.layer_pattern='dense,': entry '' is not valid"),
     ('model.layer_pattern', None, 'model.layer_pattern=None must be a comma-separated string'),
+    ('model.attn_logit_softcap', -1.0, r'model.attn_logit_softcap=-1.0 must be a finite number '
+                                       r'>= 0 \(0 = off\)$'),
+    ('model.attn_logit_softcap', float('nan'), 'model.attn_logit_softcap=nan must be'),
+    ('model.attn_logit_softcap', None, 'model.attn_logit_softcap=None must be'),
+    ('model.attention_sinks', None, 'model.attention_sinks=None must be True or False$'),
 ]
 
 
