@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from layers import attention
+from layers import attention_heads
 from layers import initializers
 from layers import options
 from layers import sharding
@@ -60,6 +61,7 @@ class DifferentialAttention(attention.Attention):
   takes_layer = True
   head_multiple = 2
   scannable = False  # λ_init is a constant of each layer's depth; scanned layers share one trace
+  param_form = 'D·N·H + 2·D·K·H + N·H·D + 6·H (λ vectors, head norm)'
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, layer=0, rngs, **kwargs):
     """Args:
@@ -89,13 +91,15 @@ class DifferentialAttention(attention.Attention):
   @classmethod
   def from_config(cls, cfg, *, rngs, layer=None):
     """As dense's (sizes, head_dim, attention_bias, attention_impl, unscaled, kernel_init,
-    attention_dropout), plus `layer` (None: 0, the first layer's λ_init)."""
+    attention_dropout, attention_gate, qk_norm), plus `layer` (None: 0, the first layer's
+    λ_init)."""
     return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, layer=0 if layer is None else layer,
                head_dim=initializers.head_dim(cfg), use_bias=initializers.attention_bias(cfg),
                implementation=cfg.attention_impl,
                scale=1.0 if cfg.get('unscaled', False) else None,
                kernel_init=initializers.kernel_init(cfg),
-               dropout_rate=cfg.get('attention_dropout', 0.0), rngs=rngs)
+               dropout_rate=cfg.get('attention_dropout', 0.0), rngs=rngs,
+               **attention_heads.layer_options(cfg))
 
   @classmethod
   def param_count(cls, cfg):

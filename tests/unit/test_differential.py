@@ -157,11 +157,16 @@ def test_lambda_init_follows_the_depth():
   np.testing.assert_allclose(lam, got, atol=0.1)
 
 
-@pytest.mark.parametrize('position', ['rope', 'alibi'])
-def test_cached_decoding_equals_the_full_forward(position):
+@pytest.mark.parametrize('position,extra', [
+    ('rope', {}), ('alibi', {}), ('rope', dict(attention_gate='headwise', qk_norm='rmsnorm'))],
+    ids=['rope', 'alibi', 'rope-gate-qknorm'])
+def test_cached_decoding_equals_the_full_forward(position, extra):
   """The dense cached step ends in the variant's `attend`; ALiBi's slopes (one per map) are
-  recomputed against the cached slots there as for dense."""
-  model = models.build(model_config(position=position).model, V, 16, rngs=nnx.Rngs(0))
+  recomputed against the cached slots there as for dense; the gate and QK-norm apply in both."""
+  config = model_config(position=position, **extra)
+  model = models.build(config.model, V, 16, rngs=nnx.Rngs(0))
+  counted = accounting.counted_params(accounting.abstract_model(config.model, V, 16))
+  assert counted == accounting.formula_params(config.model, V, 16)
   tokens = jax.random.randint(jax.random.key(1), (2, 9), 1, V)
   full, cached = full_and_cached_logits(model, {'inputs': tokens}, {'inputs': tokens}, tokens)
   np.testing.assert_allclose(cached, full, atol=2e-5, rtol=2e-5)
