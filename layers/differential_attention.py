@@ -52,9 +52,10 @@ class DifferentialAttention(attention.Attention):
   and K/2 + m side by side: with the maps of each kind in one block, a kernel's grouping of query
   head i onto KV head i // (N/K) pairs Q1 with K1 and Q2 with K2 under GQA too.
 
-  The N maps run in one call of `dot_product_attention` (every kernel) with q and k zero-padded
-  to 2H, the value's width (the flash kernels need one width; the zeros add nothing to the
-  scores, the scale stays 1/√H). `has_scores`: each map is a softmax over its own q/k scores;
+  The N maps run in one call of `dot_product_attention` (every kernel); for a kernel whose row
+  does not declare `value_width` (one head width: the flash kernels), q and k are zero-padded to
+  2H, the value's width (the zeros add nothing to the scores; the scale stays 1/√H). `has_scores`:
+  each map is a softmax over its own q/k scores;
   `score_stats` and `weights` describe the N maps, `differential_weights` their differences.
   """
 
@@ -139,14 +140,17 @@ class DifferentialAttention(attention.Attention):
     value = v.reshape(b, s, 2, kv // 2, h).transpose(0, 1, 3, 2, 4).reshape(
         b, s, kv // 2, 2 * h)  # [B, S, K/2, 2H]
     value = jnp.concatenate([value, value], axis=2)  # [B, S, K, 2H]
-    # Zeros to the value's width: the kernels take one head width; the scores are unchanged.
-    pad = [(0, 0), (0, 0), (0, 0), (0, h)]
+    if not attention.KERNELS[implementation].value_width:
+      # q and k zero-padded to the value's width for a kernel of one head width: the zeros add
+      # nothing to the scores, and the scale below stays 1/sqrt(H).
+      pad = [(0, 0), (0, 0), (0, 0), (0, h)]
+      q, k = jnp.pad(q, pad), jnp.pad(k, pad)  # [B, T, N, 2H], [B, S, K, 2H]
     rate = self.dropout_rate if dropout_rng is not None else 0.0
     out = attention.dot_product_attention(
-        jnp.pad(q, pad), jnp.pad(k, pad), value, segment_ids=segment_ids, is_causal=is_causal,
+        q, k, value, segment_ids=segment_ids, is_causal=is_causal,
         scale=self.score_scale(h), local_window_size=window, implementation=implementation,
         dropout_rate=rate, dropout_rng=dropout_rng, **terms.kwargs())  # [B, T, N, 2H]
-    return self.combine(out).astype(q.dtype)
+    return self.combine(out).astype(v.dtype)
 
   def combine(self, out):
     """Each differential head's output from its two maps' `out` `[B, T, N, 2H]`: (O1 - λ·O2),
