@@ -54,9 +54,9 @@ class DifferentialAttention(attention.Attention):
 
   The N maps run in one call of `dot_product_attention` (every kernel); for a kernel whose row
   does not declare `value_width` (one head width: the flash kernels), q and k are zero-padded to
-  2H, the value's width (the zeros add nothing to the scores; the scale stays 1/√H). `has_scores`:
-  each map is a softmax over its own q/k scores;
-  `score_stats` and `weights` describe the N maps, `differential_weights` their differences.
+  2H, the value's width (the zeros add nothing to the scores; the scale stays 1/√H).
+  `has_scores`: each map is a softmax over its own q/k scores; `score_stats` and `weights`
+  describe the N maps, `differential_weights` their differences.
   """
 
   takes_layer = True

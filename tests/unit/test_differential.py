@@ -204,3 +204,20 @@ def test_what_it_cannot_do_is_refused_in_one_line():
   assert refusal(num_heads=1, num_kv_heads=1).startswith('model.num_heads=1 must be even')
   assert refusal(scan_layers=True).startswith(
       "model.scan_layers=True is not valid for model.attention='differential'")
+
+
+def test_score_stats_describe_the_softmax_maps():
+  """has_scores: the diagnostics' entropy and sink share are those of the N maps `weights` gives,
+  each a softmax over its own scaled q·k (max logit: the largest of those scores)."""
+  layer = make_layer(4, 2, layer=0)
+  x = jax.random.normal(jax.random.key(0), (B, T, D))
+  stats = layer.score_stats(x, is_causal=True)
+  p = np.asarray(layer.weights(x, is_causal=True), np.float64)  # [B, N, T, S]
+  entropy = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), -1)  # [B, N, T]
+  np.testing.assert_allclose(stats['attn_entropy'], entropy.mean(), rtol=1e-5)
+  np.testing.assert_allclose(stats['attn_sink_share'], p[..., 0].mean(), rtol=1e-5)
+  q, k, _ = (np.asarray(a, np.float64) for a in layer.project(x))
+  k = np.repeat(k, 2, axis=2)  # map n reads KV head n // (N/K)
+  s = np.einsum('btnh,bsnh->bnts', q, k) / np.sqrt(D // 4)
+  np.testing.assert_allclose(stats['attn_max_logit'], s[..., np.tril(np.ones((T, T), bool))].max(),
+                             rtol=1e-5)
