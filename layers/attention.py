@@ -74,10 +74,8 @@ class Attention(nnx.Module, options.Configurable):
     gates_output, norms_qk: every output of the layer goes through `output` (model.attention_gate)
       and its q/k through `project` (model.qk_norm); a variant that computes either its own way
       sets the one it does not apply to False, and validation refuses that option for it.
-    takes_layer: `from_config` takes `layer=`, the block's 0-based index in its stack
-      (layers.block.Block passes it to such a variant only), for what depends on depth.
-    head_multiple: `num_heads` and `num_kv_heads` must be multiples of it (2 where the heads come
-      in pairs).
+    takes_layer, head_multiple: `from_config` takes `layer=`, the block's index in its stack
+      (depth-dependent variants); `num_heads` and `num_kv_heads` must be multiples of it.
     options: the `config.model` fields `from_config` reads beyond the sizes.
   """
 
@@ -91,8 +89,7 @@ class Attention(nnx.Module, options.Configurable):
   has_paged_cache = True
   gates_output = True
   norms_qk = True
-  takes_layer = False
-  head_multiple = 1
+  takes_layer, head_multiple = False, 1
   options = ('use_bias', 'attention_impl', 'unscaled', 'attention_gate', 'qk_norm')
   dropout_rate = 0.0  # attention dropout (set by __init__); a variant built otherwise has none
   cache_form = '2·K·H'  # `cache_per_token` in words (tools.accounting's cache rows)
