@@ -221,3 +221,17 @@ def test_score_stats_describe_the_softmax_maps():
   s = np.einsum('btnh,bsnh->bnts', q, k) / np.sqrt(D // 4)
   np.testing.assert_allclose(stats['attn_max_logit'], s[..., np.tril(np.ones((T, T), bool))].max(),
                              rtol=1e-5)
+
+
+def test_in_a_hybrid_stack_the_depth_is_the_layers_index_and_decoding_matches():
+  """model.layer_pattern='dense,differential' over 4 layers: the differential layers 2 and 4 take
+  λ_init of depths 2 and 4 (their index in the stack), and the cached steps equal the forward."""
+  config = model_config(layer_pattern='dense,differential', num_layers=4)
+  model = models.build(config.model, V, 16, rngs=nnx.Rngs(0))
+  layers = [b.self_attention for b in model.decoder.blocks]
+  assert [type(a).__name__ for a in layers] == ['Attention', 'DifferentialAttention'] * 2
+  np.testing.assert_allclose([layers[1].lambda_init, layers[3].lambda_init],
+                             [0.8 - 0.6 * np.exp(-0.3), 0.8 - 0.6 * np.exp(-0.9)], rtol=1e-12)
+  tokens = jax.random.randint(jax.random.key(1), (2, 9), 1, V)
+  full, cached = full_and_cached_logits(model, {'inputs': tokens}, {'inputs': tokens}, tokens)
+  np.testing.assert_allclose(cached, full, atol=2e-5, rtol=2e-5)
