@@ -81,6 +81,8 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
     layer_terms: the `contract.ScoreTerms` fields the layer sets itself from its options
       (`LAYER_TERMS`: the logit soft cap, the sinks) that this variant applies; () where it
       computes attention its own way without them (validation refuses the options there).
+    takes_layer, head_multiple: `from_config` takes `layer=`, the block's index in its stack
+      (depth-dependent variants); `num_heads` and `num_kv_heads` must be multiples of it.
     options: the `config.model` fields `from_config` reads beyond the sizes.
   """
 
@@ -95,6 +97,7 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
   gates_output = True
   norms_qk = True
   layer_terms = ('softcap', 'sinks')
+  takes_layer, head_multiple = False, 1
   options = ('use_bias', 'attention_impl', 'unscaled', 'attention_gate', 'qk_norm',
              'attn_logit_softcap', 'attention_sinks')
   dropout_rate = 0.0  # attention dropout (set by __init__); a variant built otherwise has none
@@ -148,9 +151,10 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
         gate, qk_norm, d_model, num_heads, head_dim, use_bias=use_bias, kernel_init=init, rngs=rngs)
 
   @classmethod
-  def from_config(cls, cfg, *, rngs):
+  def from_config(cls, cfg, *, rngs, **extra):
     """From `config.model`: sizes, head_dim, attention_bias (or use_bias), attention_impl, unscaled
-    (scale 1 instead of 1/sqrt(H)), kernel_init, attention_dropout."""
+    (scale 1 instead of 1/sqrt(H)), kernel_init, attention_dropout, the gate, QK-norm, soft cap
+    and sinks; `extra`: a subclass's own constructor arguments."""
     return cls(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, head_dim=initializers.head_dim(cfg),
                use_bias=initializers.attention_bias(cfg), implementation=cfg.attention_impl,
                scale=1.0 if cfg.get('unscaled', False) else None,
@@ -158,7 +162,7 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
                dropout_rate=cfg.get('attention_dropout', 0.0),
                softcap=cfg.get('attn_logit_softcap', 0.0),
                sinks=cfg.get('attention_sinks', False), rngs=rngs,
-               **attention_heads.layer_options(cfg))
+               **attention_heads.layer_options(cfg), **extra)
 
   @classmethod
   def param_count(cls, cfg):

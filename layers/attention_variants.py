@@ -8,6 +8,7 @@ declared on `Attention` (has_scores, takes_score_terms, ...).
 
 from layers import attention
 from layers import delta_attention
+from layers import differential_attention
 from layers import linear_attention
 from layers import mla_attention
 from layers import sparse_attention
@@ -22,4 +23,5 @@ VARIANTS = {
     'linear': linear_attention.LinearAttention,
     'mla': mla_attention.MultiHeadLatentAttention,
     'gated_deltanet': delta_attention.GatedDeltaNetAttention,
+    'differential': differential_attention.DifferentialAttention,
 }

@@ -108,7 +108,8 @@ class Block(nnx.Module):
       deepnorm: (alpha, beta) under norm_position='deepnorm' (models.stack passes the stack's,
         `deepnorm_constants`); None: those of a single stack of `cfg.num_layers` layers.
       layer: this block's index in its stack: with `model.moe_experts` > 0 it decides whether the
-        FFN is a `layers.moe.MoE` (`layers.moe.is_moe_layer`); None: dense.
+        FFN is a `layers.moe.MoE` (`layers.moe.is_moe_layer`); None: dense. A self-attention
+        variant that declares `takes_layer` gets it too (differential attention's depth).
       rngs: parameter initialisation.
     """
     options.choice('model.norm_position', cfg.norm_position, NORM_POSITIONS)
@@ -120,7 +121,8 @@ class Block(nnx.Module):
 
     # Each variant reads its own options from `cfg`. Cross-attention stays dense, as in Longformer
     # and BigBird's encoder-decoders: the sparse patterns are defined on one sequence's positions.
-    self.self_attention = variant.from_config(cfg, rngs=rngs)
+    depth = {'layer': layer} if variant.takes_layer else {}  # only a variant that declares it
+    self.self_attention = variant.from_config(cfg, rngs=rngs, **depth)
     self.cross_attention = (attention.Attention.from_config(cfg, rngs=rngs) if cross_attention
                             else None)
     self.ffn = moe.MoE.from_config(cfg, rngs=rngs) if moe.is_moe_layer(cfg, layer) else (

@@ -309,8 +309,9 @@ def _validate_scan(config):
   if not attention_variants.VARIANTS[names[0]].scannable:
     raise ConfigError(f'model.scan_layers=True is not valid for '
                       f'{validation_attention.variant_label(m, names[0], "encoder")} '
-                      '(its layers draw their own random blocks/features from '
-                      'model.attention_seed, and scanned layers share one trace); use '
+                      '(each layer is built on its own: random blocks/features from '
+                      'model.attention_seed, or constants of its depth, and scanned layers share '
+                      'one trace); use '
                       'scan_layers=False')
 
 

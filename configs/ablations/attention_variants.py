@@ -18,8 +18,8 @@ from configs import encoder_decoder
 
 # The keys of layers.attention_variants.VARIANTS, by name: configs/ import no layers
 # (tests/unit/test_sweep.py checks the list against the registry).
-VARIANTS = ('bigbird', 'dense', 'gated_deltanet', 'linear', 'linformer', 'longformer', 'mla',
-            'performer', 'sliding_window')
+VARIANTS = ('bigbird', 'dense', 'differential', 'gated_deltanet', 'linear', 'linformer',
+            'longformer', 'mla', 'performer', 'sliding_window')
 
 # Variants with no causal form: their decoder is this one.
 NON_CAUSAL = {'linformer': 'dense'}

@@ -29,12 +29,13 @@ SPECIAL = models.SpecialIds(pad=0, bos=1, eos=2, sep=3, mask=4, first_word=5)  #
 
 def combination(variant, impl, position):
   """A one-layer config of the combination (encoder_only for a variant with no causal form; a
-  sequence axis of 2 for a kernel that needs one)."""
+  sequence axis of 2 for a kernel that needs one; GQA with the heads in the variant's multiples)."""
   config = default.get_config('quick')
   m = config.model
-  m.update(arch='decoder_only' if attention_variants.VARIANTS[variant].supports_causal
-           else 'encoder_only', attention=variant, attention_impl=impl, position=position,
-           num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, d_ff=32, window=2,
+  cls = attention_variants.VARIANTS[variant]
+  m.update(arch='decoder_only' if cls.supports_causal else 'encoder_only', attention=variant,
+           attention_impl=impl, position=position, num_layers=1, d_model=16,
+           num_heads=2 * cls.head_multiple, num_kv_heads=cls.head_multiple, d_ff=32, window=2,
            global_tokens=(0,), bigbird_block=4, bigbird_random_blocks=1, linformer_k=4,
            performer_features=8)
   config.data.max_length = LENGTH

@@ -111,8 +111,8 @@ def test_scan_layers_takes_a_pattern_of_one_variant_only():
       'different variants cannot share one scanned trace); use scan_layers=False, or a pattern '
       'of one variant')
   assert refusal(make_config('performer', scan_layers=True)).startswith(
-      "model.scan_layers=True is not valid for model.layer_pattern entry 'performer' (its "
-      'layers draw')
+      "model.scan_layers=True is not valid for model.layer_pattern entry 'performer' (each "
+      'layer is built on its own')
   model = build('linear,linear', scan_layers=True)
   assert type(model.decoder.blocks.self_attention) is attention_variants.VARIANTS['linear']
 

@@ -37,12 +37,14 @@ def contiguous_logits(model, tokens):
   return run(params, tokens)
 
 
-@pytest.mark.parametrize('position', ['rope', 'alibi'])
-def test_paged_decode_equals_contiguous_decode(position):
+@pytest.mark.parametrize('position,variant', [('rope', 'dense'), ('alibi', 'dense'),
+                                              ('rope', 'differential')])
+def test_paged_decode_equals_contiguous_decode(position, variant):
   """Three rows of 5, 11 and 9 tokens (crossing page boundaries at 4 and 8) share a shuffled pool of
   6 pages (+ the null page), fewer than the 9 that B x S_max would reserve: row 0's pages are freed
-  when it ends and handed to the longer rows, whose stale contents must stay masked."""
-  model = build('decoder_only', position=position, num_heads=4, num_kv_heads=2)
+  when it ends and handed to the longer rows, whose stale contents must stay masked. (Differential
+  attention reads the dense cache through its own `attend`.)"""
+  model = build('decoder_only', position=position, num_heads=4, num_kv_heads=2, attention=variant)
   lengths = np.asarray([5, 11, 9])
   b, t_max = len(lengths), int(lengths.max())
   tokens = jax.random.randint(jax.random.key(1), (b, t_max), 1, V)
