@@ -158,11 +158,13 @@ def test_lambda_init_follows_the_depth():
 
 
 @pytest.mark.parametrize('position,extra', [
-    ('rope', {}), ('alibi', {}), ('rope', dict(attention_gate='headwise', qk_norm='rmsnorm'))],
-    ids=['rope', 'alibi', 'rope-gate-qknorm'])
+    ('rope', {}), ('alibi', {}), ('rope', dict(attention_gate='headwise', qk_norm='rmsnorm')),
+    ('rope', dict(attn_logit_softcap=2.0, attention_sinks=True))],
+    ids=['rope', 'alibi', 'rope-gate-qknorm', 'rope-softcap-sinks'])
 def test_cached_decoding_equals_the_full_forward(position, extra):
   """The dense cached step ends in the variant's `attend`; ALiBi's slopes (one per map) are
-  recomputed against the cached slots there as for dense; the gate and QK-norm apply in both."""
+  recomputed against the cached slots there as for dense; the gate, QK-norm, the soft cap and the
+  sinks (one per map) apply in both."""
   config = model_config(position=position, **extra)
   model = models.build(config.model, V, 16, rngs=nnx.Rngs(0))
   counted = accounting.counted_params(accounting.abstract_model(config.model, V, 16))

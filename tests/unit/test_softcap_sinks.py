@@ -246,10 +246,10 @@ REFUSALS = {
         'kernels: blockwise, pallas, ring, xla',
     (('attention', 'linear'),):
         "model.attn_logit_softcap=0.5 is not taken by model.attention='linear'; valid values: "
-        'dense',
+        'dense, differential',
     (('attention', 'performer'), ('attn_logit_softcap', 0.0)):
         "model.attention_sinks=True is not taken by model.attention='performer'; valid values: "
-        'dense',
+        'dense, differential',
     (('arch', 'rnn_seq2seq'), ('attn_logit_softcap', 0.0)):
         "model.attention_sinks=True is not taken by model.arch='rnn_seq2seq' (no Transformer "
         'attention); valid value here: off',
