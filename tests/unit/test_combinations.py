@@ -1,8 +1,10 @@
 """Every attention variant x kernel x position method: refused at validation in one line, or it
 trains two steps and tools.accounting counts its parameters as the model has them. Nothing in
-between ends in a traceback. (Cached decoding equals the full forward pass for every position and
-variant in tests/unit/test_decoding.py and test_relative_positions.py; eval.py refuses a decoder
-with no cached step, tests/unit/test_open_contract.py.)"""
+between ends in a traceback. Each per-layer option (the output gate, QK-norm, the logit soft cap,
+the sinks) is accepted for a variant and kernel exactly where they declare it. (Cached decoding
+equals the full forward pass for every position and variant in tests/unit/test_decoding.py and
+test_relative_positions.py; eval.py refuses a decoder with no cached step,
+tests/unit/test_open_contract.py.)"""
 
 import jax
 import jax.numpy as jnp
@@ -100,3 +102,51 @@ def test_an_accepted_combination_trains_and_is_counted(variant, impl, position):
       assert np.isfinite(float(sums['loss_sum'])), (variant, impl, position)
   counted = accounting.counted_params(accounting.abstract_model(config.model, V, LENGTH))
   assert counted == accounting.formula_params(config.model, V, LENGTH)
+
+
+# The per-layer options every variant either applies or refuses by declaration (gates_output,
+# norms_qk, layer_terms), at a value that turns each on.
+LAYER_OPTIONS = {'attention_gate': 'elementwise', 'qk_norm': 'rmsnorm', 'attn_logit_softcap': 5.0,
+                 'attention_sinks': True}
+
+
+def option_outcomes():
+  """{(variant, impl, option): None (accepted) or the refusal}, at RoPE (every variant takes it or
+  nope); validation only, nothing is built."""
+  out = {}
+  for variant in sorted(attention_variants.VARIANTS):
+    for impl in sorted(attention.KERNELS):
+      for option, value in LAYER_OPTIONS.items():
+        config = combination(variant, impl, 'rope')
+        config.model[option] = value
+        try:
+          validation.validate(config)
+          out[variant, impl, option] = None
+        except validation.ConfigError as e:
+          out[variant, impl, option] = str(e)
+  return out
+
+
+def test_each_layer_option_is_applied_or_refused_in_one_line_for_every_variant_and_kernel():
+  """Wherever the combination itself is valid, a layer option is accepted exactly where the
+  variant declares it and (for the softmax terms) the kernel takes it; a refusal names the option
+  and the valid values."""
+  options = option_outcomes()
+  for (variant, impl, option), message in options.items():
+    if OUTCOMES[variant, impl, 'rope'] is not None:
+      continue  # the combination is refused without the option
+    cls = attention_variants.VARIANTS[variant]
+    declared = {'attention_gate': cls.gates_output, 'qk_norm': cls.norms_qk,
+                'attn_logit_softcap': 'softcap' in cls.layer_terms and (
+                    not cls.uses_kernel or 'softcap' in attention.KERNELS[impl].terms),
+                'attention_sinks': 'sinks' in cls.layer_terms and (
+                    not cls.uses_kernel or 'sinks' in attention.KERNELS[impl].terms)}[option]
+    assert (message is None) == bool(declared), (variant, impl, option, message)
+    if message is not None:
+      assert '\n' not in message and message.startswith(f'model.{option}='), message
+      assert 'valid' in message, message
+  # Spot checks of what the declarations must give.
+  assert options['dense', 'pallas', 'attention_sinks'] is None
+  assert options['mla', 'xla', 'attention_gate'] is None
+  assert options['gated_deltanet', 'xla', 'qk_norm'] and options['linear', 'xla',
+                                                                  'attention_sinks']
