@@ -66,6 +66,8 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
       `config.model.attention_impl` (the KERNELS table); False where the variant computes its
       attention its own way and would ignore the setting.
     supports_causal: causal self-attention (decoders) is possible.
+    supports_bidirectional: an encoder's self-attention (every key visible) is possible; False
+      for a causal-only recurrence, which validation keeps out of encoder stacks.
     supports_segments: packed segments (data.packing='segments') stay apart; False where only
       padding (segment 0) is hidden.
     scannable: the layers can be built by one trace for a scanned stack (model.scan_layers);
@@ -90,6 +92,7 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
   takes_score_terms = True
   uses_kernel = True
   supports_causal = True
+  supports_bidirectional = True
   supports_segments = True
   scannable = True
   cached_decoding = 'dense'

@@ -71,6 +71,7 @@ class GatedDeltaNetAttention(attention_lib.Attention):
   takes_score_terms = False
   uses_kernel = False  # model.attention_impl does not apply
   supports_causal = True
+  supports_bidirectional = False  # a recurrence over the past: validation keeps it out of encoders
   supports_segments = True  # the state restarts at each segment start
   scannable = True
   cached_decoding = 'own'
@@ -148,14 +149,6 @@ class GatedDeltaNetAttention(attention_lib.Attention):
       raise options.ConfigError(f'model.attention_dropout={m.attention_dropout!r} is not read by '
                                 f'model.attention={cls.name!r} (no attention weights to drop); '
                                 'valid value here: 0.0')
-    # An encoder's self-attention sees the future; here the encoder of an encoder-decoder is
-    # model.attention unless model.decoder_attention names this variant too.
-    if m.arch == 'encoder_only' or (m.arch == 'encoder_decoder'
-                                    and m.get('decoder_attention', '') != m.attention):
-      raise options.ConfigError(
-          f'model.attention={cls.name!r} is causal only, and model.arch={m.arch!r} would run it '
-          "bidirectionally; valid: model.arch='decoder_only', or an encoder_decoder with "
-          f"model.decoder_attention={cls.name!r} and a bidirectional model.attention")
     if m.position in SCALING_POSITIONS:
       # Its decay is a per-position scale of q and k, which their L2 normalisation would bend
       # into a position-dependent change of direction instead of a decay of q·k.

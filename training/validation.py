@@ -423,6 +423,14 @@ def _validate_variant(config):
     raise ConfigError(f'model.attention={m.attention!r} is not causal and model.arch={m.arch!r} '
                       'needs causal self-attention; valid archs: '
                       f'{", ".join(BIDIRECTIONAL_ARCHS)}{hint}')
+  for name in dict.fromkeys(models.layer_attentions(m).get('encoder', ())):
+    # An encoder stack's self-attention sees the whole row: a causal-only variant cannot run there.
+    if not attention_variants.VARIANTS[name].supports_bidirectional:
+      bidirectional = [n for n, v in attention_variants.VARIANTS.items()
+                       if v.supports_bidirectional]
+      raise ConfigError(f'{validation_attention.variant_label(m, name, "encoder")} is causal only, '
+                        f'and the encoder of model.arch={m.arch!r} would run it bidirectionally; '
+                        f'valid values there: {", ".join(bidirectional)}')
   if not variant.supports_segments and config.data.packing == 'segments':
     raise ConfigError(f"data.packing='segments' is not valid for model.attention={m.attention!r} "
                       '(it hides padding only, not other segments); valid values: '

@@ -280,6 +280,8 @@ def test_model_cached_decode_equals_full_forward_and_the_cache_is_constant(scan_
 REFUSED = [
     (dict(arch='encoder_only'), "model.attention='gated_deltanet' is causal only"),
     (dict(arch='encoder_decoder'), "model.attention='gated_deltanet' is causal only"),
+    (dict(arch='encoder_decoder', decoder_attention='gated_deltanet'),
+     "model.attention='gated_deltanet' is causal only"),
     (dict(position='xpos'), "model.position='xpos' scales q and k"),
     (dict(position='alibi'), "model.position='alibi' adds ALiBi slopes to the scores"),
     (dict(attention_impl='pallas'), "model.attention_impl='pallas' is not used"),
