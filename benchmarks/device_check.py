@@ -41,6 +41,7 @@ CHECKS = [
     ('causal_gqa', 2, dict(is_causal=True)),
     ('window_alibi_mqa', 1, dict(local_window_size=(512, 0), alibi=True, is_causal=True)),
     ('segments_bidirectional', 4, dict(segments=True)),
+    ('softcap_sinks_gqa', 2, dict(is_causal=True, softcap=30.0, sinks=True)),
 ]
 # The custom call of each platform's Pallas kernel (the backend name, and the lowering platform
 # names the dry run lowers for).
@@ -60,11 +61,12 @@ def _impl(name):
     return lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, implementation='cudnn', **kw)
   if name == 'pallas_tpu_interpret':
     def run(q, k, v, *, is_causal=False, local_window_size=None, alibi_slopes=None,
-            segment_ids=None):
+            segment_ids=None, softcap=None, sinks=None):
       window = masks.normalize_window(local_window_size)
       return _pallas_tpu_interpret(
           q, k, v, scale=1.0 / np.sqrt(q.shape[-1]), is_causal=is_causal, window=window,
-          alibi_slopes=alibi_slopes, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+          alibi_slopes=alibi_slopes, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+          softcap=softcap, sinks=sinks)
     return run
   return functools.partial(attention.dot_product_attention, implementation=name)
 
@@ -90,6 +92,8 @@ def _options(opts, n, t):
   kwargs = dict(opts)
   if kwargs.pop('alibi', False):
     kwargs['alibi_slopes'] = jnp.asarray(2.0 ** (-8.0 * np.arange(1, n + 1) / n), jnp.float32)
+  if kwargs.pop('sinks', False):
+    kwargs['sinks'] = jnp.asarray(np.linspace(-1.0, 2.0, n), jnp.float32)
   if kwargs.pop('segments', False):
     kwargs['segment_ids'] = jnp.asarray((np.arange(t)[None] // (t // 3 + 7)).astype(np.int32))
   return kwargs
