@@ -1,16 +1,19 @@
 """Compiles a config (or every cell of a sweep) for a TPU topology this host does not have.
 
     python -m tools.aot --topology=v5p:4x4x4 --config=configs/decoder_only.py [--config.F=V ...]
-        [--mesh=auto] [--programs=train,eval,decode] [--json]
+        [--mesh=auto|search] [--programs=train,eval,decode] [--json]
     python -m tools.aot --topology=v5p:2x2x2 --sweep=configs/ablations/NAME.py[:ARG] [--mesh=auto]
 
 libtpu (`pip install "jax[tpu]==<jax's version>"`) describes the topology as compile-only devices
 and compiles the train step, the eval step and the cached decode step for them on this CPU host
 (training.aot), with the training state built abstractly (no memory) and sharded by the config's
-mesh; `--mesh=auto` puts fsdp over all chips. The report, per chip: the bytes of each program's
-arguments, outputs, temporaries and aliased (donated) buffers against the chip's HBM, XLA's FLOPs
-beside models.accounting's, the collectives and the custom calls (Mosaic kernels:
-`tpu_custom_call`). `--json` prints one JSON object as the last line.
+mesh; `--mesh=auto` puts fsdp over all chips; `--mesh=search` compiles every mesh of the chip
+count over data, fsdp and tensor (and expert for an MoE) and ranks those that fit by estimated step
+time. The report, per chip: the bytes of each program's arguments, outputs, temporaries and aliased
+(donated) buffers against the chip's HBM, XLA's FLOPs beside models.accounting's, the collectives,
+the custom calls (Mosaic kernels: `tpu_custom_call`) and a roofline estimate of the step
+(training.roofline: an estimate from the compiled program, not a measurement). `--json` prints one
+JSON object as the last line.
 
 Exit status: 0 when everything compiles and fits; 1 when it does not fit ("needs X GiB per chip,
 v5e has 16"; "needs at least X" where libtpu's compiler refuses, counting the temporaries alone) or
@@ -18,6 +21,7 @@ fails to compile; 2 for a config, mesh or topology error (one line each).
 """
 
 import json
+import math
 import re
 import sys
 import time
@@ -32,8 +36,10 @@ aot.quiet_libtpu()  # before jax starts: none of libtpu's start-up noise in the 
 
 
 from ml_collections import config_flags  # noqa: E402
+import tqdm  # noqa: E402
 
 import models  # noqa: E402
+from layers import sharding  # noqa: E402
 from tools import accounting  # noqa: E402
 from tools import sweep as sweep_lib  # noqa: E402
 from training import cli_checks  # noqa: E402
@@ -50,8 +56,9 @@ def define_flags():
                       'v5p:4x4x4 (64 chips), v6e:4x4.')
   flags.DEFINE_string('sweep', None, 'Compile every cell of configs/ablations/NAME.py[:ARG] '
                       '(its first seed) instead of --config.')
-  flags.DEFINE_enum('mesh', 'config', ['config', 'auto'], 'config: the config\'s mesh sizes; '
-                    'auto: fsdp over all chips.')
+  flags.DEFINE_enum('mesh', 'config', ['config', 'auto', 'search'], 'config: the config\'s mesh '
+                    'sizes; auto: fsdp over all chips; search: every mesh of the chip count, '
+                    'ranked by estimated step time.')
   flags.DEFINE_list('programs', list(PROGRAMS), f'Which of {", ".join(PROGRAMS)} to compile.')
   flags.DEFINE_bool('json', False, 'Print one JSON object (the summary) as the last line.')
 
@@ -128,7 +135,25 @@ def describe(summary, name):
     out.append(f'Train step FLOPs per chip: XLA {summary["flops_per_chip"]:.4g}, '
                f'models.accounting {flops:.4g} (matmuls and full score matrices, x3 for the '
                'backward pass; a Mosaic kernel\'s FLOPs are not in XLA\'s count).')
+  if summary.get('estimate'):
+    out.append(estimate_line(summary['estimate'], summary.get('programs', {}).get('train')
+                             and 'train step' or 'first program'))
   return '\n'.join(out)
+
+
+def ms(seconds):
+  return f'{seconds * 1e3:.3g} ms'
+
+
+def estimate_line(e, what):
+  """One line of a program's roofline estimate (training.roofline)."""
+  mfu = '' if e['mfu'] is None else f', MFU {100 * e["mfu"]:.1f}% at that time'
+  compiler = '' if e['compiler_s'] is None else f'; libtpu\'s own estimate {ms(e["compiler_s"])}'
+  return (f'Estimated {what} (from the compiled program, not a measurement): {ms(e["step_s"])}, '
+          f'bound by {e["bound"]} (compute {ms(e["compute_s"])}, memory {ms(e["memory_s"])}, '
+          f'collectives {ms(e["collective_s"])} for '
+          f'{accounting.human_bytes(e["collective_bytes"])} sent per chip; '
+          f'{ms(e["serial_s"])} with nothing overlapped){mfu}{compiler}.')
 
 
 def load_configs():
@@ -178,6 +203,10 @@ def main(argv):
   except aot.AotError as e:
     cli_checks.fail('aot', e)
   configs = load_configs()
+  if FLAGS.mesh == 'search':
+    if FLAGS.sweep:
+      cli_checks.fail('aot', '--mesh=search takes one --config, not --sweep')
+    search_main(configs[0][1], devices)
   if FLAGS.mesh == 'auto':
     configs = [(n, c if isinstance(c, str) else aot.auto_mesh(c, len(devices))) for n, c in configs]
   results, status = [], 0
@@ -241,6 +270,82 @@ def sweep_table(results, devices):
     lines.append(f'| {name} | {mesh} | {gib(r["per_chip_bytes"])} | {fits} | '
                  f'{r["custom_calls"].get(kernel, 0)} | {r["compile_seconds"]} |')
   return '\n'.join(lines)
+
+
+def mesh_candidates(config, chips):
+  """Every mesh of `chips` over data, fsdp and tensor (and expert for an MoE), as dicts."""
+  axes = ['data', 'fsdp', 'tensor'] + (['expert'] if config.model.get('moe_experts', 0) else [])
+  meshes = [{}]
+  for i, axis in enumerate(axes):
+    last = i == len(axes) - 1
+    meshes = [{**m, axis: d} for m in meshes
+              for d in range(1, chips + 1)
+              if chips % (math.prod(m.values()) * d) == 0
+              and (not last or math.prod(m.values()) * d == chips)]
+  return meshes
+
+
+def search(config, devices):
+  """[(mesh, summary or {'error', 'status'})] of every candidate mesh, the fitting ones first by
+  estimated step time."""
+  results = []
+  for sizes in tqdm.tqdm(mesh_candidates(config, len(devices)), desc='meshes', leave=False,
+                         disable=None):
+    cell = config.copy_and_resolve_references()
+    for axis in sharding.MESH_AXES:
+      cell.mesh[axis] = sizes.get(axis, 1)
+    try:
+      validation.validate(cell)
+      summary, _ = compile_one(cell, devices)
+      if summary['fits'] is False:
+        summary['error'] = does_not_fit_line(summary['per_chip_bytes'], devices)
+    except validation.ConfigError as e:
+      summary = {'error': f'config error: {" ".join(str(e).split())}'}
+    except DoesNotFit as e:
+      summary = {'error': does_not_fit_line(e.args[0], devices, lower_bound=True)
+                 if e.args[0] else e.args[1]}
+    except Exception as e:  # noqa: BLE001  (one mesh's compiler failure; the others still rank)
+      first = (str(e).strip().splitlines() or [''])[0][:200]
+      summary = {'error': f'does not compile: {type(e).__name__}: {first}'}
+    results.append((sizes, summary))
+  def key(item):
+    e = item[1].get('estimate')
+    return (bool(item[1].get('error')) or e is None, e['step_s'] if e else 0.0)
+  return sorted(results, key=key)
+
+
+def search_table(results):
+  """The ranked meshes as markdown, with the reason each one loses to the first."""
+  lines = ['| rank | mesh | GiB per chip | estimated step | bound | MFU | why not first |',
+           '|---|---|---|---|---|---|---|']
+  best = results[0][1].get('estimate') if results else None
+  for rank, (sizes, r) in enumerate(results, 1):
+    mesh = ' x '.join(f'{a} {s}' for a, s in sizes.items() if s > 1) or 'one chip'
+    e = r.get('estimate')
+    if r.get('error') or not e:
+      lines.append(f'| - | {mesh} | | | | | {r.get("error") or "no estimate for this chip"} |')
+      continue
+    why = ('' if rank == 1 else
+           f'{e["step_s"] / best["step_s"]:.2f}x the first\'s step, bound by {e["bound"]} '
+           f'({ms(e[e["bound"] + "_s"])} against the first\'s {ms(best[e["bound"] + "_s"])})')
+    mfu = '' if e['mfu'] is None else f'{100 * e["mfu"]:.1f}%'
+    lines.append(f'| {rank} | {mesh} | {gib(r["per_chip_bytes"])} | {ms(e["step_s"])} | '
+                 f'{e["bound"]} | {mfu} | {why} |')
+  return '\n'.join(lines)
+
+
+def search_main(config, devices):
+  """Prints the ranked meshes (and the JSON with --json); exits 0 when one fits, else 1."""
+  results = search(config, devices)
+  print(f'# every mesh of {len(devices)} x {aot.target_generation(devices[0])} for '
+        f'{FLAGS["config"].config_filename}, ranked by estimated step time (estimates from the '
+        'compiled programs, not measurements)\n')
+  print(search_table(results))
+  if FLAGS.json:
+    print(json.dumps({'topology': FLAGS.topology, 'meshes': [
+        {'mesh': sizes, **{k: v for k, v in r.items() if k != 'programs'}}
+        for sizes, r in results]}, sort_keys=True))
+  sys.exit(0 if results and not results[0][1].get('error') else 1)
 
 
 if __name__ == '__main__':

@@ -27,24 +27,20 @@ from data import pipeline
 from layers import sharding
 import models
 from training import diagnostics
+from training import roofline
 from training import loop
 from training import state as state_lib
 from training import steps
 from training import validation_attention
 
 GiB = 2 ** 30
-# The chips by the `device_kind` their compile-only devices report: (generation, HBM bytes per
-# chip). TPUs from Google's published specs (Cloud TPU system architecture pages: v4 32 GiB, v5e
-# 16 GB, v5p 95 GB, v6e 32 GB; the GB figures read as GiB); the H100 from its XLA description's
-# device_memory_size. A program also needs what the runtime keeps for itself (libtpu lets a
-# program use 15.75 of v5e's 16 GiB), so a total within a few percent of the HBM is marginal.
-CHIPS = {
-    'TPU v4': ('v4', 32 * GiB),
-    'TPU v5 lite': ('v5e', 16 * GiB),
-    'TPU v5': ('v5p', 95 * GiB),
-    'TPU v6 lite': ('v6e', 32 * GiB),
-    'NVIDIA H100 80GB HBM3': ('h100', 84_978_434_048),
-}
+# The chips by the `device_kind` their compile-only devices report: their generation, whose
+# published figures (HBM, peak FLOP/s, bandwidths, with sources) are training.roofline.PEAKS. A
+# program also needs what the runtime keeps for itself (libtpu lets a program use 15.75 of v5e's
+# 16 GiB), so a total within a few percent of the HBM is marginal.
+CHIPS = {kind: (gen, roofline.PEAKS[gen]['hbm']) for kind, gen in {
+    'TPU v4': 'v4', 'TPU v5 lite': 'v5e', 'TPU v5': 'v5p', 'TPU v6 lite': 'v6e',
+    'NVIDIA H100 80GB HBM3': 'h100'}.items()}
 # GPU kinds by XLA's target description (training/targets/), for '--topology=KIND:N'.
 GPU_TARGETS = {'h100': 'h100_sxm.txtpb'}
 EXAMPLE_TOPOLOGIES = ('v4:2x2x1', 'v5e:2x2', 'v5p:2x2x2', 'v5p:4x4x4', 'v6e:2x2')
@@ -196,10 +192,12 @@ def hlo_counts(text):
   return collectives, dict(sorted(calls.items()))
 
 
-def analyse(compiled):
+def analyse(compiled, devices=(), model_flops=None):
   """Per-chip figures of one compiled program: bytes (arguments, outputs, temporaries, aliased,
   total = arguments + outputs + temporaries - aliased), XLA's FLOPs (None where the compiler
-  gives none), collectives, custom calls."""
+  gives none), collectives, custom calls, and the roofline estimate (training.roofline; None
+  where the chip or the cost analysis is unknown) on `devices`, the mesh's devices in order, with
+  `model_flops` per chip for its MFU."""
   mem = compiled.memory_analysis()
   sizes = {'argument': mem.argument_size_in_bytes, 'output': mem.output_size_in_bytes,
            'temp': mem.temp_size_in_bytes, 'alias': mem.alias_size_in_bytes}
@@ -208,9 +206,13 @@ def analyse(compiled):
   cost = compiled.cost_analysis()  # None for a compile-only GPU executable
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   flops = None if not cost or 'flops' not in cost else float(cost['flops'])
-  collectives, calls = hlo_counts(compiled.as_text())
-  return {'bytes': sizes, 'flops': flops,
-          'collectives': collectives, 'custom_calls': calls}
+  text = compiled.as_text()
+  collectives, calls = hlo_counts(text)
+  estimate = None
+  if devices:
+    estimate = roofline.estimate(target_generation(devices[0]), cost, text, devices, model_flops)
+  return {'bytes': sizes, 'flops': flops, 'collectives': collectives, 'custom_calls': calls,
+          'estimate': estimate}
 
 
 def compile_config(config, devices, *, vocab_size, special_ids=None,
@@ -242,17 +244,19 @@ def compile_config(config, devices, *, vocab_size, special_ids=None,
     with jax.set_mesh(mesh), sharding.use_rules(mesh, rules):
       return fn.trace(*args).lower(lowering_platforms=(lowering_platform(devices[0]),)).compile()
 
+  ordered = list(mesh.devices.flat)  # the programs' partitions, for their collectives' groups
   if 'train' in programs:
     leaf_groups = diagnostics.param_groups(state['params'])[1]
     out['train'] = analyse(lower(loop.jit_train_step(config, graphdef, tx, state, mesh,
-                                                     leaf_groups), state, batch))
+                                                     leaf_groups), state, batch),
+                           ordered, analytic_flops(config, vocab_size, len(devices)))
   variables = state_lib.model_variables(state)
   if 'eval' in programs:
     out['eval'] = analyse(lower(jax.jit(functools.partial(steps.eval_step, graphdef)),
-                                variables, batch))
+                                variables, batch), ordered)
   if 'decode' in programs and validation_attention.decodes_with_cache(config.model):
     out['decode'] = analyse(lower(*_decode_program(config, graphdef, variables, batch, mesh,
-                                                   rules)))
+                                                   rules)), ordered)
   return out
 
 
@@ -335,6 +339,7 @@ def summary(config, devices, report, vocab_size):
       'flops_per_chip': train['flops'],
       'analytic_flops_per_chip': analytic_flops(config, vocab_size, len(devices)),
       'collectives': train['collectives'],
+      'estimate': train.get('estimate'),
       'custom_calls': dict(sorted(kernels.items())),
       'programs': report,
   }

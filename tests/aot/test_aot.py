@@ -144,6 +144,28 @@ def test_cli_reports_a_fitting_pallas_config_as_json():
   # FLOPs, about 4·T²·D per layer here, are left out of XLA's).
   assert abs(summary['flops_per_chip'] / summary['analytic_flops_per_chip'] - 1) < 0.1
   assert 'could not determine TPU' not in r.stderr + r.stdout  # libtpu's noise kept out
+  # The roofline estimate of the train step: its terms, the largest as the bound, and the MFU.
+  e = summary['estimate']
+  terms = {b: e[b + '_s'] for b in ('compute', 'memory', 'collective')}
+  assert all(t > 0 for t in terms.values()) and e['collective_bytes'] > 0  # fsdp gathers
+  assert e['bound'] == max(terms, key=terms.get) and e['step_s'] == max(terms.values())
+  assert 0 < e['mfu'] <= 1 and e['compiler_s'] > 0
+  assert 'Estimated train step (from the compiled program, not a measurement)' in r.stdout
+
+
+def test_cli_mesh_search_ranks_every_mesh_of_the_chips():
+  r = _aot('--topology=v5e:2x2', '--config=configs/decoder_only.py:quick', '--mesh=search',
+           '--programs=train', '--json')
+  assert r.returncode == 0, r.stderr
+  meshes = json.loads(r.stdout.strip().splitlines()[-1])['meshes']
+  # data x fsdp x tensor = 4: six meshes, each compiled or refused with its reason.
+  assert sorted(tuple(m['mesh'][a] for a in ('data', 'fsdp', 'tensor')) for m in meshes) == [
+      (1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
+  ranked = [m for m in meshes if not m.get('error')]
+  assert ranked and all(m['estimate'] for m in ranked)
+  steps = [m['estimate']['step_s'] for m in ranked]
+  assert steps == sorted(steps) and meshes[:len(ranked)] == ranked  # the losers after
+  assert '| 1 |' in r.stdout and "x the first's step, bound by" in r.stdout
 
 
 def test_cli_refuses_a_config_too_large_for_the_chip():
