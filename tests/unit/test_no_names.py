@@ -9,12 +9,16 @@ import pathlib
 import pytest
 from flax import nnx
 
+import models
 from configs import default
 from layers import attention
 from layers import attention_variants
 from layers import contract
 from layers import positions
 from models import accounting
+from training import eval_checks
+from training import evaluation
+from training import validation
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NAMES = set(attention.KERNELS) | set(attention_variants.VARIANTS) | set(positions.POSITIONS)
@@ -120,3 +124,43 @@ def test_the_derived_lists_are_the_ones_the_names_gave():
   assert set(positions.RANDOM_POSITIONS) == {'rope', 'learned', 'sinusoidal'}
   assert {n for n, p in positions.POSITIONS.items() if p.eval_options} == {'rope', 'xpos'}
   assert {n for n, k in attention.KERNELS.items() if k.single_device} == {'ring'}
+
+
+def _built(**model):
+  cfg = default.get_config().model
+  cfg.update(arch='decoder_only', num_layers=1, d_model=16, num_heads=2, num_kv_heads=2, d_ff=32,
+             **model)
+  return cfg, models.build(cfg, 11, 16, rngs=nnx.Rngs(0))
+
+
+def test_eval_options_reach_the_built_method_that_declares_them():
+  """eval.py's --rope_scaling and --xpos_block as config overrides (`evaluation.eval_options`),
+  applied by `positions.set_eval_options` to the method that declares the fields, and only
+  there."""
+  overrides = evaluation.eval_options('ntk:4', 0)
+  assert overrides == {'--rope_scaling=ntk:4': {'rope_scaling': 'ntk', 'rope_scaling_factor': 4.0},
+                       '--xpos_block=0': {'xpos_block': 0}}
+  cfg, model = _built(position='rope')
+  cfg.update(overrides['--rope_scaling=ntk:4'])
+  positions.set_eval_options(model, cfg, ('rope_scaling', 'rope_scaling_factor'))
+  assert (model.decoder.position.scaling, model.decoder.position.factor) == ('ntk', 4.0)
+  with pytest.raises(ValueError, match='no position method that changes xpos_block'):
+    positions.set_eval_options(model, cfg, ('xpos_block',))
+  cfg, model = _built(position='xpos', xpos_block=4)
+  cfg.xpos_block = 0
+  positions.set_eval_options(model, cfg, ('xpos_block',))
+  assert model.decoder.position.block == 0
+  with pytest.raises(ValueError, match='no position method that changes rope_scaling'):
+    positions.set_eval_options(model, cfg, ('rope_scaling', 'rope_scaling_factor'))
+
+
+def test_an_eval_option_is_validated_as_a_changed_config(tmp_path, data_dir):
+  config = default.get_config('quick')
+  config.data.data_dir = str(data_dir)
+  config.model.position = 'rope'
+  (tmp_path / 'config.json').write_text(config.to_json_best_effort())
+  run = dict(split=['test'], translate=[], lengths=[], stream_split='test')
+  eval_checks.check_eval_run(str(tmp_path), rope_scaling='yarn:4', **run)
+  with pytest.raises(validation.ConfigError, match=r"^--rope_scaling=pi:0.5: model.rope_scaling_"
+                                                   r'factor=0.5 must be >= 1'):
+    eval_checks.check_eval_run(str(tmp_path), rope_scaling='pi:0.5', **run)
