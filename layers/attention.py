@@ -19,6 +19,7 @@ from layers import sharding
 
 # Re-exported: the kernels' contract and table live in attention_kernels.
 KERNELS = attention_kernels.KERNELS
+DEFAULT_KERNEL = attention_kernels.DEFAULT
 dot_product_attention = attention_kernels.dot_product_attention
 kernels_taking = attention_kernels.kernels_taking
 
@@ -106,6 +107,7 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
   dropout_rate = 0.0  # attention dropout (set by __init__); a variant built otherwise has none
   cache_form = '2·K·H'  # `cache_per_token` in words (tools.accounting's cache rows)
   param_form = None  # `param_count` in words where it is not the q/k/v/o projections' (MLA's)
+  param_form_extra = ''  # what the variant adds to the projections' count, in words (Linformer's)
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, head_dim=None, use_bias=False,
                implementation='xla', local_window_size=None, scale=None, kernel_init=None,

@@ -46,9 +46,14 @@ KERNELS = {
                              platforms=('gpu',)),
     # The length split over mesh.sequence: only terms computed from the positions on each device
     # (and the per-head ones).
+    # On one device (evaluation) the same exact attention is xla's.
     'ring': contract.Kernel(attention_ring.ring_attention,
-                            terms=('alibi_slopes', 'softcap', 'sinks'), sequence_mesh='needed'),
+                            terms=('alibi_slopes', 'softcap', 'sinks'), sequence_mesh='needed',
+                            single_device='xla'),
 }
+# The kernel of `implementation=None` and of the variants that run none (validation offers it as
+# the only value there): it takes every term and dropout, decodes, and runs on every platform.
+DEFAULT = 'xla'
 
 
 def kernels_taking(term=None, *, dropout=False):
@@ -104,7 +109,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   Returns:
     `[B, T, N, H]`; a query row with no visible key is zeros.
   """
-  impl = 'xla' if implementation is None else implementation
+  impl = DEFAULT if implementation is None else implementation
   softcap = softcap or None  # 0 is off
   given = dict(bias=bias, mask=mask, alibi_slopes=alibi_slopes, position_bias=position_bias,
                softcap=softcap, sinks=sinks)

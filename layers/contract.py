@@ -87,6 +87,8 @@ class Kernel:
     decodes: it serves the one-row cached decoding step; the others leave that step to 'xla'.
     value_width: v's head dim may differ from q's and k's (MLA: H beside H + d_h^R); a caller of
       a kernel without it pads v with zeros to their width.
+    single_device: the kernel that computes the same attention in its place on one device (eval.py
+      has no training mesh), for a kernel that needs one (`sequence_mesh='needed'`); '' = itself.
   """
 
   fn: Callable
@@ -96,6 +98,7 @@ class Kernel:
   platforms: tuple = ('cpu', 'gpu', 'tpu')
   decodes: bool = False
   value_width: bool = False
+  single_device: str = ''
 
   def missing(self, terms):
     """The names in `terms` this kernel cannot take."""

@@ -86,6 +86,9 @@ class FFN(NamedTuple):
   def options(self):
     return self.module.options
 
+  def resolve_options(self, model_cfg, data_cfg):
+    self.module.resolve_options(model_cfg, data_cfg)
+
   def check_options(self, model_cfg):
     self.module.check_options(model_cfg)
 

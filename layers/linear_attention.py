@@ -387,6 +387,7 @@ class LinformerAttention(attention_lib.Attention):
   cached_decoding = None  # its projection mixes every position: no causal form to cache
   has_paged_cache = False
   options = attention_lib.Attention.options + ('linformer_k', 'linformer_length')
+  param_form_extra = ' + 2·k·T (E, F)'
 
   @classmethod
   def param_count(cls, cfg):
@@ -399,6 +400,12 @@ class LinformerAttention(attention_lib.Attention):
     init = nnx.initializers.normal(stddev=1.0 / math.sqrt(max_length))
     self.proj_k = nnx.Param(init(rngs.params(), (k, max_length), jnp.float32))  # E
     self.proj_v = nnx.Param(init(rngs.params(), (k, max_length), jnp.float32))  # F
+
+  @classmethod
+  def resolve_options(cls, model_cfg, data_cfg):
+    """model.linformer_length 0 is data.max_length, the longest input."""
+    if model_cfg.get('linformer_length', None) == 0:
+      model_cfg.linformer_length = data_cfg.max_length
 
   @classmethod
   def from_config(cls, cfg, *, rngs):

@@ -51,6 +51,13 @@ class Configurable:
   options = ()
 
   @classmethod
+  def resolve_options(cls, model_cfg, data_cfg):
+    """Fills this entry's derived defaults in `config.model`, in place (e.g. a length whose 0
+    means data.max_length). `training.validation.resolve` calls it for every entry of a registry,
+    whichever is chosen: a config carries every field."""
+    del model_cfg, data_cfg
+
+  @classmethod
   def check_options(cls, model_cfg):
     """Checks the values of this entry's own fields, whichever entry of its registry is chosen.
 

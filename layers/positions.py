@@ -19,6 +19,8 @@ from layers import relative_bias
 from layers import rope
 
 rope_inv_freq = rope.rope_inv_freq  # re-exported: the RoPE frequencies under a scaling
+with_rope_scaling = rope.with_rope_scaling  # re-exported: a built model's RoPE scaling
+with_xpos_block = rope.with_xpos_block  # re-exported: a built model's xPos block
 
 
 class Position(nnx.Module, options.Configurable):
@@ -34,11 +36,22 @@ class Position(nnx.Module, options.Configurable):
     rotates_any_width: it also has `rotate(x, positions)`, the same rotation for a tensor of any
       even width, which a variant with a rotary part of its own applies to it (MLA's decoupled
       key); False where the rotation belongs to the head width it was built for (xPos's decay).
+    random_ids: it reads absolute position ids, which `model.random_positions_max` may randomize
+      (Ruoss et al. 2023); the relative methods see only differences and are left alone.
+    exclusive_options: {field: (off value, what it does)}: `config.model` fields only this method
+      reads; validation refuses another value under a method that does not declare the field.
+    eval_options: `config.model` fields eval.py may change on a trained model (no parameter
+      depends on them): validated as a changed config, applied by `set_eval_options`.
+    param_form: `param_count` in words (tools.accounting's table).
   """
 
   terms = ()
   rotates = False
   rotates_any_width = False
+  random_ids = False
+  exclusive_options = {}
+  eval_options = ()
+  param_form = '0'
 
   @classmethod
   def terms_for(cls, model_cfg):
@@ -51,6 +64,21 @@ class Position(nnx.Module, options.Configurable):
     """From `config.model` and the training length `max_length`."""
     del cfg, max_length, rngs
     return cls()
+
+  @classmethod
+  def max_positions(cls, model_cfg, max_length):
+    """The most positions a model trained at `max_length` can take (None: any number)."""
+    del model_cfg, max_length
+
+  @classmethod
+  def param_count(cls, model_cfg, max_length):
+    """One stack's parameters of this method, built for training length `max_length`."""
+    del model_cfg, max_length
+    return 0
+
+  def set_eval_options(self, model_cfg):
+    """Applies the `eval_options` of `config.model` to this built method, in place."""
+    del model_cfg
 
   def embed(self, x, positions):
     del positions
@@ -92,6 +120,8 @@ def sinusoid_table(positions, d_model, base=10000.0):
 class Sinusoidal(Position):
   """Fixed sinusoidal positions added to the embeddings."""
 
+  random_ids = True
+
   def __init__(self, d_model, max_length, *, rngs):
     del max_length, rngs
     self.d_model = d_model
@@ -107,6 +137,9 @@ class Sinusoidal(Position):
 class Learned(Position):
   """A learned table of `max_length` rows added to the embeddings; longer inputs are an error."""
 
+  random_ids = True
+  param_form = 'T_max·D per stack'
+
   def __init__(self, d_model, max_length, *, rngs):
     self.max_length = max_length
     self.table = nnx.Embed(max_length, d_model, rngs=rngs,
@@ -114,8 +147,17 @@ class Learned(Position):
 
   @classmethod
   def from_config(cls, cfg, max_length, *, rngs):
-    # Randomized positions (random_positions_max = N) train every row of an N-row table.
-    return cls(cfg.d_model, max(max_length, cfg.get('random_positions_max', 0)), rngs=rngs)
+    return cls(cfg.d_model, cls.max_positions(cfg, max_length), rngs=rngs)
+
+  @classmethod
+  def max_positions(cls, model_cfg, max_length):
+    """The table's rows: randomized positions (random_positions_max = N) train every row of an
+    N-row table."""
+    return max(max_length, model_cfg.get('random_positions_max', 0) or 0)
+
+  @classmethod
+  def param_count(cls, model_cfg, max_length):
+    return cls.max_positions(model_cfg, max_length) * model_cfg.d_model
 
   def check_length(self, length):
     if length > self.max_length:
@@ -211,6 +253,12 @@ class T5Bias(Position):
 
   terms = ('bias',)
   options = ('t5_num_buckets', 't5_max_distance')
+  param_form = 'buckets·N per stack'
+
+  @classmethod
+  def param_count(cls, model_cfg, max_length):
+    del max_length
+    return model_cfg.t5_num_buckets * model_cfg.num_heads
 
   def __init__(self, num_heads, d_model, *, num_buckets=32, max_distance=128, rngs):
     self.num_buckets, self.max_distance = num_buckets, max_distance
@@ -245,10 +293,6 @@ class T5Bias(Position):
                                           max_distance=self.max_distance)  # [B, T, S]
     bias = self.table(buckets).transpose(0, 3, 1, 2)  # [B, N, T, S]
     return q, k, contract.ScoreTerms(bias=bias)
-
-
-# The methods that read absolute position ids, which `model.random_positions_max` randomizes.
-RANDOM_POSITIONS = ('rope', 'learned', 'sinusoidal')
 
 
 def random_positions(key, positions, max_position):
@@ -312,6 +356,14 @@ class FIRE(LearnedBias):
   name = 'fire'
   fn = staticmethod(relative_bias.fire_bias)
   options = ('fire_mlp_width', 'fire_threshold')
+  param_form = '2·W + W·N + N + 2 per stack (W = fire_mlp_width)'
+
+  @classmethod
+  def param_count(cls, model_cfg, max_length):
+    """w1, b1 `[W]`, w2 `[W, N]`, b2 `[N]`, c and the threshold's multiplier."""
+    del max_length
+    w, n = model_cfg.fire_mlp_width, model_cfg.num_heads
+    return 2 * w + w * n + n + 2
 
   def __init__(self, num_heads, *, mlp_width=32, threshold=512.0, rngs):
     self.init_threshold = float(threshold)
@@ -351,6 +403,12 @@ class KERPLE(LearnedBias):
 
   name = 'kerple'
   fn = staticmethod(relative_bias.kerple_log_bias)
+  param_form = '2·N per stack'
+
+  @classmethod
+  def param_count(cls, model_cfg, max_length):
+    del max_length
+    return 2 * model_cfg.num_heads
 
   def __init__(self, num_heads, *, rngs):
     self.r1 = nnx.Param(2.0 * jax.random.uniform(rngs.params(), (num_heads,), jnp.float32))
@@ -378,6 +436,8 @@ POSITIONS = {
     'kerple': KERPLE,
     'xpos': rope.XPos,
 }
+# The methods that read absolute position ids, which `model.random_positions_max` randomizes.
+RANDOM_POSITIONS = tuple(name for name, p in POSITIONS.items() if p.random_ids)
 
 
 def make(cfg, max_length, *, rngs):
@@ -392,48 +452,22 @@ def make(cfg, max_length, *, rngs):
       cfg, max_length, rngs=rngs)
 
 
-def with_rope_scaling(model, scaling, factor):
-  """Sets the RoPE context scaling of every RoPE object in a built NNX model, in place.
-
-  No parameter changes, so it applies to a restored checkpoint (eval.py's `--rope_scaling`). The
-  scaling lives in the graph definition: split the model (or re-split) after calling this.
-
-  Args:
-    model: an NNX module.
-    scaling: 'none' | 'pi' | 'ntk' | 'yarn'.
-    factor: the scaling factor.
-
-  Returns:
-    `model`.
+def set_eval_options(model, model_cfg, fields):
+  """Applies `config.model`'s evaluation-time `fields` to every position method of a built NNX
+  model that declares them (`eval_options`), in place: no parameter changes, so it applies to a
+  restored checkpoint (eval.py's --rope_scaling, --xpos_block). Split the model (or re-split)
+  after calling this.
 
   Raises:
-    ValueError: the model has no RoPE position, or the scaling is invalid.
+    ValueError: no position method of the model declares every field of `fields`.
   """
-  found = [node for _, node in nnx.iter_graph(model) if isinstance(node, rope.RoPE)]
+  found = [node for _, node in nnx.iter_graph(model)
+           if fields and set(fields) <= set(getattr(node, 'eval_options', ()))]
   if not found:
-    raise ValueError('with_rope_scaling: the model has no RoPE position (config.model.position '
-                     "must be 'rope')")
+    raise ValueError(f'the model has no position method that changes {", ".join(fields)} at '
+                     f'evaluation (config.model.position={model_cfg.position!r})')
   for node in found:
-    node.set_scaling(scaling, factor)
-  return model
-
-
-def with_xpos_block(model, block):
-  """Sets xPos's blockwise causal attention of a built NNX model, in place: blocks of `block`
-  positions, or 0 for plain causal attention (eval.py's `--xpos_block`). No parameter changes;
-  split the model (or re-split) after calling this.
-
-  Raises:
-    ValueError: the model has no xPos position, or `block` is negative.
-  """
-  found = [node for _, node in nnx.iter_graph(model) if isinstance(node, rope.XPos)]
-  if not found:
-    raise ValueError("--xpos_block: the model has no xPos position (config.model.position must "
-                     "be 'xpos')")
-  if not isinstance(block, int) or block < 0:
-    raise ValueError(f'--xpos_block={block!r} must be an integer >= 0 (0 = plain causal)')
-  for node in found:
-    node.block = block
+    node.set_eval_options(model_cfg)
   return model
 
 

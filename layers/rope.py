@@ -128,6 +128,10 @@ class RoPE(nnx.Module, options.Configurable):
   terms = ()  # it rotates q and k; the scores get no term
   rotates = True
   rotates_any_width = True  # `rotate` below (layers.positions.Position's declarations)
+  random_ids = True  # absolute ids: model.random_positions_max applies
+  exclusive_options = {'rope_scaling': ('none', 'scales RoPE')}
+  eval_options = ('rope_scaling', 'rope_scaling_factor')  # eval.py's --rope_scaling
+  param_form = '0'
   options = ('rope_base', 'rope_fraction', 'rope_scaling', 'rope_scaling_factor')
 
   @classmethod
@@ -159,6 +163,21 @@ class RoPE(nnx.Module, options.Configurable):
     return cls(head_dim, fraction=cfg.rope_fraction, base=cfg.rope_base,
                scaling=cfg.rope_scaling, factor=cfg.rope_scaling_factor,
                original_max_length=max_length)
+
+  @classmethod
+  def max_positions(cls, model_cfg, max_length):
+    """None: any number of positions."""
+    del model_cfg, max_length
+
+  @classmethod
+  def param_count(cls, model_cfg, max_length):
+    """0: the rotation has no parameters."""
+    del model_cfg, max_length
+    return 0
+
+  def set_eval_options(self, model_cfg):
+    """The scaling of `config.model` (eval.py's --rope_scaling), on the built method."""
+    self.set_scaling(model_cfg.rope_scaling, model_cfg.rope_scaling_factor)
 
   @classmethod
   def check_options(cls, model_cfg):
@@ -277,7 +296,15 @@ class XPos(RoPE):
 
   # Its decay belongs to the head width it was built for: no `rotate` of another width.
   rotates_any_width = False
+  # Not offered with xPos: randomized ids and the RoPE scalings in training or at evaluation.
+  random_ids = False
+  exclusive_options = {}
+  eval_options = ('xpos_block',)  # eval.py's --xpos_block
   options = RoPE.options + ('xpos_scale_base', 'xpos_block')
+
+  def set_eval_options(self, model_cfg):
+    """`config.model`'s blockwise causal block (eval.py's --xpos_block), on the built method."""
+    self.block = int(model_cfg.get('xpos_block', 0))
 
   def __init__(self, head_dim, *, scale_base=512.0, centre=0, block=0, **kwargs):
     super().__init__(head_dim, **kwargs)
@@ -332,3 +359,48 @@ def blockwise_causal_mask(q_pos, k_pos, block):
   """
   first = (q_pos // block - 1) * block  # [B, T]: the first key position a query sees
   return (k_pos[:, None, :] >= first[:, :, None])[:, None]  # [B, 1, T, S]
+
+
+def with_rope_scaling(model, scaling, factor):
+  """Sets the RoPE context scaling of every RoPE object in a built NNX model, in place.
+
+  No parameter changes, so it applies to a restored checkpoint (eval.py's `--rope_scaling`). The
+  scaling lives in the graph definition: split the model (or re-split) after calling this.
+
+  Args:
+    model: an NNX module.
+    scaling: 'none' | 'pi' | 'ntk' | 'yarn'.
+    factor: the scaling factor.
+
+  Returns:
+    `model`.
+
+  Raises:
+    ValueError: the model has no RoPE position, or the scaling is invalid.
+  """
+  found = [node for _, node in nnx.iter_graph(model) if isinstance(node, RoPE)]
+  if not found:
+    raise ValueError('with_rope_scaling: the model has no RoPE position (config.model.position '
+                     "must be 'rope')")
+  for node in found:
+    node.set_scaling(scaling, factor)
+  return model
+
+
+def with_xpos_block(model, block):
+  """Sets xPos's blockwise causal attention of a built NNX model, in place: blocks of `block`
+  positions, or 0 for plain causal attention (eval.py's `--xpos_block`). No parameter changes;
+  split the model (or re-split) after calling this.
+
+  Raises:
+    ValueError: the model has no xPos position, or `block` is negative.
+  """
+  found = [node for _, node in nnx.iter_graph(model) if isinstance(node, XPos)]
+  if not found:
+    raise ValueError("--xpos_block: the model has no xPos position (config.model.position must "
+                     "be 'xpos')")
+  if not isinstance(block, int) or block < 0:
+    raise ValueError(f'--xpos_block={block!r} must be an integer >= 0 (0 = plain causal)')
+  for node in found:
+    node.block = block
+  return model

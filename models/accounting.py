@@ -150,10 +150,9 @@ def formula_params(cfg, vocab_size, max_length):
 
 
 def position_closed_form(cfg, max_length):
-  """One stack's position parameters in closed form, where the method has one (else None):
+  """One stack's position parameters in closed form, as the method declares them (`param_count`):
   the cross-check of `position_params`."""
-  return {'learned': max_length * cfg.d_model, 't5_bias': cfg.t5_num_buckets * cfg.num_heads,
-          'nope': 0, 'sinusoidal': 0, 'rope': 0, 'alibi': 0, 'xpos': 0}.get(cfg.position)
+  return positions.POSITIONS[cfg.position].param_count(cfg, max_length)
 
 
 def position_params(cfg, max_length):

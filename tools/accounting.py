@@ -20,9 +20,11 @@ from data import synthetic
 from data import text_corpus
 from data import tokenizer as tokenizer_lib
 from data import toy_translation
+from layers import attention as attention_lib
 from layers import attention_variants
 from layers import initializers
 from layers import moe
+from layers import positions as positions_lib
 from layers import sharding
 import models
 from models import accounting
@@ -126,17 +128,18 @@ def _parameters(m, counted, vocab_size, length):
   attn_form = attention_variants.VARIANTS[m.attention].param_form or (
       '4·D²' if m.num_kv_heads == m.num_heads else '2·D² + 2·D·K·H')
   shared = stacks == 1 or m.get('share_embeddings', True)
-  positions = {'learned': 'T_max·D per stack', 't5_bias': 'buckets·N per stack'}
-  linformer = ' + 2·k·T (E, F)' if 'linformer' in _variants(m) else ''
+  extra = ''.join(dict.fromkeys(attention_variants.VARIANTS[name].param_form_extra
+                                for name in sorted(_variants(m))))
   gate = {'headwise': ' + D·N (gate)', 'elementwise': ' + D·N·H (gate)'}.get(
       m.get('attention_gate', 'none'), '')
   gate += ' + 2·H (QK-norm)' if m.get('qk_norm', 'none') == 'rmsnorm' else ''
   rows = [
       ('embedding', '', '', _n(counted['embedding']),
        'V·D' + ('' if shared else ' x2 (not shared)')),
-      ('positions', '', '', _n(counted['positions']), positions.get(m.position, '0')),
+      ('positions', '', '', _n(counted['positions']),
+       positions_lib.POSITIONS[m.position].param_form),
       ('attention', _n(counted['attention'] / layers), layers, _n(counted['attention']),
-       attn_form + biases + linformer + gate),
+       attn_form + biases + extra + gate),
   ]
   per_layer = _n(layer)
   if cross:
@@ -221,7 +224,9 @@ def _flops(m, vocab_size, length, batch_size):
     out.append(f'MoE blocks count what a token passes through: the router, the shared experts '
                f'and k = {m.moe_top_k} of the E = {m.moe_experts} experts (capacity padding and '
                'dropped tokens aside).')
-  others = sorted(_variants(m) - {'dense'})
+  # The plain layer's scores are the exact dense ones counted here; every variant its own.
+  others = sorted(n for n in _variants(m)
+                  if attention_variants.VARIANTS[n] is not attention_lib.Attention)
   if others:
     out.append(f'Scores are counted as exact dense attention in every layer; '
                f'the {", ".join(others)} layers compute their own pattern, so their score '

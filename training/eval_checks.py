@@ -12,11 +12,13 @@ from data import pipeline
 from data import text_corpus
 from layers import rope
 from training import cli_checks
+from training import evaluation
 from training import extrapolation
 from training import paths
 from training import validation
 from training import validation_attention
 from training import validation_passkey
+from training import validation_positions
 
 ConfigError = validation.ConfigError
 
@@ -151,10 +153,7 @@ def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_sca
   elif pipeline.has_pairs(config.data):
     validation_attention.check_decoding(config.model, f'eval.py (it translates --split='
                                         f'{",".join(split)})')
-  if rope_scaling is not None and config.model.position != 'rope':
-    raise ConfigError(f'--rope_scaling={rope_scaling} needs a run with model.position=\'rope\'; '
-                      f'this one has {config.model.position!r}')
-  _check_position_overrides(config, lengths, position_ids, xpos_block)
+  _check_position_overrides(config, lengths, position_ids, rope_scaling, xpos_block)
   if config.data.get('task') == 'passkey':
     validation_passkey.retrieval_lengths(config, lengths)
     return
@@ -164,6 +163,7 @@ def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_sca
     raise ConfigError(f'--lengths (stream extrapolation) needs a decoder_only run, not '
                       f'{config.model.arch!r}')
   train_length = config.data.max_length
+  rows = validation_positions.max_positions(config)
   stream = len(pipeline.stream_tokens(config.data, stream_split)[0])
   if stream_tokens:
     stream = min(stream, stream_tokens)
@@ -172,10 +172,10 @@ def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_sca
     if length < 1:
       raise ConfigError(f'--lengths: {multiple:g} x data.max_length={train_length} is under one '
                         f'token; valid: multiples >= {1 / train_length:g}')
-    if config.model.position == 'learned' and length > train_length:
+    if rows is not None and length > rows:
       raise ConfigError(f'--lengths: {multiple:g} x data.max_length={train_length} = {length} '
-                        f'positions; the run\'s position=learned table has max_length='
-                        f'{train_length} rows; valid: multiples <= 1')
+                        f'positions; the run\'s position={config.model.position} table has '
+                        f'max_length={rows} rows; valid: multiples <= {rows / train_length:g}')
     if length >= stream:
       raise ConfigError(f'--lengths: {multiple:g} x data.max_length={train_length} = {length} '
                         f'tokens, longer than the {stream_split!r} stream ({stream} tokens'
@@ -183,9 +183,11 @@ def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_sca
                         f'multiples <= {(stream - 1) // train_length}')
 
 
-def _check_position_overrides(config, lengths, position_ids, xpos_block):
-  """--position_ids (stream windows of a randomized-positions run) and --xpos_block (an xPos
-  run; a block > 0 only where the run's kernel takes its mask)."""
+def _check_position_overrides(config, lengths, position_ids, rope_scaling, xpos_block):
+  """--position_ids (stream windows of a randomized-positions run), and the flags that change the
+  position method at evaluation (`evaluation.eval_options`: --rope_scaling, --xpos_block), each on
+  a run whose method declares the fields it changes (`eval_options`), the changed config validated
+  as a whole (e.g. an xPos block > 0 only where the run's kernel takes its mask)."""
   if position_ids != 'sequential':
     passkey_run = config.data.get('task') == 'passkey'
     if not lengths and not passkey_run:
@@ -198,19 +200,16 @@ def _check_position_overrides(config, lengths, position_ids, xpos_block):
       extrapolation.check_position_ids(config, position_ids, lengths)
     except ValueError as e:
       raise ConfigError(str(e)) from None
-  if xpos_block is None:
-    return
-  if config.model.position != 'xpos':
-    raise ConfigError(f'--xpos_block={xpos_block} needs a run with model.position=\'xpos\'; '
-                      f'this one has {config.model.position!r}')
-  if xpos_block < 0:
+  if xpos_block is not None and xpos_block < 0:
     raise ConfigError(f'--xpos_block={xpos_block} must be an integer >= 0 (0 = plain causal)')
-  changed = ml_collections.ConfigDict(config.to_dict())
-  changed.model.xpos_block = xpos_block
-  try:
-    validation.validate(validation.resolve(changed))
-  except ConfigError as e:
-    raise ConfigError(f'--xpos_block={xpos_block}: {e}') from None
+  for flag, fields in evaluation.eval_options(rope_scaling, xpos_block).items():
+    validation_positions.check_eval_options(config, flag, fields)
+    changed = ml_collections.ConfigDict(config.to_dict())
+    changed.model.update(fields)
+    try:
+      validation.validate(validation.resolve(changed))
+    except ConfigError as e:
+      raise ConfigError(f'{flag}: {e}') from None
 
 
 def check_can_write(workdir, name):

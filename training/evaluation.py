@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from data import pipeline
+from layers import attention
 from layers import positions as positions_lib
 import models
 from training import checkpointing
@@ -71,10 +72,11 @@ def load_run(workdir):
   if not paths.exists(path):
     raise FileNotFoundError(f'eval: {workdir} has no config.json; is it a train.py workdir?')
   config = ml_collections.ConfigDict(paths.read_json(path))
-  if config.model.get('attention_impl') == 'ring':
-    # Ring attention needs the training mesh; eval runs on one device, and `xla` is the same
-    # exact attention.
-    config.model.attention_impl = 'xla'
+  kernel = attention.KERNELS.get(config.model.get('attention_impl', attention.DEFAULT_KERNEL))
+  if kernel is not None and kernel.single_device:
+    # A kernel that needs the training mesh: eval runs on one device, where the kernel it declares
+    # computes the same exact attention.
+    config.model.attention_impl = kernel.single_device
   mngr = checkpointing.checkpoint_manager(workdir, config)
   if mngr.latest_step() is None:
     raise FileNotFoundError(f'eval: no checkpoint in {paths.join(workdir, "checkpoints")}')
@@ -103,6 +105,18 @@ def parse_rope_scaling(text):
   """'ntk:4' -> ('ntk', 4.0); 'none' -> ('none', 1.0)."""
   name, _, factor = text.partition(':')
   return name, float(factor) if factor else 1.0
+
+
+def eval_options(rope_scaling=None, xpos_block=None):
+  """eval.py's flags that change the position method of a trained model, as the `config.model`
+  fields each sets: {flag as given: {field: value}} (empty: the model as trained)."""
+  out = {}
+  if rope_scaling is not None:
+    name, factor = parse_rope_scaling(rope_scaling)
+    out[f'--rope_scaling={rope_scaling}'] = {'rope_scaling': name, 'rope_scaling_factor': factor}
+  if xpos_block is not None:
+    out[f'--xpos_block={xpos_block}'] = {'xpos_block': xpos_block}
+  return out
 
 
 def _check_lengths(config, model, lengths):
@@ -171,12 +185,13 @@ def evaluate_run(workdir, splits, max_examples=0, *, translate_splits=(), length
   config, graphdef, params, step = load_run(workdir)
   tokenizer = pipeline.get_tokenizer(config.data)
   model = nnx.merge(graphdef, params)
-  if rope_scaling is not None:
-    name, factor = parse_rope_scaling(rope_scaling)
-    positions_lib.with_rope_scaling(model, name, factor)
-    graphdef, params = nnx.split(model)
-  if xpos_block is not None:
-    positions_lib.with_xpos_block(model, xpos_block)
+  overrides = eval_options(rope_scaling, xpos_block)
+  if overrides:  # the fields each flag changes, applied to the built model's position method
+    changed = config.model.copy_and_resolve_references()
+    for fields in overrides.values():
+      changed.update(fields)
+    for fields in overrides.values():
+      positions_lib.set_eval_options(model, changed, tuple(fields))
     graphdef, params = nnx.split(model)
   passkey_lengths = _check_lengths(config, model, lengths)
   decode = dict(decode or {})

@@ -27,6 +27,7 @@ from data import text_corpus
 from training import state as state_lib
 from training import validation_attention
 from training import validation_passkey
+from training import validation_positions
 from training import validation_synthetic
 
 # The valid values live where they are used; validation only names them.
@@ -36,6 +37,10 @@ PACKINGS = tuple(pipeline.PACKINGS)
 # The archs whose Transformer self-attention is causal (their decoders), and the one whose is not.
 CAUSAL_ARCHS = ('decoder_only', 'encoder_decoder')
 BIDIRECTIONAL_ARCHS = ('encoder_only',)
+
+# The registries whose entries read `config.model` fields (layers.options.Configurable).
+REGISTRIES = (attention_variants.VARIANTS, positions.POSITIONS, norms.NORMS, feed_forward.FFNS,
+              rnn_attention.RNN_ATTENTIONS)
 
 ConfigError = options.ConfigError  # re-exported: callers catch validation.ConfigError
 _choice = options.choice
@@ -51,14 +56,16 @@ def _check_registry(name, registry, model_cfg, data_cfg):
 
 
 def resolve(config):
-  """Fills the derived defaults (num_kv_heads 0 -> num_heads, d_ff 0 -> 4·d_model) in place."""
+  """Fills the derived defaults in place: num_kv_heads 0 -> num_heads, d_ff 0 -> 4·d_model, then
+  each registry entry's own (`resolve_options`, e.g. Linformer's length)."""
   m = config.model
   if m.num_kv_heads == 0:
     m.num_kv_heads = m.num_heads
   if m.d_ff == 0:
     m.d_ff = 4 * m.d_model
-  if m.get('linformer_length', None) == 0:
-    m.linformer_length = config.data.max_length
+  for registry in REGISTRIES:
+    for entry in registry.values():
+      entry.resolve_options(m, config.data)
   return config
 
 
@@ -101,11 +108,7 @@ def _validate_model(config):
     raise ConfigError(f'model.num_kv_heads={m.num_kv_heads} must divide model.num_heads='
                       f'{m.num_heads}; valid values: {", ".join(map(str, divisors))}')
   _check_registry('position', positions.POSITIONS, m, d)
-  if m.get('rope_scaling', 'none') != 'none' and m.position != 'rope':
-    raise ConfigError(f'model.rope_scaling={m.rope_scaling!r} scales RoPE, which '
-                      f"model.position={m.position!r} does not use; valid here: 'none' (or "
-                      "model.position='rope')")
-  _validate_random_positions(config)
+  validation_positions.check_config(config)
   _validate_init_from(config)
   _check_registry('norm', norms.NORMS, m, d)
   _check_registry('ffn', feed_forward.FFNS, m, d)
@@ -313,24 +316,6 @@ def _validate_scan(config):
                       'model.attention_seed, or constants of its depth, and scanned layers share '
                       'one trace); use '
                       'scan_layers=False')
-
-
-def _validate_random_positions(config):
-  """`model.random_positions_max` (Ruoss et al. 2023): an integer N >= data.max_length, for the
-  position methods that read absolute position ids."""
-  m = config.model
-  n = m.get('random_positions_max', 0)
-  if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-    raise ConfigError(f'model.random_positions_max={n!r} must be an integer >= 0 (0 = off)')
-  if not n:
-    return
-  if m.position not in positions.RANDOM_POSITIONS:
-    raise ConfigError(f'model.random_positions_max={n} needs model.position in '
-                      f'{", ".join(positions.RANDOM_POSITIONS)}, not {m.position!r} '
-                      '(or set it to 0)')
-  if n < config.data.max_length:
-    raise ConfigError(f'model.random_positions_max={n} must be >= data.max_length='
-                      f'{config.data.max_length} (T distinct positions are drawn from [0, N))')
 
 
 def _validate_init_from(config):

@@ -145,10 +145,11 @@ def check_kernel(config):
   check_layer_terms(m, layers)
   users = [cls for _, cls, _ in layers if cls.uses_kernel]
   if not users:
-    if impl != 'xla':
+    if impl != attention.DEFAULT_KERNEL:
       labels = ', '.join(label for label, _, _ in layers) or f'model.arch={m.arch!r}'
       raise ConfigError(f'model.attention_impl={impl!r} is not used: {labels} computes its '
-                        "attention its own way; valid value: 'xla' (the default)")
+                        f'attention its own way; valid value: {attention.DEFAULT_KERNEL!r} (the '
+                        'default)')
     return
   rate = m.get('attention_dropout', 0.0)
   if rate > 0 and not kernel.dropout:

@@ -5,6 +5,7 @@ import math
 
 from data import passkey
 from layers import options
+from training import validation_positions
 
 ConfigError = options.ConfigError
 DEFAULT_MULTIPLES = (1.0, 2.0, 4.0, 8.0)  # the retrieval report's lengths, x data.max_length
@@ -66,13 +67,6 @@ def check_config(config):
                       f'tokens besides the filler); valid: data.max_length >= {shortest}')
 
 
-def table_rows(model_cfg, train_length):
-  """The rows of the run's learned position table, or None for a method that takes any length."""
-  if model_cfg.position != 'learned':
-    return None
-  return max(train_length, model_cfg.get('random_positions_max', 0) or 0)
-
-
 def retrieval_lengths(config, multiples, flag='--lengths'):
   """The lengths in tokens of a retrieval report at `multiples` x data.max_length (empty: the
   default 1, 2, 4, 8); ConfigError for a length under an example's minimum or beyond the run's
@@ -80,7 +74,7 @@ def retrieval_lengths(config, multiples, flag='--lengths'):
   multiples = list(multiples) or list(DEFAULT_MULTIPLES)
   train_length = config.data.max_length
   shortest = passkey.min_length(config.data.get('passkey_value_tokens', 1))
-  rows = table_rows(config.model, train_length)
+  rows = validation_positions.max_positions(config)
   named = f'{flag}={",".join(f"{x:g}" for x in multiples)}'
   if flag == '--lengths' and multiples == list(DEFAULT_MULTIPLES):
     named = 'the retrieval report (default --lengths=1,2,4,8)'
@@ -93,7 +87,8 @@ def retrieval_lengths(config, multiples, flag='--lengths'):
                         f'>= {shortest / train_length:g}')
     if rows is not None and length > rows:
       raise ConfigError(f'{named}: {multiple:g} x data.max_length={train_length} = {length} '
-                        f"positions; the run's position=learned table has {rows} rows; valid: "
-                        f'multiples <= {rows / train_length:g} (e.g. --lengths=1)')
+                        f"positions; the run's position={config.model.position} table has "
+                        f'{rows} rows; valid: multiples <= {rows / train_length:g} (e.g. '
+                        '--lengths=1)')
     lengths.append(length)
   return lengths
