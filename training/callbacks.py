@@ -113,6 +113,7 @@ class StepRecord:
     batch, data_position: the step's host batch and the data iterator's state as of it.
     diag: the step's per-group `[G]` squared norms (train.diagnostics), else None.
     last: the newest train row (the loss, accuracy, ... of the latest log step).
+    stop: the signal a callback before asked to stop after this step with (0: go on).
   """
 
   run: RunContext
@@ -123,6 +124,7 @@ class StepRecord:
   data_position: Any = None
   diag: Any = None
   last: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  stop: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +135,8 @@ class Action:
     state: replace the training state with this one (in `before_step`: the step trains on it).
     row: a train row was written: it becomes the run's newest, and the log window starts anew.
     stop: a signal number: end the run after this step's callbacks with `Stopped` (exit status
-      128 + the signal).
+      128 + the signal); the persist phase saves the step first (on several processes, every
+      process must ask at the same step).
     fail: end the run now with this error (a `checkpointing.RunFailed`: one line, exit 1).
   """
 

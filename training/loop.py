@@ -146,9 +146,7 @@ def _train(config, workdir, hooks, lead):
 
 def _apply(record, callbacks, method, *args):
   """Each callback's `method(*args, record)`, in order, each seeing the record as the `Action`s of
-  the ones before it left it (a failure is raised at once). Returns (the record, the signal to
-  stop with after the step, or 0)."""
-  stop = 0
+  the ones before it left it (a failure is raised at once). Returns the last record."""
   for cb in callbacks:
     action = getattr(cb, method)(*args, record)
     if action is None:
@@ -159,8 +157,9 @@ def _apply(record, callbacks, method, *args):
       record = dataclasses.replace(record, state=action.state)
     if action.row is not None:  # a log row is written: the next window starts
       record = dataclasses.replace(record, last=action.row, log_sums=empty_log_sums())
-    stop = stop or action.stop
-  return record, stop
+    if action.stop and not record.stop:  # the first asked wins; the persist phase saves first
+      record = dataclasses.replace(record, stop=action.stop)
+  return record
 
 
 def _run_steps(record, callbacks, checkpointer):
@@ -170,20 +169,20 @@ def _run_steps(record, callbacks, checkpointer):
   t = run.config.train
   batches = prefetched(run.it, lambda b: distributed.place_batch(
       b, run.mesh, run.rules, run.it.first_row, t.batch_size))
-  record, _ = _apply(record, callbacks, 'start')
+  record = _apply(record, callbacks, 'start')
   failing = True  # until the loop ends normally
   try:
     for step in range(run.start + 1, t.steps + 1):
       batch, data_position, device_batch = next(batches)
       record = dataclasses.replace(record, step=step, batch=batch, data_position=data_position)
-      record, _ = _apply(record, callbacks, 'before_step', step)
+      record = _apply(record, callbacks, 'before_step', step)
       state, sums = run.step_fn(record.state, device_batch)
       diag = sums.pop('diag', None)  # per-group [G] norms, read at log steps only
       record = dataclasses.replace(record, state=state, diag=diag,
                                    log_sums=accumulate(record.log_sums, sums, step))
-      record, stop = _apply(record, callbacks, 'after_step', step)
-      if stop:  # a signal a hook sends is seen by the Checkpointer, which saved this step
-        raise callbacks_lib.Stopped(stop, step)
+      record = _apply(record, callbacks, 'after_step', step)
+      if record.stop:  # a signal a hook sends is seen by the Checkpointer, which saved this step
+        raise callbacks_lib.Stopped(record.stop, step)
     checkpointing.confirm_saved(run.mngr, run.workdir)  # the last save's outcome: fails exit 1
     failing = False
   except Exception as e:

@@ -50,9 +50,10 @@ class StopSignals:
 
 
 class Checkpointer(callbacks.Callback):
-  """Every `train.checkpoint_every` steps, at the last step and when a stop signal arrived: a
-  checkpoint (state, data position, log sums), after the non-finite check; then the stop itself
-  (`Action.stop`). A PERSIST callback: everything a step logs is in before its checkpoint.
+  """Every `train.checkpoint_every` steps, at the last step and when a stop signal arrived (or an
+  observe callback asked to stop): a checkpoint (state, data position, log sums), after the
+  non-finite check; then the stop itself (`Action.stop`). A PERSIST callback: everything a step
+  logs is in before its checkpoint.
 
   Attributes:
     good: the newest step whose save was confirmed (None: none), named when the store is lost.
@@ -66,7 +67,8 @@ class Checkpointer(callbacks.Callback):
     self.good, self.pending = start or None, None  # the newest confirmed step, the one in flight
 
   def after_step(self, step, record):
-    stop = self.signals.stop_after(step)
+    # Asked every step: with several processes it is the preemption service's sync point.
+    stop = self.signals.stop_after(step) or record.stop
     if self.due(step, record) or stop:
       failed = self.at_step(step, record)
       if failed:
