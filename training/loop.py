@@ -114,9 +114,10 @@ def train_and_evaluate(config, workdir, hooks=()):
     config: a validated config (`training.validation.resolve` + `validate`).
     workdir: the run's directory (config.json, checkpoints/, metrics.jsonl, TensorBoard events).
     hooks: the extension API: `training.callbacks.Callback`s (with `every=N`, any of `start`,
-      `before_step`, `after_step`/`at_step`, `close`), or plain callables `hook(step, state)` run
-      after every step. Both run after the step's logging and evaluation and before its
-      checkpoint and stop decision; e.g. a test that sends SIGTERM or raises at a chosen step.
+      `before_step`, `after_step`/`at_step`, `close`, each given the step's `StepRecord` and
+      returning an `Action` or None), or plain callables `hook(step, state)` run after every
+      step. Both run after the step's logging and evaluation and before its checkpoint and stop
+      decision (the persist phase); e.g. a test that sends SIGTERM or raises at a chosen step.
       `state` is the training state pytree (reading it waits for the device).
   """
   paths.makedirs(workdir)  # local or gs:// (training.paths)
