@@ -3,14 +3,11 @@ stopped."""
 
 import collections
 import contextlib
+import dataclasses
 import functools
-import os
-import signal
 import sys
-import threading
 
 import jax
-from jax.experimental import multihost_utils
 import jax.numpy as jnp
 from flax import nnx
 
@@ -26,6 +23,7 @@ from training import distributed
 from training import diagnostics
 from training import lock
 from training import paths
+from training import persist
 from training import state as state_lib
 from training import steps
 from training import writers
@@ -73,63 +71,6 @@ def prefetched(it, place, depth=2):
     yield queue.popleft()
 
 
-class StopSignals:
-  """SIGTERM (preemption) and SIGINT: finish the current step, save, stop, all processes alike.
-
-  One process: a Python handler records the signal. Several: JAX's preemption service (the
-  coordination service's sync point; SIGTERM reaching any host) names one step at which every
-  process stops, with no collective of ours per step; SIGINT is turned into that notice.
-  """
-
-  def __init__(self):
-    self.received, self.handlers = [], {}
-    self.multi = jax.process_count() > 1
-    if threading.current_thread() is not threading.main_thread():
-      return
-    for signum in ((signal.SIGINT,) if self.multi else (signal.SIGTERM, signal.SIGINT)):
-      self.handlers[signum] = signal.signal(signum, self._handle)
-
-  def _handle(self, signum, frame):
-    del frame
-    self.received.append(signum)
-    if self.multi:  # JAX's notifier listens for SIGTERM: let it tell the other processes
-      os.kill(os.getpid(), signal.SIGTERM)
-
-  def stop_after(self, step):
-    """The signal to stop after `step` with (0: go on)."""
-    if self.multi:
-      return signal.SIGTERM if multihost_utils.reached_preemption_sync_point(step) else 0
-    return self.received[0] if self.received else 0
-
-  def restore(self):
-    for signum, handler in self.handlers.items():
-      signal.signal(signum, handler)
-
-
-class Profiler:
-  """`train.profile_steps='START,END'`: a jax.profiler trace of those steps in WORKDIR/profile
-  (TensorBoard's profile plugin, or the perfetto_trace.json.gz in Perfetto)."""
-
-  def __init__(self, spec, workdir):
-    self.steps = tuple(int(s) for s in spec.split(',')) if spec else None
-    self.dir, self.active = paths.join(workdir, 'profile'), False
-
-  def before(self, step):
-    if self.steps and step == self.steps[0]:
-      jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
-      self.active = True
-
-  def after(self, step, state):
-    if self.active and step == self.steps[1]:
-      self.stop(state)
-
-  def stop(self, state):
-    if self.active:
-      jax.block_until_ready(state)  # the trace holds the device work of its steps
-      jax.profiler.stop_trace()
-      self.active = False
-
-
 def store_lost(error, good, workdir):
   """The one-line RunFailed of an object store that stopped answering mid-run (after the storage
   clients' own retries: gcsfs tries a request 6 times over about 35 s); `good` is the newest
@@ -173,9 +114,10 @@ def train_and_evaluate(config, workdir, hooks=()):
     config: a validated config (`training.validation.resolve` + `validate`).
     workdir: the run's directory (config.json, checkpoints/, metrics.jsonl, TensorBoard events).
     hooks: the extension API: `training.callbacks.Callback`s (with `every=N`, any of `start`,
-      `before_step`, `after_step`/`at_step`, `close`), or plain callables `hook(step, state)` run
-      after every step. Both run after the step's logging and evaluation and before its
-      checkpoint and stop decision; e.g. a test that sends SIGTERM or raises at a chosen step.
+      `before_step`, `after_step`/`at_step`, `close`, each given the step's `StepRecord` and
+      returning an `Action` or None), or plain callables `hook(step, state)` run after every
+      step. Both run after the step's logging and evaluation and before its checkpoint and stop
+      decision (the persist phase); e.g. a test that sends SIGTERM or raises at a chosen step.
       `state` is the training state pytree (reading it waits for the device).
   """
   paths.makedirs(workdir)  # local or gs:// (training.paths)
@@ -187,52 +129,72 @@ def train_and_evaluate(config, workdir, hooks=()):
 
 def _train(config, workdir, hooks, lead):
   """`train_and_evaluate` in a workdir this run holds: set up, then the step loop."""
-  run = _setup(config, workdir, lead)
-  signals = StopSignals()
+  run, record = _setup(config, workdir, lead)
   t = config.train
+  checkpointer = persist.Checkpointer(config, persist.StopSignals(), run.start)
   callbacks = [
       callbacks_lib.FeatureRedraw(run.redraw_periods),
-      callbacks_lib.ProfilerCallback(Profiler(t.get('profile_steps', ''), workdir)),
+      callbacks_lib.ProfilerCallback(callbacks_lib.Profiler(t.get('profile_steps', ''), workdir)),
       callbacks_lib.InitGradients(),
       callbacks_lib.UnigramEntropy(),
       callbacks_lib.Logger(config, run.start, lead),
       callbacks_lib.Evaluator(config),
       *(h if isinstance(h, callbacks_lib.Callback) else callbacks_lib.Hook(h) for h in hooks),
-      callbacks_lib.Checkpointer(config, signals),  # last: a step's rows precede its checkpoint
+      checkpointer,  # PERSIST: after every row of its step, wherever it is listed
   ]
-  return _run_steps(run, callbacks)
+  return _run_steps(record, callbacks_lib.by_phase(callbacks), checkpointer)
 
 
-def _run_steps(run, callbacks):
+def _apply(record, callbacks, method, *args):
+  """Each callback's `method(*args, record)`, in order, each seeing the record as the `Action`s of
+  the ones before it left it (a failure is raised at once). Returns the last record."""
+  for cb in callbacks:
+    action = getattr(cb, method)(*args, record)
+    if action is None:
+      continue
+    if action.fail is not None:
+      raise action.fail
+    if action.state is not None:
+      record = dataclasses.replace(record, state=action.state)
+    if action.row is not None:  # a log row is written: the next window starts
+      record = dataclasses.replace(record, last=action.row, log_sums=empty_log_sums())
+    if action.stop and not record.stop:  # the first asked wins; the persist phase saves first
+      record = dataclasses.replace(record, stop=action.stop)
+  return record
+
+
+def _run_steps(record, callbacks, checkpointer):
   """The step loop: each step is dispatched without waiting for the device (the callbacks read it
   only when due), the next batch placed while it runs. Returns the last train row."""
+  run = record.run
   t = run.config.train
   batches = prefetched(run.it, lambda b: distributed.place_batch(
       b, run.mesh, run.rules, run.it.first_row, t.batch_size))
-  for cb in callbacks:
-    cb.start(run)
+  record = _apply(record, callbacks, 'start')
   failing = True  # until the loop ends normally
   try:
     for step in range(run.start + 1, t.steps + 1):
-      run.batch, run.data_position, device_batch = next(batches)
-      for cb in callbacks:
-        cb.before_step(step, run)
-      run.state, sums = run.step_fn(run.state, device_batch)
-      run.diag = sums.pop('diag', None)  # per-group [G] norms, read at log steps only
-      run.log_sums = accumulate(run.log_sums, sums, step)
-      for cb in callbacks:
-        cb.after_step(step, run)  # a signal a hook sends is handled by the Checkpointer after it
+      batch, data_position, device_batch = next(batches)
+      record = dataclasses.replace(record, step=step, batch=batch, data_position=data_position)
+      record = _apply(record, callbacks, 'before_step', step)
+      state, sums = run.step_fn(record.state, device_batch)
+      diag = sums.pop('diag', None)  # per-group [G] norms, read at log steps only
+      record = dataclasses.replace(record, state=state, diag=diag,
+                                   log_sums=accumulate(record.log_sums, sums, step))
+      record = _apply(record, callbacks, 'after_step', step)
+      if record.stop:  # a signal a hook sends is seen by the Checkpointer, which saved this step
+        raise callbacks_lib.Stopped(record.stop, step)
     checkpointing.confirm_saved(run.mngr, run.workdir)  # the last save's outcome: fails exit 1
     failing = False
   except Exception as e:
     if not (paths.is_remote(run.workdir) and paths.is_storage_error(e)):
       raise
-    raise store_lost(e, run.saves['good'], run.workdir) from None
+    raise store_lost(e, checkpointer.good, run.workdir) from None
   finally:
     for cb in callbacks:
-      cb.close(run)
+      cb.close(record)
     _close(run, failing)
-  return run.last
+  return record.last
 
 
 def _close(run, failing):
@@ -251,8 +213,9 @@ def _close(run, failing):
 
 
 def _setup(config, workdir, lead):
-  """The `callbacks.Run` of a run: its state built, or restored from the newest readable checkpoint
-  (or a fine-tune's source), config.json and run_info.json written, the jitted steps."""
+  """(the run's frozen `callbacks.RunContext`, the `callbacks.StepRecord` it starts from): its
+  state built, or restored from the newest readable checkpoint (or a fine-tune's source),
+  config.json and run_info.json written, the jitted steps."""
   for change in checkpointing.check_resume_config(workdir, config):
     if lead:
       print(f'train: resuming with changed {change}', file=sys.stderr)
@@ -273,13 +236,27 @@ def _setup(config, workdir, lead):
   if lead:  # atomically (other processes may be reading it); only now that the checkpoint
     # fits: a run refused at its resume leaves the config.json of the run that wrote the checkpoint
     paths.write_text(paths.join(workdir, 'config.json'), config.to_json_best_effort(indent=2))
-  run = callbacks_lib.Run(
-      config=config, workdir=workdir, lead=lead, mesh=mesh, rules=rules, graphdef=graphdef,
-      state=state, it=it, mngr=mngr, start=start, last_step=t.steps,
-      saves={'good': start or None, 'pending': None},  # the newest confirmed step, the one
-                                                       # in flight
-      writer=writers.MetricsWriter(workdir, start) if lead else writers.NullWriter())
-  _write_run_info(run)
+  writer = writers.MetricsWriter(workdir, start) if lead else writers.NullWriter()
+  # The parameter groups: the jitted step's per-group norms and run_info.json's counts.
+  groups, leaf_groups, group_sizes = diagnostics.param_groups(state['params'])
+  info_path = paths.join(workdir, 'run_info.json')
+  info = _write_run_info(config, info_path, group_sizes, lead)
+  step_fn, diag_fn, eval_fn = _jitted(config, graphdef, tx, state, mesh, rules, leaf_groups)
+  # Layers that redraw random features every R steps (the Performer; see redraw_features).
+  model = nnx.merge(graphdef, *state_lib.model_variables(state))
+  redraw_periods = frozenset(m.redraw_every for _, m in nnx.iter_modules(model)
+                             if getattr(m, 'redraw_every', 0) > 0)
+  run = callbacks_lib.RunContext(
+      config=config, workdir=workdir, lead=lead, mesh=mesh, rules=rules, graphdef=graphdef, it=it,
+      mngr=mngr, writer=writer,
+      start=start, groups=tuple(groups), leaf_groups=leaf_groups, info_path=info_path, info=info,
+      redraw_periods=redraw_periods, step_fn=step_fn, diag_fn=diag_fn, eval_fn=eval_fn)
+  return run, callbacks_lib.StepRecord(run=run, step=start, state=state,
+                                       log_sums=_carried_log_sums(carried))
+
+
+def _jitted(config, graphdef, tx, state, mesh, rules, leaf_groups):
+  """(train step, diagnostic pass, eval step), jitted, each traced and run under the mesh."""
 
   def in_mesh(fn):  # traced (on the first call) under the mesh (ring attention reads it) and
     def call(*args):  # with the activation sharding rules active
@@ -287,26 +264,23 @@ def _setup(config, workdir, lead):
         return fn(*args)
     return call
 
-  run.step_fn = in_mesh(jit_train_step(config, graphdef, tx, state, mesh, run.leaf_groups))
-
   def placed(fn):
     return lambda variables, batch: fn(variables, distributed.place_batch(batch, mesh, rules))
-  run.diag_fn, run.eval_fn = (placed(in_mesh(jax.jit(functools.partial(fn, graphdef))))
-                              for fn in (diagnostics.diagnostic_pass, steps.eval_step))
-  # Layers that redraw random features every R steps (the Performer; see redraw_features).
-  model = nnx.merge(graphdef, *state_lib.model_variables(state))
-  run.redraw_periods = {m.redraw_every for _, m in nnx.iter_modules(model)
-                        if getattr(m, 'redraw_every', 0) > 0}
+  diag_fn, eval_fn = (placed(in_mesh(jax.jit(functools.partial(fn, graphdef))))
+                      for fn in (diagnostics.diagnostic_pass, steps.eval_step))
+  return (in_mesh(jit_train_step(config, graphdef, tx, state, mesh, leaf_groups)), diag_fn,
+          eval_fn)
 
-  def reset_log_sums(carried=None):
-    run.log_sums = empty_log_sums()
-    if carried:  # the sums of the resumed window's steps before the checkpoint: the row is whole
-      run.log_sums.update({k: jnp.asarray(carried[k], run.log_sums[k].dtype)
-                           for k in callbacks_lib.LOG_SUM_KEYS + steps.MOE_METRICS
-                           if k in carried})  # MoE, z-loss sums: absent from older checkpoints
-  run.reset_log_sums = reset_log_sums
-  reset_log_sums(carried)
-  return run
+
+def _carried_log_sums(carried=None):
+  """The log sums a run starts with: empty, or with the sums of the resumed window's steps before
+  the checkpoint (`carried`), so that the window's row is whole."""
+  log_sums = empty_log_sums()
+  if carried:
+    log_sums.update({k: jnp.asarray(carried[k], log_sums[k].dtype)
+                     for k in callbacks_lib.LOG_SUM_KEYS + steps.MOE_METRICS
+                     if k in carried})  # MoE, z-loss sums: absent from older checkpoints
+  return log_sums
 
 
 def _restore(config, workdir, mngr, state, it):
@@ -328,13 +302,11 @@ def _restore(config, workdir, mngr, state, it):
   return state, 0, None
 
 
-def _write_run_info(run):
-  """run_info.json: the parameter count per group (metrics.jsonl rows all carry a loss), and the
-  corpus fingerprint eval.py and a resume compare the files with."""
-  config = run.config
-  run.groups, run.leaf_groups, group_sizes = diagnostics.param_groups(run.state['params'])
-  run.info_path = paths.join(run.workdir, 'run_info.json')
-  info = paths.read_json(run.info_path) if paths.exists(run.info_path) else {}
+def _write_run_info(config, info_path, group_sizes, lead):
+  """run_info.json (written by the lead process): the parameter count per group (metrics.jsonl
+  rows all carry a loss), and the corpus fingerprint eval.py and a resume compare the files with.
+  Returns what it holds."""
+  info = paths.read_json(info_path) if paths.exists(info_path) else {}
   info.update(num_params=sum(group_sizes.values()), params_by_group=group_sizes)
   if config.model.arch in accounting.TRANSFORMER_ARCHS:
     # The decoder's self-attention cache per token, all layers (models.accounting; None without
@@ -345,6 +317,6 @@ def _write_run_info(run):
     info.setdefault('corpus', text_corpus.fingerprint(spec))
   if config.data.get('task') == python_code.TASK:  # the interpreter and file list trained on
     info.setdefault('python_code', python_code.corpus_of(config.data).record())
-  if run.lead:
-    writers.write_json(run.info_path, info)
-  run.info = info
+  if lead:
+    writers.write_json(info_path, info)
+  return info

@@ -249,12 +249,12 @@ def test_docs_are_short():
 def test_the_doc_check_finds_renamed_code_and_leaves_other_names_alone():
   mods, fields = modules(), config_fields()
   for name in ('training.loop.jit_train_step', 'loop.jit_train_step', 'training.loop',
-               'layers.sharding.DEFAULT_RULES', 'training.loop.StopSignals.stop_after',
+               'layers.sharding.DEFAULT_RULES', 'training.persist.StopSignals.stop_after',
                'model.d_model', 'train.steps', 'data.files.train', 'eval.json', 'jax.jit'):
     assert dotted_name_error(name, mods, fields) is None, name
   for name, error in (('training.loop.train', 'training.loop has no train'),
                       ('train.tune_host_malloc', 'train has no tune_host_malloc'),
-                      ('loop.StopSignals.stop', 'training.loop has no StopSignals.stop')):
+                      ('persist.StopSignals.stop', 'training.persist has no StopSignals.stop')):
     assert dotted_name_error(name, mods, fields) == error
   code = code_in('Run `python -m tools.aot`, not tools.sweep in prose:\n\n    loop.train()\n')
   assert [n for c in code for n in DOTTED.findall(c)] == ['tools.aot', 'loop.train']
