@@ -2,8 +2,8 @@
 
 from typing import NamedTuple
 
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from layers import flash_core
