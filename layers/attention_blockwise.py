@@ -1,18 +1,17 @@
 """Blockwise (FlashAttention-2) exact attention in pure JAX: online softmax over key blocks,
 O(T) memory.
 
-The forward pass visits query blocks one after another and, for each, only the band of key
-blocks that
-`is_causal`/`window` leave visible, carrying the running max, denominator and un-normalised output.
-A `jax.custom_vjp` keeps only the output and the per-row logsumexp as residuals and recomputes the
-probabilities block by block in the backward pass; autodiff through the loops would instead store
-every block's probabilities and make memory quadratic again. The per-block pieces (logits, online
-update, finalize, dS, the custom VJP) are `layers.flash_core`'s, shared with the ring and Pallas
-kernels.
+The forward pass visits query blocks one after another and, for each, only the band of key blocks
+that `is_causal`/`window` leave visible, carrying the running max, denominator and un-normalised
+output. A `jax.custom_vjp` keeps only the output and the per-row logsumexp as residuals and
+recomputes the probabilities block by block in the backward pass; autodiff through the loops would
+instead store every block's probabilities and make memory quadratic again. The tiling
+(`TileConfig`, the visible-block bands) and the per-block pieces (logits, online update, finalize,
+the tile gradients, the custom VJP) are `layers.flash_core`'s, shared with the ring and Pallas
+kernels; this file keeps the blocked layout and the scans over it.
 """
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,60 +25,6 @@ from layers import flash_core
 # cache-sized memory.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
-
-
-class TileConfig(NamedTuple):
-  """Static (hashable) settings of one tiled kernel call (blockwise, and both Pallas kernels)."""
-  scale: float
-  is_causal: bool
-  window: tuple | None
-  q_len: int  # T before padding
-  kv_len: int  # S before padding
-  block_q: int
-  block_k: int
-  dropout_rate: float = 0.0  # attention dropout on the probabilities (0 = none)
-  bias_fn: object = None  # PositionBias.fn (FIRE, KERPLE) evaluated per tile, or None
-  softcap: float = 0.0  # c > 0: logits c·tanh(logits / c) (flash_core.tile_logits); 0 = none
-
-
-def _floor_div(x, d):
-  """x // d for x >= 0, as `lax.div` (also lowers where `//` on a program id does not, e.g.
-  Triton)."""
-  return lax.div(x, jnp.asarray(d, x.dtype))
-
-
-def key_block_band(i, cfg, num_k_blocks):
-  """[lo, hi) of the key blocks that may hold a key visible from query block i (i: int32 scalar).
-
-  Blocks outside the band are hidden by causality or the window, so they are never computed.
-  """
-  i = jnp.asarray(i, jnp.int32)
-  q_first = i * cfg.block_q
-  q_last = q_first + (cfg.block_q - 1)
-  lo, hi = jnp.int32(0), jnp.int32(num_k_blocks)
-  if cfg.window is not None:
-    left, right = cfg.window
-    lo = _floor_div(jnp.maximum(q_first - left, 0), cfg.block_k)
-    # ceil((q_last + right + 1) / bk): one past the block of the last key in reach (0 if none).
-    hi = jnp.minimum(hi, _floor_div(jnp.maximum(q_last + right + cfg.block_k, 0), cfg.block_k))
-  if cfg.is_causal:
-    hi = jnp.minimum(hi, _floor_div(q_last, cfg.block_k) + 1)
-  return lo, hi
-
-
-def query_block_band(j, cfg, num_q_blocks):
-  """[lo, hi) of the query blocks that may see a key of key block j (the transpose of the band)."""
-  j = jnp.asarray(j, jnp.int32)
-  k_first = j * cfg.block_k
-  k_last = k_first + (cfg.block_k - 1)
-  lo, hi = jnp.int32(0), jnp.int32(num_q_blocks)
-  if cfg.window is not None:
-    left, right = cfg.window
-    lo = _floor_div(jnp.maximum(k_first - right, 0), cfg.block_q)
-    hi = jnp.minimum(hi, _floor_div(jnp.maximum(k_last + left + cfg.block_q, 0), cfg.block_q))
-  if cfg.is_causal:
-    lo = jnp.maximum(lo, _floor_div(k_first, cfg.block_q))
-  return lo, hi
 
 
 def block_logits(q, k, i, j, cfg, *, bias=None, mask=None, slopes=None, q_seg=None, kv_seg=None,
@@ -179,7 +124,7 @@ def _forward(cfg, q, k, v, bias, mask, slopes, q_seg, kv_seg, drop_keys, pb, sin
       drop = functools.partial(_dropped, drop_keys=drop_keys, i=i, j=j, cfg=cfg)
       return flash_core.online_update(carry, s, v[j], dropout=drop)
 
-    lo, hi = key_block_band(i, cfg, nk)
+    lo, hi = flash_core.key_block_band(i, cfg, nk)
     carry = lax.fori_loop(lo, hi, body, flash_core.init_carry(qb.shape[:-1], qb.shape[-1]))
     sink = None if sinks is None else sinks[:, :, None]  # [K, G, 1]
     # [B, K, G, bq, H] (zeros on empty rows), [B, K, G, bq]
@@ -206,18 +151,12 @@ def _backward(cfg, args, out, lse, d_out):
       s = block_logits(q[i], kb, i, j, cfg, bias=bias_ij, mask=_slice_bt(mask, i, j, cfg),
                        slopes=slopes, q_seg=None if q_seg is None else q_seg[i], kv_seg=ks,
                        pos_bias=_tile_pb(pb, None if pb is None else pb[1][i], j))
-      p = flash_core.probabilities(s, lse[i])  # [B, K, G, bq, bk]
-      dv = dv + jnp.einsum('BKGTS,BKGTH->BKSH', _dropped(p, drop_keys, i, j, cfg).astype(do.dtype),
-                           do[i], preferred_element_type=jnp.float32)
-      dp = _dropped(jnp.einsum('BKGTH,BKSH->BKGTS', do[i], vb, preferred_element_type=jnp.float32),
-                    drop_keys, i, j, cfg)
-      # d loss / d scaled-and-biased score (before the cap)
-      ds = flash_core.ds(p, dp, delta[i], s, cfg.softcap)
-      dk = dk + cfg.scale * jnp.einsum('BKGTS,BKGTH->BKSH', ds.astype(q.dtype), q[i],
-                                       preferred_element_type=jnp.float32)
-      dq_i = cfg.scale * jnp.einsum('BKGTS,BKSH->BKGTH', ds.astype(kb.dtype), kb,
-                                    preferred_element_type=jnp.float32)
-      dq = dq.at[i].add(dq_i)
+      drop = None if drop_keys is None else functools.partial(
+          _dropped, drop_keys=drop_keys, i=i, j=j, cfg=cfg)
+      grads = flash_core.tile_grads(s, lse[i], delta[i], q[i], kb, vb, do[i],
+                                    softcap=cfg.softcap, scale=cfg.scale, dropout=drop)
+      ds = grads.ds  # [B, K, G, bq, bk]: d loss / d scaled-and-biased score (before the cap)
+      dk, dv, dq = dk + grads.dk, dv + grads.dv, dq.at[i].add(grads.dq)
       if dbias is not None:
         # Sum over the axes the bias broadcasts along, then add into its block.
         axes = tuple(a for a in range(5) if bias.shape[a] == 1 and ds.shape[a] != 1)
@@ -237,7 +176,7 @@ def _backward(cfg, args, out, lse, d_out):
 
     dq, dbias, dpb = carry
     init = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32), dq, dbias, dpb)
-    lo, hi = query_block_band(j, cfg, nq)
+    lo, hi = flash_core.query_block_band(j, cfg, nq)
     dk, dv, dq, dbias, dpb = lax.fori_loop(lo, hi, body, init)
     return (dq, dbias, dpb), (dk, dv)
 
@@ -301,8 +240,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
   bq, bk = min(block_q, t), min(block_k, s)
   nq, nk = -(-t // bq), -(-s // bk)
   tp, sp = nq * bq, nk * bk
-  cfg = TileConfig(float(scale), bool(is_causal), None if window is None else tuple(window), t, s,
-                   bq, bk, float(dropout_rate), softcap=float(softcap or 0.0))
+  cfg = flash_core.TileConfig(float(scale), bool(is_causal),
+                              None if window is None else tuple(window), t, s, bq, bk,
+                              float(dropout_rate), softcap=float(softcap or 0.0))
 
   # Block-major layouts, so that a block is one contiguous leading-axis slice.
   pad = flash_core.pad_axis

@@ -178,16 +178,10 @@ def _backward_local(cfg, q, k, v, extra, out, lse, d_out):
     def compute(args):
       dq, (dk, dv) = args
       logits = _logits(cfg, qb, kb, q_pos, k_pos, slopes, q_seg, kv_seg)  # [b, K, G, t, s]
-      p = flash_core.probabilities(logits, lse)  # [b, K, G, t, s], the forward's probabilities
-      dv = dv + jnp.einsum('BKGTS,BKGTH->BKSH', p.astype(do.dtype), do,
-                           preferred_element_type=jnp.float32)
-      dp = jnp.einsum('BKGTH,BKSH->BKGTS', do, vb, preferred_element_type=jnp.float32)
-      ds = flash_core.ds(p, dp, delta, logits, cfg.softcap)  # d loss / d scaled score
-      dk = dk + cfg.scale * jnp.einsum('BKGTS,BKGTH->BKSH', ds.astype(qb.dtype), qb,
-                                       preferred_element_type=jnp.float32)
-      dq = dq + cfg.scale * jnp.einsum('BKGTS,BKSH->BKGTH', ds.astype(kb.dtype), kb,
-                                       preferred_element_type=jnp.float32)
-      return dq, (dk, dv)
+      # The forward's probabilities, recomputed: dK, dV `[b, K, s, H]` sum the G query heads.
+      grads = flash_core.tile_grads(logits, lse, delta, qb, kb, vb, do, softcap=cfg.softcap,
+                                    scale=cfg.scale)
+      return dq + grads.dq, (dk + grads.dk, dv + grads.dv)
 
     return lax.cond(_live(cfg, me * t, t, k_first, s), compute, lambda a: a, (dq, grads))
 

@@ -1,25 +1,93 @@
-"""The online-softmax pieces of every flash kernel (blockwise, ring, Pallas GPU/TPU), written once.
+"""The tiling and online-softmax pieces of every flash kernel (blockwise, ring, Pallas GPU/TPU).
 
 Each kernel cuts q, k, v into tiles in its own layout and calls these pure jnp functions on them:
-`tile_logits` (scale, biases, soft cap, visibility), `online_update` (the running max/sum/output
-after one key tile), `finalize` (output and logsumexp, the sinks folded in), `probabilities` and
-`ds` (the backward pass), `sink_grad`, and `flash_vjp` (the custom VJP with O(T) residuals). They
-run inside Pallas kernel bodies too, so they use only ops that both Triton and Mosaic lower:
-`jnp.where` masks, elementwise math, reductions over the last axis, and `lax.dot_general` with
-float32 accumulation.
+`TileConfig` and the visible-block bands (`key_block_band`, `query_block_band`) of the tiled
+kernels, `tile_logits` (scale, biases, soft cap, visibility), `online_update` (the running
+max/sum/output after one key tile), `finalize` (output and logsumexp, the sinks folded in),
+`tile_grads` (the backward pass on one tile: P, dV, dP, dS, dK, dQ), `sink_grad`, and `flash_vjp`
+(the custom VJP with O(T) residuals). They run inside Pallas kernel bodies too, so they use only
+ops that both Triton and Mosaic lower: `jnp.where` masks, elementwise math, reductions over the
+last axis, last-two-axes transposes of float32 tiles, and `lax.dot_general` with float32
+accumulation.
 
 Row statistics (running max, sum, logsumexp, the backward's delta) are `[..., bq]`, one per query
 row, or lane-replicated `[..., bq, 128]` (the Mosaic kernel keeps them one vreg row wide); the
 functions below accept either layout and broadcast them against a `[..., bq, W]` tile accordingly.
+A tile's q and dO are `[..., bq, H]` and its k and v `[..., bk, H]`, k's leading axes a prefix of
+q's (the blockwise and ring kernels' G query heads of a key/value head; none in the Pallas
+kernels' 2-D tiles).
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from layers import masks
+
+
+class TileConfig(NamedTuple):
+  """Static (hashable) settings of one tiled kernel call (blockwise, and both Pallas kernels)."""
+  scale: float
+  is_causal: bool
+  window: tuple | None
+  q_len: int  # T before padding
+  kv_len: int  # S before padding
+  block_q: int
+  block_k: int
+  dropout_rate: float = 0.0  # attention dropout on the probabilities (0 = none)
+  bias_fn: object = None  # PositionBias.fn (FIRE, KERPLE) evaluated per tile, or None
+  softcap: float = 0.0  # c > 0: logits c·tanh(logits / c) (`tile_logits`); 0 = none
+
+
+def _floor_div(x, d):
+  """x // d for x >= 0, as `lax.div` (also lowers where `//` on a program id does not, e.g.
+  Triton)."""
+  return lax.div(x, jnp.asarray(d, x.dtype))
+
+
+def _reach(cfg):
+  """(left, right): how far before and after a query its visible keys may lie, None if unbounded.
+
+  Causality is a window whose right reach is at most 0, so both bands follow from one rule.
+  """
+  left, right = (None, None) if cfg.window is None else cfg.window
+  if cfg.is_causal:
+    right = 0 if right is None else min(right, 0)
+  return left, right
+
+
+def _band(idx, size, other, count, before, after):
+  """[lo, hi) of the blocks of `other` positions (`count` of them) holding a position within
+  [p - before, p + after] of some position p of block `idx` of `size` positions (None: unbounded).
+  """
+  first = jnp.asarray(idx, jnp.int32) * size
+  last = first + (size - 1)
+  lo, hi = jnp.int32(0), jnp.int32(count)
+  if before is not None:
+    lo = _floor_div(jnp.maximum(first - before, 0), other)
+  if after is not None:
+    # ceil((last + after + 1) / other): one past the block of the last position in reach (0 if
+    # none).
+    hi = jnp.minimum(hi, _floor_div(jnp.maximum(last + after + other, 0), other))
+  return lo, hi
+
+
+def key_block_band(i, cfg, num_k_blocks):
+  """[lo, hi) of the key blocks that may hold a key visible from query block i (i: int32 scalar).
+
+  Blocks outside the band are hidden by causality or the window, so they are never computed.
+  """
+  left, right = _reach(cfg)
+  return _band(i, cfg.block_q, cfg.block_k, num_k_blocks, left, right)
+
+
+def query_block_band(j, cfg, num_q_blocks):
+  """[lo, hi) of the query blocks that may see a key of key block j (the transpose of the band)."""
+  left, right = _reach(cfg)
+  return _band(j, cfg.block_k, cfg.block_q, num_q_blocks, right, left)
 
 
 def pad_axis(x, axis, size, value=0):
@@ -182,6 +250,68 @@ def ds(p, dp, delta, logits=None, softcap=None):
   if softcap:
     d = d * (1.0 - jnp.square(jnp.clip(logits / softcap, -1.0, 1.0)))
   return d
+
+
+class TileGrads(NamedTuple):
+  """One tile's gradients, None where not asked for: dS `[..., bq, bk]` (d loss / d the logits
+  before the cap), dQ `[..., bq, H]`, dK and dV `[..., bk, H]` (k's axes), all float32."""
+  ds: jax.Array
+  dq: jax.Array | None
+  dk: jax.Array | None
+  dv: jax.Array | None
+
+
+def _times_t(x, y):
+  """x @ yᵀ in float32: x `[..., bq, H]`, y `[..., bk, H]` (its leading axes a prefix of x's):
+  `[..., bq, bk]`. One NT `dot_general`, which both Triton and Mosaic lower without a transpose."""
+  batch = tuple(range(y.ndim - 2))
+  dims = (((x.ndim - 1,), (y.ndim - 1,)), (batch, batch))
+  return lax.dot_general(x, y, dims, preferred_element_type=jnp.float32)
+
+
+def _t_times(x, y, batch):
+  """xᵀ @ y in float32, summed over every axis but the first `batch` (k's leading axes) and x's
+  last: x `[..., bq, bk]`, y `[..., bq, H]` -> `[*x.shape[:batch], bk, H]` (the rows, and the G
+  query heads of a key/value head, are summed). The transpose comes first, in float32, then the
+  cast to y's dtype: 32-bit transposes lower on every TPU generation (jax's TPU flash kernel's
+  order)."""
+  xt = jnp.swapaxes(x, -1, -2).astype(y.dtype)  # [..., bk, bq]
+  rows = tuple(range(batch, x.ndim - 2))
+  keep = tuple(range(batch))
+  dims = ((rows + (x.ndim - 1,), rows + (y.ndim - 2,)), (keep, keep))
+  return lax.dot_general(xt, y, dims, preferred_element_type=jnp.float32)
+
+
+def tile_grads(logits, lse, delta, q, k, v, do, *, softcap=None, scale=None, dropout=None,
+               dq=True, dkv=True):
+  """The backward pass on one tile (FlashAttention-2), written once for every kernel.
+
+  P is recomputed from the logits and the rows' logsumexp; then dV = Pᵀ dO, dP = dO Vᵀ,
+  dS = `ds(P, dP, delta)`, dK = dSᵀ Q · scale, dQ = dS K · scale.
+
+  Args:
+    logits: the tile's `[..., bq, bk]` float32 logits from `tile_logits`, as in the forward.
+    lse, delta: the rows' logsumexp (+inf on empty rows: P = 0 there) and `backward_delta`,
+      `[..., bq]` or lane-replicated `[..., bq, 128]`.
+    q, do: `[..., bq, H]`; k, v: `[..., bk, H]`, their leading axes a prefix of q's.
+    softcap: as in `ds`.
+    scale: None, or the score scale multiplied into this tile's dK and dQ (a kernel that
+      accumulates them over tiles may scale the sum once instead, and passes None).
+    dropout: None, or the function that drops P for dV and dP (attention dropout, as forward).
+    dq, dkv: which products to form (the Pallas kernels compute dQ and dK/dV in two passes).
+
+  Returns:
+    `TileGrads`.
+  """
+  drop = (lambda x: x) if dropout is None else dropout
+  scaled = (lambda x: x) if scale is None else (lambda x: scale * x)
+  p = probabilities(logits, lse)  # [..., bq, bk]
+  # The softmax's Jacobian takes the undropped P; dP is the gradient reaching it through dropout.
+  d = ds(p, drop(_times_t(do, v)), delta, logits, softcap)  # [..., bq, bk]
+  d_q = scaled(_times_v(d, k)) if dq else None  # [..., bq, H]
+  d_k = scaled(_t_times(d, q, k.ndim - 2)) if dkv else None  # [..., bk, H]
+  d_v = _t_times(drop(p), do, k.ndim - 2) if dkv else None  # [..., bk, H]
+  return TileGrads(d, d_q, d_k, d_v)
 
 
 def sink_grad(sinks, lse, delta, axes):

@@ -11,6 +11,7 @@ import pytest
 from layers import attention
 from layers import attention_blockwise
 from layers import attention_xla
+from layers import flash_core
 from layers import masks
 from tests.helpers import quick_jit
 
@@ -156,15 +157,15 @@ def test_bands_are_exactly_the_tiles_with_visible_keys(is_causal, window):
   """Tiles outside the band are skipped; the band must hold every visible tile, and no other."""
   t, s, bq, bk = 70, 53, 16, 8
   nq, nk = -(-t // bq), -(-s // bk)
-  cfg = attention_blockwise.TileConfig(1.0, is_causal, window, t, s, bq, bk)
+  cfg = flash_core.TileConfig(1.0, is_causal, window, t, s, bq, bk)
   vis = masks.visible(np.arange(nq * bq)[:, None], np.arange(nk * bk)[None, :],
                       is_causal=is_causal, window=window)  # [Tp, Sp]
   tiles = vis.reshape(nq, bq, nk, bk).any(axis=(1, 3))  # [nq, nk]
   for i in range(nq):
-    lo, hi = attention_blockwise.key_block_band(i, cfg, nk)
+    lo, hi = flash_core.key_block_band(i, cfg, nk)
     np.testing.assert_array_equal(np.arange(nk)[(np.arange(nk) >= lo) & (np.arange(nk) < hi)],
                                   np.flatnonzero(tiles[i]), err_msg=f'query tile {i}')
   for j in range(nk):
-    lo, hi = attention_blockwise.query_block_band(j, cfg, nq)
+    lo, hi = flash_core.query_block_band(j, cfg, nq)
     np.testing.assert_array_equal(np.arange(nq)[(np.arange(nq) >= lo) & (np.arange(nq) < hi)],
                                   np.flatnonzero(tiles[:, j]), err_msg=f'key tile {j}')
