@@ -8,6 +8,8 @@ import jax.numpy as jnp
 
 from layers import attention_blockwise
 from layers import attention_pallas
+from layers import attention_pallas_gpu
+from layers import attention_pallas_tpu
 from layers import attention_ring
 from layers import attention_sharded
 from layers import attention_xla
@@ -34,22 +36,26 @@ def _cudnn(query, key, value, bias=None, mask=None, *, scale, is_causal=False, w
 # kernels (blockwise, ring, Pallas) take the soft cap and the sinks in layers.flash_core.
 KERNELS = {
     'xla': contract.Kernel(attention_xla.attention, dropout=True, decodes=True, value_width=True),
-    'blockwise': contract.Kernel(attention_blockwise.attention, dropout=True),
+    'blockwise': contract.Kernel(attention_blockwise.attention, dropout=True, score_matmuls=7),
     # Custom calls XLA cannot partition: per device under shard_map on a mesh (attention_sharded),
     # each device holding the whole sequence. They take dense arrays, not a bias function.
     'pallas': contract.Kernel(attention_sharded.per_device(attention_pallas.attention),
                               terms=('bias', 'alibi_slopes', 'mask', 'softcap', 'sinks'),
-                              sequence_mesh='never'),
+                              sequence_mesh='never', score_matmuls=9, tiles=(
+                                  ('tpu', (attention_pallas_tpu.DEFAULT_BLOCK_Q,
+                                           attention_pallas_tpu.DEFAULT_BLOCK_K)),
+                                  ('cuda', (attention_pallas_gpu.DEFAULT_BLOCK_Q,
+                                            attention_pallas_gpu.DEFAULT_BLOCK_K)))),
     # jax.nn's fused call has no soft cap and no sink.
     'cudnn': contract.Kernel(attention_sharded.per_device(_cudnn),
                              terms=('bias', 'alibi_slopes', 'mask'), sequence_mesh='never',
-                             platforms=('gpu',)),
+                             platforms=('gpu',), score_matmuls=7),
     # The length split over mesh.sequence: only terms computed from the positions on each device
     # (and the per-head ones).
     # On one device (evaluation) the same exact attention is xla's.
     'ring': contract.Kernel(attention_ring.ring_attention,
                             terms=('alibi_slopes', 'softcap', 'sinks'), sequence_mesh='needed',
-                            single_device='xla'),
+                            single_device='xla', score_matmuls=7),
 }
 # The kernel of `implementation=None` and of the variants that run none (validation offers it as
 # the only value there): it takes every term and dropout, decodes, and runs on every platform.

@@ -133,14 +133,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, fla
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, name, backend):
-  """backend 'triton' (GPU lowering) or 'interpret' (any platform, the CPU tests)."""
+def _call(kernel, grid, in_specs, out_specs, out_shape, name, backend, cost):
+  """backend 'triton' (GPU lowering) or 'interpret' (any platform, the CPU tests); cost: the
+  call's `pl.CostEstimate` (host.cost_estimate)."""
   params = None
   if backend == 'triton':
     from jax.experimental.pallas import triton as plgpu
     params = plgpu.CompilerParams(num_warps=4, num_stages=2)
   return host.call(kernel, grid, in_specs, out_specs, out_shape, name, params=params,
-                   interpret=backend == 'interpret')
+                   interpret=backend == 'interpret', cost=cost)
 
 
 def _extra_specs(extra, g, bq, bk, per_q_tile):
@@ -206,6 +207,7 @@ def _forward(static, q, k, v, extra):
       [q_spec, pl.BlockSpec((None, None, cfg.block_q), lambda bb, nn, i: (bb, nn, i))],
       [jax.ShapeDtypeStruct((d.b, d.n, d.tp, v.shape[-1]), jnp.float32),
        jax.ShapeDtypeStruct((d.b, d.n, d.tp), jnp.float32)], 'flash_forward', backend,
+      host.cost_estimate(cfg, d, 'forward', q.dtype.itemsize, once=2, per_tile=2),
   )(q, k, v, *host.present(extra, flags))
 
 
@@ -235,6 +237,7 @@ def _backward(static, args, out, lse, d_out):
       [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + _extra_specs(extra, g, bq, bk,
                                                                             True),
       q_spec, jax.ShapeDtypeStruct(q.shape, jnp.float32), 'flash_dq', backend,
+      host.cost_estimate(cfg, d, 'dq', q.dtype.itemsize, once=3, per_tile=2),
   )(*inputs)
 
   # The G query heads of kv head kk are the kk-th group of G consecutive heads.
@@ -260,6 +263,7 @@ def _backward(static, args, out, lse, d_out):
       [qg_spec, kt_spec, kt_spec, qg_spec, rowg_spec, rowg_spec] + _extra_specs(extra, g, bq,
                                                                                 bk, False),
       out_specs, out_shape, 'flash_dkv', backend,
+      host.cost_estimate(cfg, d, 'dkv', q.dtype.itemsize, once=4, per_tile=2),
   )(*inputs)
   if flags['bias']:
     d_extra['bias'] = _bias_grad(extra, res[2])

@@ -79,16 +79,39 @@ def unpack(refs, flags):
 
 
 def call(kernel, grid, in_specs, out_specs, out_shape, name, *, params=None, interpret=False,
-         scratch=()):
+         scratch=(), cost=None):
   """`pl.pallas_call` of `kernel` over `grid`.
 
   `params` and `interpret` are the platform's: Triton's or Mosaic's compiler parameters, and
   False or its interpreter (True, or `pltpu.InterpretParams()`); `scratch`: buffers that persist
-  along the grid's sequential axes (Mosaic's VMEM accumulators).
+  along the grid's sequential axes (Mosaic's VMEM accumulators); `cost`: the call's
+  `pl.CostEstimate` (`cost_estimate`), so that XLA's cost analysis of the program counts it.
   """
   spec = pl.GridSpec(grid=grid, in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch)
   return pl.pallas_call(kernel, grid_spec=spec, out_shape=out_shape, compiler_params=params,
-                        interpret=interpret, name=name)
+                        interpret=interpret, name=name, cost_estimate=cost)
+
+
+# [block_q, block_k] x H products per visited tile, by kernel call: the forward's QKᵀ and PV; the
+# dQ pass recomputes QKᵀ, then dP = dO Vᵀ and dQ = dS K; the dK/dV pass recomputes QKᵀ and dP,
+# then dV = Pᵀ dO and dK = dSᵀ Q.
+MATMULS = {'forward': 2, 'dq': 3, 'dkv': 4}
+
+
+def cost_estimate(cfg, d, call, itemsize, *, once, per_tile):
+  """The `pl.CostEstimate` of one call of a flash kernel of `Dims` d.
+
+  FLOPs: `MATMULS[call]` products of 2·block_q·block_k·H per visited tile (the band's tiles,
+  `flash_core.visited_tiles`) of every batch row and query head; transcendentals: one exp per
+  score, and a tanh with the soft cap; bytes: `once` arrays of `[B, N, Tp, H]` read or written
+  once (q, dO, the outputs) and `per_tile` key-side tiles `[block, H]` read per visited tile.
+  """
+  tiles = flash_core.visited_tiles(cfg, d.nq, d.nk) * d.b * d.n
+  pairs = tiles * cfg.block_q * cfg.block_k
+  return pl.CostEstimate(
+      flops=2 * MATMULS[call] * pairs * d.h,
+      transcendentals=pairs * (2 if cfg.softcap else 1),
+      bytes_accessed=itemsize * d.h * (once * d.b * d.n * d.tp + per_tile * tiles * cfg.block_k))
 
 
 class Dims(NamedTuple):

@@ -159,12 +159,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, fla
     dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, semantics, interpret, name):
+def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, semantics, interpret, name, cost):
   # Pallas's TPU interpreter runs the same kernel on CPU, with VMEM/SMEM scratch that persists
   # along the grid's sequential order, as on the chip.
   return host.call(kernel, grid, in_specs, out_specs, out_shape, name, scratch=scratch,
                    params=pltpu.CompilerParams(dimension_semantics=semantics),
-                   interpret=pltpu.InterpretParams() if interpret else False)
+                   interpret=pltpu.InterpretParams() if interpret else False, cost=cost)
 
 
 def _extra_specs(flags, bq, bk, q_map, kv_map):
@@ -210,6 +210,7 @@ def _forward(static, q, k, v, extra):
       [pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
        pltpu.VMEM((bq, d.h), jnp.float32)],
       ('parallel', 'parallel', 'parallel', 'arbitrary'), interpret, 'flash_forward_tpu',
+      host.cost_estimate(cfg, d, 'forward', q.dtype.itemsize, once=2, per_tile=2),
   )(q, k, v, *host.present(extra, flags))
   return out, lse[..., 0]
 
@@ -234,6 +235,7 @@ def _dq(cfg, interpret, d, flags, inputs):
       q_spec, jax.ShapeDtypeStruct(inputs[0].shape, jnp.float32),
       [pltpu.VMEM((bq, d.h), jnp.float32)],
       ('parallel', 'parallel', 'parallel', 'arbitrary'), interpret, 'flash_dq_tpu',
+      host.cost_estimate(cfg, d, 'dq', inputs[0].dtype.itemsize, once=3, per_tile=2),
   )(*inputs)
 
 
@@ -262,6 +264,7 @@ def _dkv(cfg, interpret, d, flags, inputs):
       [kt_spec, kt_spec], [kv_shape, kv_shape],
       [pltpu.VMEM((bk, d.h), jnp.float32), pltpu.VMEM((bk, d.h), jnp.float32)],
       ('parallel', 'parallel', 'parallel', 'arbitrary', 'arbitrary'), interpret, 'flash_dkv_tpu',
+      host.cost_estimate(cfg, d, 'dkv', inputs[0].dtype.itemsize, once=4, per_tile=2),
   )(*inputs)
 
 

@@ -89,6 +89,12 @@ class Kernel:
       a kernel without it pads v with zeros to their width.
     single_device: the kernel that computes the same attention in its place on one device (eval.py
       has no training mesh), for a kernel that needs one (`sequence_mesh='needed'`); '' = itself.
+    score_matmuls: the [T, S] x H matrix products one training step computes per layer (what FLOP
+      counts of the kernel read): 2 forward (QKᵀ, PV); backward 4 from stored probabilities
+      (dV, dP, dQ, dK), one more where it recomputes QKᵀ, two more where dQ and dK/dV are separate
+      passes that each recompute QKᵀ and dP.
+    tiles: ((lowering platform, (block_q, block_k)), ...) where it skips the tiles a causal mask or
+      a window hides (layers.flash_core.visited_tiles counts the rest); () = the full matrix.
   """
 
   fn: Callable
@@ -99,6 +105,8 @@ class Kernel:
   decodes: bool = False
   value_width: bool = False
   single_device: str = ''
+  score_matmuls: int = 6
+  tiles: tuple = ()
 
   def missing(self, terms):
     """The names in `terms` this kernel cannot take."""

@@ -90,6 +90,21 @@ def query_block_band(j, cfg, num_q_blocks):
   return _band(j, cfg.block_k, cfg.block_q, num_q_blocks, right, left)
 
 
+def visited_tiles(cfg, num_q_blocks, num_k_blocks):
+  """How many (query tile, key tile) pairs a kernel that skips the tiles outside each band computes:
+  the sum of every query tile's key band (`key_block_band`), counted on the host (a Python int,
+  for cost estimates and FLOP counts)."""
+  left, right = _reach(cfg)
+  total = 0
+  for i in range(num_q_blocks):
+    first, last = i * cfg.block_q, i * cfg.block_q + cfg.block_q - 1
+    lo = 0 if left is None else max(first - left, 0) // cfg.block_k
+    hi = num_k_blocks if right is None else min(num_k_blocks,
+                                                max(last + right + cfg.block_k, 0) // cfg.block_k)
+    total += max(hi - lo, 0)
+  return total
+
+
 def pad_axis(x, axis, size, value=0):
   """`x` padded with `value` at the end of `axis` to length `size` (unchanged if already so)."""
   pad = size - x.shape[axis]
