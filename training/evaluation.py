@@ -38,7 +38,7 @@ def evaluate_sums(eval_fn, variables, config, split, num_batches, length=None, s
   """The summed metrics of `evaluate`; with `share` = (i, n), only of batches i, i + n, ... (one
   process's part of a split that n processes evaluate side by side; their sums add up)."""
   it = pipeline.make_iterator(config.data, split, config.train.batch_size,
-                              arch=models.batch_format(config.model.arch),
+                              batch_format=models.batch_format(config.model.arch),
                               loss_on=config.train.loss_on, shuffle=False, repeat=False,
                               drop_remainder=False, length=length)
   index, count = share

@@ -266,8 +266,8 @@ def _setup(config, workdir, lead):
   # processes the shards of the rows this process's devices hold.
   it = pipeline.ShardedIterator(config.data, 'train', t.batch_size, config.data.get('shards', 1),
                                 distributed.data_shards(config, mesh, rules),
-                                arch=models.batch_format(config.model.arch), loss_on=t.loss_on,
-                                seed=t.seed)
+                                batch_format=models.batch_format(config.model.arch),
+                                loss_on=t.loss_on, seed=t.seed)
   mngr = checkpointing.checkpoint_manager(workdir, config)
   state, start, carried = _restore(config, workdir, mngr, state, it)
   if lead:  # atomically (other processes may be reading it); only now that the checkpoint
