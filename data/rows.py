@@ -155,7 +155,8 @@ PACKINGS = {'none': _pad_rows, 'segments': _pack_segments, 'stream': _stream}
 @functools.lru_cache(maxsize=None)
 def _row_length(batch_format: str, source_len: int, target_len: int) -> int:
   """Longest feature of a pair with these lengths (cached: a few hundred distinct pairs)."""
-  dummy = BATCH_FORMATS[batch_format](np.zeros(source_len, np.int32), np.zeros(target_len, np.int32), 'all')
+  dummy = BATCH_FORMATS[batch_format](np.zeros(source_len, np.int32),
+                                      np.zeros(target_len, np.int32), 'all')
   return max(len(v) for v in dummy.values())
 
 

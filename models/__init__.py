@@ -1,4 +1,4 @@
-"""Model architectures, keyed by `config.model.arch`; each declares its shape (`models.contract`)."""
+"""Model architectures, keyed by `config.model.arch`, each declaring its shape (models.contract)."""
 
 from models import contract
 from models import decoder_only
@@ -32,10 +32,12 @@ def spec(arch):
   return ARCHS[arch].spec
 
 
-def archs_where(predicate):
-  """The registered archs whose `ArchSpec` satisfies `predicate`, sorted: what a message lists
-  as the valid values (e.g. `archs_where(lambda s: s.causal_lm)`)."""
-  return [name for name in sorted(ARCHS) if predicate(ARCHS[name].spec)]
+def archs_where(predicate, *, ordered=True):
+  """The registered archs whose `ArchSpec` satisfies `predicate`, sorted (or, `ordered` False,
+  in registry order): what a message lists as the valid values (e.g.
+  `archs_where(lambda s: s.causal_lm)`)."""
+  names = sorted(ARCHS) if ordered else list(ARCHS)
+  return [name for name in names if predicate(ARCHS[name].spec)]
 
 
 def layer_attentions(cfg):

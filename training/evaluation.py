@@ -106,16 +106,19 @@ def parse_rope_scaling(text):
 
 
 def _check_lengths(config, model, lengths):
-  """Raises ValueError, before anything compiles, for --lengths the run cannot take (another arch
-  than decoder_only, a learned table shorter than a length); returns a passkey run's retrieval
-  lengths in tokens (its default 1, 2, 4, 8 x L when `lengths` is empty), else []."""
-  if lengths and config.model.arch != 'decoder_only':
-    raise ValueError(f'--lengths (stream extrapolation) needs a decoder_only run, not '
+  """Raises ValueError, before anything compiles, for --lengths the run cannot take (an arch that
+  is not a causal LM, `models.contract.ArchSpec.causal_lm`; a learned table shorter than a
+  length); returns a passkey run's retrieval lengths in tokens (its default 1, 2, 4, 8 x L when
+  `lengths` is empty), else []."""
+  spec = models.spec(config.model.arch)
+  if lengths and not spec.causal_lm:
+    valid = ', '.join(models.archs_where(lambda s: s.causal_lm))
+    raise ValueError(f'--lengths (stream extrapolation) needs a {valid} run, not '
                      f'{config.model.arch!r}')
   passkey_lengths = (validation_passkey.retrieval_lengths(config, lengths)
                      if retrieval.is_passkey(config) else [])
   for length in passkey_lengths or [int(m * config.data.max_length) for m in lengths]:
-    model.decoder.position.check_length(length)
+    getattr(model, spec.decoder).position.check_length(length)
   return passkey_lengths
 
 

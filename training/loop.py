@@ -336,7 +336,7 @@ def _write_run_info(run):
   run.info_path = paths.join(run.workdir, 'run_info.json')
   info = paths.read_json(run.info_path) if paths.exists(run.info_path) else {}
   info.update(num_params=sum(group_sizes.values()), params_by_group=group_sizes)
-  if config.model.arch in accounting.TRANSFORMER_ARCHS:
+  if accounting.covers(config.model.arch):
     # The decoder's self-attention cache per token, all layers (models.accounting; None without
     # a decoder): what its variant declares (2·K·H a layer, MLA's d_c + d_h^R).
     info['kv_cache_per_token'] = accounting.kv_cache_per_token(config.model)

@@ -141,7 +141,8 @@ def test_stream_encoder_decoder_and_unknown_values_raise(data_dir):
                            batch_format='source_target')
   with pytest.raises(ValueError, match='Unknown packing .*none, segments, stream'):
     pipeline.make_iterator(_config(data_dir, 'bins'), 'train', 2)
-  for kwargs, field in [({'batch_format': 'gpt'}, 'batch_format'), ({'loss_on': 'source'}, 'loss_on')]:
+  for kwargs, field in [({'batch_format': 'gpt'}, 'batch_format'),
+                        ({'loss_on': 'source'}, 'loss_on')]:
     with pytest.raises(ValueError, match=f'Unknown {field}'):
       pipeline.make_iterator(_config(data_dir), 'train', 2, **kwargs)
   with pytest.raises(ValueError, match='Unknown split .*test_long'):
