@@ -98,7 +98,7 @@ def test_the_check_finds_a_name():
   tree = "x = 1 if arch == 'encoder_only' else 2\nhelp_text = f'needs {a} not decoder_only'\n"
   hits = [n.value for n in ast.walk(ast.parse(tree))
           if isinstance(n, ast.Constant) and isinstance(n.value, str) and NAMED.search(n.value)]
-  assert hits == ['encoder_only', ' not decoder_only']
+  assert sorted(hits) == [' not decoder_only', 'encoder_only']
   assert not NAMED.search('e.g. --config=configs/decoder_only.py:quick')
 
 
@@ -160,6 +160,16 @@ class PrefixLM(decoder_only.DecoderOnly):
       filled.append({'k': c['k'].at[:, :p].set(k), 'v': c['v'].at[:, :p].set(v)})
       x = layer(x, positions=pos, is_causal=False, position=stack.position)
     return {**cache, 'self': filled}
+
+  def decode_step(self, cache, tokens, index):
+    """A step inside the prefix (a prompt fed from position 0, as models.decoding does) leaves
+    the prefilled slots as they are; its logits are causal, those from P on the full model's."""
+    logits, stepped = super().decode_step(cache, tokens, index)
+    b = tokens.shape[0]
+    inside = jnp.broadcast_to(jnp.asarray(index) < self.prefix, (b,))[:, None, None, None]
+    kept = jax.tree.map(lambda old, new: jnp.where(inside, old, new), cache['self'],
+                        stepped['self'])  # [B, S, K, H] each
+    return logits, {**stepped, 'self': kept}
 
 
 @pytest.fixture
@@ -234,16 +244,17 @@ def test_prefix_lm_attends_bidirectionally_in_the_prefix_and_causally_after(pref
 
 
 def test_prefix_lm_cached_decoding_equals_the_full_forward(prefix_lm):
-  """The prefix is prefilled by `init_cache`; every later token through the dense cached step
-  gives the full forward's logits."""
+  """The prefix is prefilled by `init_cache`; fed from position 0 as models.decoding feeds a
+  prompt, every token from P on gives the full forward's logits through the dense cached step."""
   del prefix_lm
   model = _build(_config())
   tokens = jax.random.randint(jax.random.key(2), (2, 12), 1, V)  # [B, T]
   full, cached = full_and_cached_logits(model, {'inputs': tokens}, {'inputs': tokens},
                                         tokens)
-  # Steps before P re-feed prefix tokens causally; from P on each step is the full forward's.
   err = np.abs(np.asarray(cached[:, PREFIX:] - full[:, PREFIX:])).max()
   assert err < 2e-5, err
+  # Before P a step sees only the tokens fed so far: the causal logits, not the prefix LM's.
+  assert np.abs(np.asarray(cached[:, 0] - full[:, 0])).max() > 1e-3
 
 
 def test_prefix_lm_is_counted_by_accounting(prefix_lm):
