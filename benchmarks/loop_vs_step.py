@@ -95,7 +95,7 @@ def child(size):
   t = config.train
   window, windows = SIZES[size][6:]
   tokenizer = pipeline.get_tokenizer(config.data)
-  it = pipeline.make_iterator(config.data, 'train', t.batch_size, arch='decoder_only',
+  it = pipeline.make_iterator(config.data, 'train', t.batch_size, batch_format='next_token',
                               loss_on=t.loss_on, seed=t.seed)
   host_batches = [next(it) for _ in range(2 + window * windows)]  # the loop's first batches
   tokens = [steps_lib.count_tokens(b) for b in host_batches]

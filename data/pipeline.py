@@ -1,6 +1,6 @@
 """grain input pipeline: sentence pairs (the toy task, your TSV files), documents (your text
-files), passkey prompts or synthetic task rows -> padded, packed or streamed batches per
-architecture."""
+files), passkey prompts or synthetic task rows -> padded, packed or streamed batches of a batch
+format (the row layout a model reads)."""
 
 import collections
 import functools
@@ -206,7 +206,7 @@ def load_examples(data_config, split: str) -> list[dict]:
 
 
 from data.rows import (  # noqa: E402, F401  (re-exported)
-    ARCHS, PACKINGS, _check, _fits, _row_length, _sequence, batch_shapes)
+    BATCH_FORMATS, PACKINGS, STREAM_SHIFTS, _check, _fits, _row_length, _sequence, batch_shapes)
 
 
 
@@ -252,7 +252,7 @@ def _to_json(value):
   return value
 
 
-def make_iterator(data_config, split: str, batch_size: int, *, arch: str = 'decoder_only',
+def make_iterator(data_config, split: str, batch_size: int, *, batch_format: str = 'next_token',
                   loss_on: str = 'target', seed: int = 0, shuffle: bool = True,
                   repeat: bool = True, drop_remainder: bool = True, shard_index: int = 0,
                   shard_count: int = 1, length: int | None = None) -> DataIterator:
@@ -262,8 +262,8 @@ def make_iterator(data_config, split: str, batch_size: int, *, arch: str = 'deco
     data_config: ConfigDict with `task`, `data_dir`, `max_length` and `packing`.
     split: a name from split_names.
     batch_size: rows per batch (per process).
-    arch: 'decoder_only', 'encoder_only' or 'encoder_decoder' (see ARCHS for the row features).
-    loss_on: 'target' (decoder_only weights only the target side) or 'all'.
+    batch_format: the row layout, a key of BATCH_FORMATS (a model's `models.batch_format`).
+    loss_on: 'target' (next_token rows weight only the target side) or 'all'.
     seed: shuffling seed; the same seed gives the same batches.
     shuffle: shuffle pairs (reshuffled each epoch) and packed rows.
     repeat: loop over the split forever.
@@ -277,7 +277,7 @@ def make_iterator(data_config, split: str, batch_size: int, *, arch: str = 'deco
   """
   packing = _field(data_config, 'packing', 'none')
   _check('packing', packing, list(PACKINGS))
-  _check('arch', arch, list(ARCHS))
+  _check('batch_format', batch_format, list(BATCH_FORMATS))
   _check('loss_on', loss_on, LOSS_ON)
   if not 0 <= shard_index < shard_count:
     raise ValueError(f'shard_index {shard_index} must be in [0, shard_count={shard_count})')
@@ -285,18 +285,18 @@ def make_iterator(data_config, split: str, batch_size: int, *, arch: str = 'deco
   _check_split(data_config, split)
   source = _source(data_config)
 
-  if packing == 'stream' and arch == 'encoder_decoder':
-    raise ValueError("Unsupported packing 'stream' for arch 'encoder_decoder'; "
+  if packing == 'stream' and batch_format not in STREAM_SHIFTS:
+    raise ValueError(f"Unsupported packing 'stream' for batch format {batch_format!r}; "
                      "valid values: none, segments")
   shard = _encoded_split(source, split)[shard_index::shard_count]
   # Passkey and synthetic rows are generated to fit: a stream's fit (all) for them.
   whole_rows = is_passkey(source) or is_synthetic(source)
-  fits = functools.partial(_fits, length=length, arch=arch,
+  fits = functools.partial(_fits, length=length, batch_format=batch_format,
                            packing='stream' if whole_rows else packing)
   num_dropped = sum(not fits(pair) for pair in shard)
   if num_dropped:
     logging.warning('%s/%s: %d of %d pairs longer than %d tokens are dropped (packing %s).',
-                    split, arch, num_dropped, len(shard), length, packing)
+                    split, batch_format, num_dropped, len(shard), length, packing)
   pairs = grain.MapDataset.source(shard).filter(fits)
   if shuffle:
     pairs = pairs.shuffle(seed=seed)
@@ -305,15 +305,15 @@ def make_iterator(data_config, split: str, batch_size: int, *, arch: str = 'deco
   # Per-element work is a few microseconds: grain's default thread prefetch costs more than it
   # saves (its depth bookkeeping dominated: ~60 ms per batch of 64, ~25 without it).
   pairs = pairs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  if is_passkey(source):  # decoder_only rows, loss on the value only (validation checks both)
+  if is_passkey(source):  # next_token rows, loss on the value only (validation checks both)
     rows = pairs.map(lambda pair: passkey.row(pair['source'], pair['target'], length))
-  elif is_synthetic(source):  # decoder_only rows of data.max_length, loss on the scored tokens
+  elif is_synthetic(source):  # next_token rows of data.max_length, loss on the scored tokens
     if length != source.length:
       raise ValueError(f'data.task={source.task!r} rows hold data.max_length={source.length} '
                        f'tokens; a length of {length} was asked for')
     rows = pairs.map(lambda ex: synthetic.row(ex['ids'], ex['scored'], length))
   else:
-    rows = PACKINGS[packing](pairs, length, arch, loss_on, batch_size, seed, shuffle)
+    rows = PACKINGS[packing](pairs, length, batch_format, loss_on, batch_size, seed, shuffle)
   batches = rows.batch(batch_size, drop_remainder=drop_remainder)
   # A background thread builds the next batches while the (GIL-releasing) train step runs.
   batches = grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=2)

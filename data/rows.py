@@ -1,5 +1,6 @@
-"""Row layouts of the input pipeline: one pair as a padded row per architecture (`ARCHS`), pairs
-packed into segments, or a stream cut into rows (`PACKINGS`); data.pipeline batches with them."""
+"""Row layouts of the input pipeline: one pair as a padded row of a batch format
+(`BATCH_FORMATS`), pairs packed into segments, or a stream cut into rows (`PACKINGS`);
+data.pipeline batches with them."""
 
 import functools
 
@@ -27,21 +28,24 @@ def _sequence(src, tgt):
   return tokens, in_target
 
 
-# Per-example features of each architecture, from source and target ids. Feature-name prefixes
+# Per-example features of each batch format, from source and target ids. Feature-name prefixes
 # ('src_', 'tgt_', none) group the features that share segment ids and positions.
-def _decoder_only(src, tgt, loss_on):
+def _next_token(src, tgt, loss_on):
+  """One row whose targets are the next tokens (a causal LM)."""
   tokens, in_target = _sequence(src, tgt)
   weights = in_target[1:] if loss_on == 'target' else np.ones(len(tokens) - 1, np.float32)
   return {'inputs': tokens[:-1], 'targets': tokens[1:], 'weights': weights}
 
 
-def _encoder_only(src, tgt, loss_on):
+def _same_token(src, tgt, loss_on):
+  """One row whose targets are its own tokens (a model that masks or corrupts its inputs)."""
   del loss_on  # The model's masking step chooses what to predict.
   tokens, _ = _sequence(src, tgt)
   return {'inputs': tokens, 'targets': tokens, 'weights': np.ones(len(tokens), np.float32)}
 
 
-def _encoder_decoder(src, tgt, loss_on):
+def _source_target(src, tgt, loss_on):
+  """A source row and a target row (`src_*`, `tgt_*`): the target predicts its next tokens."""
   del loss_on  # The decoder only predicts the target.
   return {'src_inputs': np.append(src, EOS).astype(np.int32),
           'tgt_inputs': np.insert(tgt, 0, BOS).astype(np.int32),
@@ -49,11 +53,16 @@ def _encoder_decoder(src, tgt, loss_on):
           'tgt_weights': np.ones(len(tgt) + 1, np.float32)}
 
 
-ARCHS = {
-    'decoder_only': _decoder_only,
-    'encoder_only': _encoder_only,
-    'encoder_decoder': _encoder_decoder,
+# `batch_format` -> the features of one pair. A model declares the one it reads
+# (models.contract.ArchSpec.batch_format).
+BATCH_FORMATS = {
+    'next_token': _next_token,
+    'same_token': _same_token,
+    'source_target': _source_target,
 }
+# The formats a stream (packing='stream') can be cut into: one row of tokens, shifted by this much
+# between inputs and targets. A source and a target row cannot be cut from one stream.
+STREAM_SHIFTS = {'next_token': 1, 'same_token': 0}
 
 
 def _group(feature: str) -> str:
@@ -62,16 +71,16 @@ def _group(feature: str) -> str:
 
 
 # Packings turn an IterDataset of pairs ({'source', 'target'} id arrays) into rows of length L.
-def _pad_rows(pairs, length, arch, loss_on, batch_size, seed, shuffle):
+def _pad_rows(pairs, length, batch_format, loss_on, batch_size, seed, shuffle):
   """packing='none': one pair per row, right-padded to length."""
   del batch_size, seed, shuffle
-  return pairs.map(lambda pair: _pad_row(pair, length, arch, loss_on))
+  return pairs.map(lambda pair: _pad_row(pair, length, batch_format, loss_on))
 
 
-def _pad_row(pair, length, arch, loss_on):
+def _pad_row(pair, length, batch_format, loss_on):
   """One pair's features right-padded to `length`, with each group's segment ids and positions."""
   row = {}
-  for name, value in ARCHS[arch](pair['source'], pair['target'], loss_on).items():
+  for name, value in BATCH_FORMATS[batch_format](pair['source'], pair['target'], loss_on).items():
     row[name] = np.zeros(length, value.dtype)
     row[name][:len(value)] = value
     group = _group(name)
@@ -82,20 +91,21 @@ def _pad_row(pair, length, arch, loss_on):
   return row
 
 
-def batch_shapes(arch: str, batch_size: int, length: int) -> dict[str, tuple]:
-  """{feature: (shape, dtype)} of the batches `make_iterator` yields for `arch` (every packing
-  gives the same features), without reading data: for abstract (ahead-of-time) compilation."""
-  _check('arch', arch, list(ARCHS))
+def batch_shapes(batch_format: str, batch_size: int, length: int) -> dict[str, tuple]:
+  """{feature: (shape, dtype)} of the batches `make_iterator` yields in `batch_format` (every
+  packing gives the same features), without reading data: for abstract (ahead-of-time)
+  compilation."""
+  _check('batch_format', batch_format, list(BATCH_FORMATS))
   one = np.ones(1, np.int32)
-  row = _pad_row({'source': one, 'target': one}, max(length, 4), arch, 'target')
+  row = _pad_row({'source': one, 'target': one}, max(length, 4), batch_format, 'target')
   return {name: ((batch_size, length), value.dtype) for name, value in row.items()}
 
 
-def _pack_segments(pairs, length, arch, loss_on, batch_size, seed, shuffle):
+def _pack_segments(pairs, length, batch_format, loss_on, batch_size, seed, shuffle):
   """packing='segments': first-fit packing of whole pairs; attention must respect segment_ids."""
-  names = list(ARCHS[arch](np.zeros(1, np.int32), np.zeros(1, np.int32), loss_on))
+  names = list(BATCH_FORMATS[batch_format](np.zeros(1, np.int32), np.zeros(1, np.int32), loss_on))
   packed = grain.experimental.FirstFitPackIterDataset(
-      pairs.map(lambda pair: ARCHS[arch](pair['source'], pair['target'], loss_on)),
+      pairs.map(lambda pair: BATCH_FORMATS[batch_format](pair['source'], pair['target'], loss_on)),
       length_struct={name: length for name in names},
       # As many open bins as rows in a batch: fuller rows than one bin, little buffering.
       num_packing_bins=max(batch_size, 2), seed=seed, shuffle_bins=shuffle)
@@ -112,11 +122,11 @@ def _pack_segments(pairs, length, arch, loss_on, batch_size, seed, shuffle):
   return packed.map(rename)
 
 
-def _stream(pairs, length, arch, loss_on, batch_size, seed, shuffle):
+def _stream(pairs, length, batch_format, loss_on, batch_size, seed, shuffle):
   """packing='stream': pairs concatenated and cut into rows, no padding, attention across pairs."""
   del batch_size, seed, shuffle
-  # decoder_only rows hold L+1 stream tokens so that inputs and targets (shifted) both have L.
-  shift = 1 if arch == 'decoder_only' else 0
+  # Shifted rows hold L+1 stream tokens so that inputs and targets (shifted) both have L.
+  shift = STREAM_SHIFTS[batch_format]
 
   def to_stream(pair):
     tokens, in_target = _sequence(pair['source'], pair['target'])
@@ -127,7 +137,7 @@ def _stream(pairs, length, arch, loss_on, batch_size, seed, shuffle):
 
   def to_row(chunk):
     tokens, real = chunk['tokens'], chunk['tokens_segment_ids'] > 0  # Only a last row has pads.
-    if arch == 'decoder_only' and loss_on == 'target':
+    if shift and loss_on == 'target':  # the next-token rows weight the target side
       weights = chunk['in_target'][shift:] * real[shift:]
     else:
       weights = real[shift:]
@@ -143,13 +153,14 @@ PACKINGS = {'none': _pad_rows, 'segments': _pack_segments, 'stream': _stream}
 
 
 @functools.lru_cache(maxsize=None)
-def _row_length(arch: str, source_len: int, target_len: int) -> int:
+def _row_length(batch_format: str, source_len: int, target_len: int) -> int:
   """Longest feature of a pair with these lengths (cached: a few hundred distinct pairs)."""
-  dummy = ARCHS[arch](np.zeros(source_len, np.int32), np.zeros(target_len, np.int32), 'all')
+  dummy = BATCH_FORMATS[batch_format](np.zeros(source_len, np.int32),
+                                      np.zeros(target_len, np.int32), 'all')
   return max(len(v) for v in dummy.values())
 
 
-def _fits(pair, *, length, arch, packing):
+def _fits(pair, *, length, batch_format, packing):
   """Whether every feature of a pair fits in a row (streams split pairs, so all fit)."""
-  return packing == 'stream' or _row_length(arch, len(pair['source']),
+  return packing == 'stream' or _row_length(batch_format, len(pair['source']),
                                             len(pair['target'])) <= length

@@ -14,9 +14,6 @@ from layers import sharding
 # `config.model.moe_routing`: token choice (each token picks its top-k experts: Switch, GShard,
 # Mixtral) or expert choice (each expert picks its top-capacity tokens: Zhou et al. 2022).
 ROUTINGS = ('tokens', 'experts')
-# The archs with a causal Transformer stack, where expert choice would let a token's routing
-# depend on later tokens of its row.
-CAUSAL_ARCHS = ('decoder_only', 'encoder_decoder')
 # Every `model.moe_*` field and its default (configs/default.py holds the same values, commented).
 DEFAULTS = {
     'moe_experts': 0, 'moe_d_ff': 0, 'moe_top_k': 2, 'moe_capacity_factor': 0.0,
@@ -184,9 +181,16 @@ class MoE(nnx.Module, options.Configurable):
                                     f'(dense); valid values: {default!r}, or moe_experts > 0')
 
   @classmethod
-  def check_config(cls, model_cfg, data_cfg):
+  def check_config(cls, model_cfg, data_cfg, *, causal=True):
     """The combinations: k <= E, expert choice only without causal self-attention and with a
-    capacity, at least one MoE block, no scanned stack."""
+    capacity, at least one MoE block, no scanned stack.
+
+    Args:
+      model_cfg, data_cfg: as `layers.options.Configurable.check_config`.
+      causal: the model has a causal stack (the caller reads the architecture's declaration,
+        models.contract.ArchSpec.causal), where expert choice would let a token's routing depend
+        on later tokens of its row.
+    """
     del data_cfg
     m = model_cfg
     e = m.get('moe_experts', 0)
@@ -195,7 +199,7 @@ class MoE(nnx.Module, options.Configurable):
     if m.moe_top_k > e:
       raise options.ConfigError(f'model.moe_top_k={m.moe_top_k} exceeds model.moe_experts={e}; '
                                 f'valid values: 1..{e}')
-    if m.moe_routing == 'experts' and m.arch in CAUSAL_ARCHS:
+    if m.moe_routing == 'experts' and causal:
       raise options.ConfigError(f"model.moe_routing='experts' (expert choice) reads later tokens, "
                                 f"which causal model.arch={m.arch!r} must not; "
                                 "valid values: tokens")

@@ -27,7 +27,6 @@ from layers import positions
 from layers import sharding
 
 COMPONENTS = ('embedding', 'positions', 'attention', 'cross_attention', 'ffn', 'norms', 'output')
-TRANSFORMER_ARCHS = ('decoder_only', 'encoder_only', 'encoder_decoder')
 GATED_FFNS = ('swiglu', 'geglu')
 
 
@@ -83,16 +82,29 @@ def norm_params(d_model, norm):
   return 2 * d_model if norm == 'layernorm' else d_model
 
 
+def covers(arch):
+  """Whether the closed forms cover `arch`: it declares Transformer stacks (models.contract)."""
+  return bool(models.spec(arch).stacks)
+
+
 def stack_layout(arch):
-  """(number of stacks, whether the decoder stack has cross-attention) of a Transformer arch.
+  """(number of stacks, whether a stack has cross-attention) of a Transformer arch, from its
+  declared stacks (`models.contract.ArchSpec.stacks`).
 
   Raises:
     ValueError: `arch` is not a Transformer (the closed forms cover only those).
   """
-  if arch not in TRANSFORMER_ARCHS:
+  if not covers(arch):
+    valid = models.archs_where(lambda s: s.stacks, ordered=False)
     raise ValueError(f'model.arch={arch!r}: accounting covers the Transformer archs; '
-                     f'valid values: {", ".join(TRANSFORMER_ARCHS)}')
-  return (2, True) if arch == 'encoder_decoder' else (1, False)
+                     f'valid values: {", ".join(valid)}')
+  spec = models.spec(arch)
+  return len(spec.stacks), spec.cross_attention
+
+
+def _count_stacks(arch, field):
+  """How many of `arch`'s stacks declare `field` (causal, cross_attention, positions)."""
+  return sum(bool(getattr(s, field)) for s in models.spec(arch).stacks)
 
 
 def self_attention_params(cfg):
@@ -130,19 +142,20 @@ def formula_params(cfg, vocab_size, max_length):
     parameter on the residual path: one norm per sublayer (two under sandwich, none under
     rezero, whose scalar gates it counts instead) and the final norms (layers.block.FINAL_NORM).
   """
-  stacks, cross = stack_layout(cfg.arch)
+  stacks, _ = stack_layout(cfg.arch)
   d, layers = cfg.d_model, cfg.num_layers * stacks
-  sublayers = 2 * layers + (cfg.num_layers if cross else 0)  # self, ffn (+ cross)
+  cross_layers = cfg.num_layers * _count_stacks(cfg.arch, 'cross_attention')
+  sublayers = 2 * layers + cross_layers  # self, ffn (+ cross)
   per_sublayer = {'sandwich': 2, 'rezero': 0}.get(cfg.norm_position, 1)  # norms per sublayer
   final_norms = stacks if block.FINAL_NORM[cfg.norm_position] else 0
   gates = sublayers if cfg.norm_position == 'rezero' else 0
   shared = cfg.get('share_embeddings', True) or stacks == 1
   return {
       'embedding': vocab_size * d * (1 if shared else 2),
-      'positions': position_params(cfg, max_length) * stacks,
+      'positions': position_params(cfg, max_length) * _count_stacks(cfg.arch, 'positions'),
       'attention': self_attention_layers_params(cfg),
       # Cross-attention is the dense layer (layers.block), with the gate, QK-norm and sinks when on.
-      'cross_attention': attention.Attention.param_count(cfg) * cfg.num_layers if cross else 0,
+      'cross_attention': attention.Attention.param_count(cfg) * cross_layers,
       'ffn': ffn_layers_params(cfg) * stacks,  # MoE blocks: router, experts, shared experts
       'norms': norm_params(d, cfg.norm) * (sublayers * per_sublayer + final_norms) + gates,
       'output': 0 if cfg.get('tie_output', True) else d * vocab_size + vocab_size,
@@ -171,10 +184,12 @@ def kv_cache_elements(num_layers, num_kv_heads, head_dim, length):
 def kv_cache_per_token(cfg):
   """Elements a sequence's self-attention cache holds per token over all decoder layers: L x the
   decoder variant's declared `cache_per_token` (2·K·H for a key and a value per KV head; MLA's
-  d_c + d_h^R); None for an architecture with no decoder (encoder_only)."""
-  if cfg.arch not in ('decoder_only', 'encoder_decoder'):
+  d_c + d_h^R); None for an architecture with no decoding stack (`ArchSpec.decoder`: encoder_only).
+  """
+  spec = models.spec(cfg.arch)
+  if spec.decoder is None:
     return None
-  variant = attention_variants.VARIANTS[cfg.get('decoder_attention', '') or cfg.attention]
+  variant = attention_variants.VARIANTS[spec.stack(spec.decoder).config(cfg).attention]
   return cfg.num_layers * variant.cache_per_token(cfg)
 
 
@@ -214,8 +229,8 @@ def forward_flops(cfg, vocab_size, length):
   matmul = 2 * t * stack_weights * stacks + 2 * t * d * vocab_size
   full, triangle = t * t, t * (t + 1) // 2  # (query, key) pairs: all, and the causal ones
   pairs = full * cfg.num_layers * stacks  # self-attention, every stack
-  # The decoder stack (decoder_only, encoder_decoder) is causal; encoders need every pair.
-  causal_pairs = pairs - (0 if cfg.arch == 'encoder_only' else (full - triangle) * cfg.num_layers)
+  # A causal stack (a decoder) needs only the triangle; an encoder needs every pair.
+  causal_pairs = pairs - (full - triangle) * cfg.num_layers * _count_stacks(cfg.arch, 'causal')
   if cross:
     # q and o over target tokens, k and v over source tokens (both `length`): the same weights.
     matmul += 2 * t * attention_weights * cfg.num_layers
@@ -359,7 +374,7 @@ def training_bytes(cfg, vocab_size, batch_size, length, mesh_config, accum_steps
   """
   state = 4 * per_device_param_bytes(abstract_model(cfg, vocab_size, length), mesh_config)
   activations = 0
-  if cfg.arch in TRANSFORMER_ARCHS:
+  if covers(cfg.arch):
     activations = activation_bytes(cfg, vocab_size, -(-batch_size // accum_steps), length,
                                    mesh_config)
   return {'state': state, 'activations': activations, 'total': state + activations}

@@ -5,13 +5,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from layers import paged_attention
+from models import contract
 from models import stack
 
 
 class DecoderOnly(nnx.Module):
   """Causal LM; the output projection is tied to the token embedding (or untied: tie_output)."""
 
-  def __init__(self, cfg, vocab_size, max_length, *, rngs):
+  spec = contract.ArchSpec(
+      stacks=(contract.StackSpec('decoder', causal=True),), batch_format='next_token',
+      decoder='decoder', translation='prompt', documents=True, causal_lm=True)
+
+  def __init__(self, cfg, vocab_size, max_length, *, rngs, special_ids=None):
+    del special_ids  # no masking: the ids reach only the archs that mask
     self.decoder = stack.Stack(cfg, vocab_size, max_length, output=True, rngs=rngs)
 
   def __call__(self, batch, *, rngs=None):

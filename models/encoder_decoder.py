@@ -3,7 +3,18 @@
 import jax.numpy as jnp
 from flax import nnx
 
+from models import contract
 from models import stack
+
+
+def decoder_config(cfg):
+  """`cfg` with the decoder's self-attention variant (`model.decoder_attention`, '' = the
+  encoder's): an encoder variant with no causal form (Linformer) can then pair with a decoder."""
+  if not cfg.get('decoder_attention'):
+    return cfg
+  out = cfg.copy_and_resolve_references()
+  out.attention = cfg.decoder_attention
+  return out
 
 
 class EncoderDecoder(nnx.Module):
@@ -14,7 +25,15 @@ class EncoderDecoder(nnx.Module):
   decoder's `context_segment_ids`): a target token sees only source tokens of its own segment.
   """
 
-  def __init__(self, cfg, vocab_size, max_length, *, rngs):
+  spec = contract.ArchSpec(
+      stacks=(contract.StackSpec('encoder', causal=False),
+              contract.StackSpec('decoder', causal=True, cross_attention=True,
+                                 config=decoder_config)),
+      batch_format='source_target', decoder='decoder', translation='source',
+      packings=('none', 'segments'), options=('share_embeddings', 'decoder_attention'))
+
+  def __init__(self, cfg, vocab_size, max_length, *, rngs, special_ids=None):
+    del special_ids  # no masking: the ids reach only the archs that mask
     self.encoder = stack.Stack(cfg, vocab_size, max_length, rngs=rngs)
     # Shared embeddings (one table for source, target and output) suit a joint vocabulary.
     embed = self.encoder.embed if cfg.get('share_embeddings', True) else None
@@ -95,12 +114,3 @@ class EncoderDecoder(nnx.Module):
                                         context_mask=cache['context_mask'])  # [B, D]
     return self.decoder.logits(h), {**cache, 'self': self_cache}
 
-
-def decoder_config(cfg):
-  """`cfg` with the decoder's self-attention variant (`model.decoder_attention`, '' = the
-  encoder's): an encoder variant with no causal form (Linformer) can then pair with a decoder."""
-  if not cfg.get('decoder_attention'):
-    return cfg
-  out = cfg.copy_and_resolve_references()
-  out.attention = cfg.decoder_attention
-  return out

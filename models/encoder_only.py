@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import contract
 from models import stack
 
 EVAL_MASK_SEED = 0  # evaluation masks with this fixed key, so its numbers are deterministic
@@ -87,6 +88,11 @@ class EncoderOnly(nnx.Module):
 
   The forward pass needs no token ids; masking (`mask`, `loss_terms`) needs `special_ids`.
   """
+
+  spec = contract.ArchSpec(
+      stacks=(contract.StackSpec('encoder', causal=False),), batch_format='same_token',
+      translation='fill', documents=True,
+      options=('mlm_rate', 'mlm_mask_prob', 'mlm_random_prob', 'mlm_target_rate'))
 
   def __init__(self, cfg, vocab_size, max_length, *, rngs, special_ids=None):
     self.encoder = stack.Stack(cfg, vocab_size, max_length, output=True, rngs=rngs)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from layers import rnn_attention
+from models import contract
 from models import stack
 
 # Recurrent cells, keyed by `config.model.rnn_cell`.
@@ -30,8 +31,14 @@ class RNNSeq2Seq(nnx.Module):
   Same batch format as encoder_decoder (packing='none': one pair per row).
   """
 
-  def __init__(self, cfg, vocab_size, max_length, *, rngs):
-    del max_length  # recurrences have no length limit
+  # No Transformer stack: no KV cache (its recurrent state is the decoding cache), no closed forms.
+  spec = contract.ArchSpec(
+      batch_format='source_target', translation='source', packings=('none',),
+      packing_note=' (a recurrence reads one pair per row)', tiled_loss=False,
+      options=('rnn_cell', 'rnn_attention', 'rnn_luong_scale'))
+
+  def __init__(self, cfg, vocab_size, max_length, *, rngs, special_ids=None):
+    del max_length, special_ids  # recurrences have no length limit; no masking
     d = cfg.d_model
     cell_name = cfg.get('rnn_cell', 'lstm')
     if cell_name not in CELLS:

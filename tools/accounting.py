@@ -235,9 +235,10 @@ def _flops(m, vocab_size, length, batch_size):
 
 
 def _kv_cache(m, length):
-  """The KV cache of this config (none for encoder-only), per token against MHA, GQA and MQA of
-  the same width, and the textbook example."""
+  """The KV cache of this config (none without a decoding stack), per token against MHA, GQA and
+  MQA of the same width, and the textbook example."""
   _, cross = accounting.stack_layout(m.arch)
+  decodes = models.spec(m.arch).decoder is not None
   h = m.d_model // m.num_heads
 
   def row(label, elems):
@@ -245,8 +246,8 @@ def _kv_cache(m, length):
 
   out = ['', '## KV cache (layers x what a layer caches per token x length x bytes)', '']
   rows = []
-  if m.arch == 'encoder_only':
-    out += ['Encoder-only: no autoregressive decoding, no KV cache.']
+  if not decodes:
+    out += [f'{m.arch}: no decoding stack, no autoregressive decoding, no KV cache.']
   else:
     elems = accounting.kv_cache_per_token(m) * length
     if cross:
@@ -265,7 +266,7 @@ def _kv_cache(m, length):
   out += ['', 'The example is 2 x 32 layers x 32 heads x 64 x 2048 = 268,435,456 elements (the '
           '"268 MB" some texts print is that element count, not bytes); 8 KV heads keep a quarter '
           'of it, one KV head a 32nd.']
-  if m.arch != 'encoder_only':
+  if decodes:
     out += _cache_per_token(m, h)
   return out
 
@@ -278,7 +279,8 @@ def _cache_per_token(m, h):
             human_bytes(2 * elems * m.num_layers))
 
   own = accounting.kv_cache_per_token(m) // m.num_layers
-  attention = m.get('decoder_attention', '') or m.attention
+  spec = models.spec(m.arch)
+  attention = spec.stack(spec.decoder).config(m).attention  # the decoding stack's variant
   form = attention_variants.VARIANTS[attention].cache_form
   rows = [row(f'this config (attention={attention}, K={m.num_kv_heads})', form, own),
           row(f'MHA (K = N = {m.num_heads})', '2·N·H', 2 * m.num_heads * h)]

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 
+import models
 from data import pipeline
 from training import paths
 from training import writers
@@ -146,13 +147,14 @@ def attention_batch(config, example, tokenizer):
     return np.asarray([ids], np.int32)  # [1, T]
 
   src, tgt = example['source_ids'], example['target_ids']
-  if config.model.arch in ('encoder_decoder', 'rnn_seq2seq'):
+  batch_format = models.batch_format(config.model.arch)  # the rows the model reads
+  if batch_format == 'source_target':
     src_in = src + [tokenizer.eos_id]
     tgt_in = [tokenizer.bos_id] + tgt
     batch = {'src_inputs': row(src_in), 'tgt_inputs': row(tgt_in)}
     return batch, words(tgt_in), words(tgt_in), words(src_in)
   seq = [tokenizer.bos_id] + src + [tokenizer.sep_id] + tgt + [tokenizer.eos_id]
-  if config.model.arch == 'decoder_only':
+  if batch_format == 'next_token':
     seq = seq[:-1]  # teacher forcing: the inputs stop before the last target
   return {'inputs': row(seq)}, words(seq), words(seq), None
 
@@ -231,7 +233,7 @@ def plot_attention_maps(workdir, config, model, examples, tokenizer, layer=-1):
     for kind, weights in maps.items():
       keys = self_words if kind == 'self' else cross_words
       panels[kind] = (np.asarray(weights[0]), q_words, keys)
-    if config.model.arch == 'decoder_only':
+    if models.batch_format(config.model.arch) == 'next_token':
       # Rows of the target tokens (from <sep>), columns of the source tokens (after <bos>).
       sep = q_words.index(tokenizer.tokens[tokenizer.sep_id])
       alignment = np.asarray(maps['self'][0])[:, sep:, 1:sep]  # [N, T - sep, sep - 1]

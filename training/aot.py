@@ -298,9 +298,9 @@ def per_chip_bytes(report):
 def analytic_flops(config, vocab_size, chips):
   """`models.accounting`'s FLOPs of one training step per chip: forward + backward = 3x the
   forward matmuls and full score matrices of every row of the batch; None for an arch the closed
-  forms do not cover (rnn_seq2seq)."""
+  forms do not cover (one without Transformer stacks: rnn_seq2seq)."""
   from models import accounting
-  if config.model.arch not in models.ARCHS or config.model.arch == 'rnn_seq2seq':
+  if config.model.arch not in models.ARCHS or not accounting.covers(config.model.arch):
     return None
   row = accounting.forward_flops(config.model, vocab_size, config.data.max_length)
   return 3.0 * (row['matmul'] + row['scores']) * config.train.batch_size / chips

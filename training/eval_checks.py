@@ -8,6 +8,7 @@ import tempfile
 
 import ml_collections
 
+import models
 from data import pipeline
 from data import text_corpus
 from layers import rope
@@ -159,8 +160,9 @@ def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_sca
     return
   if not lengths:
     return
-  if config.model.arch != 'decoder_only':
-    raise ConfigError(f'--lengths (stream extrapolation) needs a decoder_only run, not '
+  if not models.spec(config.model.arch).causal_lm:
+    valid = ', '.join(models.archs_where(lambda s: s.causal_lm))
+    raise ConfigError(f'--lengths (stream extrapolation) needs a {valid} run, not '
                       f'{config.model.arch!r}')
   train_length = config.data.max_length
   rows = validation_positions.max_positions(config)

@@ -39,7 +39,7 @@ def evaluate_sums(eval_fn, variables, config, split, num_batches, length=None, s
   """The summed metrics of `evaluate`; with `share` = (i, n), only of batches i, i + n, ... (one
   process's part of a split that n processes evaluate side by side; their sums add up)."""
   it = pipeline.make_iterator(config.data, split, config.train.batch_size,
-                              arch=models.batch_format(config.model.arch),
+                              batch_format=models.batch_format(config.model.arch),
                               loss_on=config.train.loss_on, shuffle=False, repeat=False,
                               drop_remainder=False, length=length)
   index, count = share
@@ -120,16 +120,19 @@ def eval_options(rope_scaling=None, xpos_block=None):
 
 
 def _check_lengths(config, model, lengths):
-  """Raises ValueError, before anything compiles, for --lengths the run cannot take (another arch
-  than decoder_only, a learned table shorter than a length); returns a passkey run's retrieval
-  lengths in tokens (its default 1, 2, 4, 8 x L when `lengths` is empty), else []."""
-  if lengths and config.model.arch != 'decoder_only':
-    raise ValueError(f'--lengths (stream extrapolation) needs a decoder_only run, not '
+  """Raises ValueError, before anything compiles, for --lengths the run cannot take (an arch that
+  is not a causal LM, `models.contract.ArchSpec.causal_lm`; a learned table shorter than a
+  length); returns a passkey run's retrieval lengths in tokens (its default 1, 2, 4, 8 x L when
+  `lengths` is empty), else []."""
+  spec = models.spec(config.model.arch)
+  if lengths and not spec.causal_lm:
+    valid = ', '.join(models.archs_where(lambda s: s.causal_lm))
+    raise ValueError(f'--lengths (stream extrapolation) needs a {valid} run, not '
                      f'{config.model.arch!r}')
   passkey_lengths = (validation_passkey.retrieval_lengths(config, lengths)
                      if retrieval.is_passkey(config) else [])
   for length in passkey_lengths or [int(m * config.data.max_length) for m in lengths]:
-    model.decoder.position.check_length(length)
+    getattr(model, spec.decoder).position.check_length(length)
   return passkey_lengths
 
 

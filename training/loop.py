@@ -229,8 +229,8 @@ def _setup(config, workdir, lead):
   # processes the shards of the rows this process's devices hold.
   it = pipeline.ShardedIterator(config.data, 'train', t.batch_size, config.data.get('shards', 1),
                                 distributed.data_shards(config, mesh, rules),
-                                arch=models.batch_format(config.model.arch), loss_on=t.loss_on,
-                                seed=t.seed)
+                                batch_format=models.batch_format(config.model.arch),
+                                loss_on=t.loss_on, seed=t.seed)
   mngr = checkpointing.checkpoint_manager(workdir, config)
   state, start, carried = _restore(config, workdir, mngr, state, it)
   if lead:  # atomically (other processes may be reading it); only now that the checkpoint
@@ -308,7 +308,7 @@ def _write_run_info(config, info_path, group_sizes, lead):
   Returns what it holds."""
   info = paths.read_json(info_path) if paths.exists(info_path) else {}
   info.update(num_params=sum(group_sizes.values()), params_by_group=group_sizes)
-  if config.model.arch in accounting.TRANSFORMER_ARCHS:
+  if accounting.covers(config.model.arch):
     # The decoder's self-attention cache per token, all layers (models.accounting; None without
     # a decoder): what its variant declares (2·K·H a layer, MLA's d_c + d_h^R).
     info['kv_cache_per_token'] = accounting.kv_cache_per_token(config.model)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 import numpy as np
 
+import models
 from models import decoding
 from training import distributed
 
@@ -45,34 +46,52 @@ def _fill_masks(model, examples, tokenizer, batch_size=64):
 
 def generate_translations(config, model, examples, tokenizer, *, method='greedy', max_new=None,
                           **decode_kwargs):
-  """Translations of `examples` by the run's architecture.
+  """Translations of `examples` by the run's architecture, as it declares
+  (`models.contract.ArchSpec.translation`, a key of `TRANSLATORS`).
 
-  decoder_only continues `<bos> source <sep>`; encoder_decoder and rnn_seq2seq decode from `<bos>`
-  over the encoded `source <eos>` (all with the KV cache / recurrent state, `models.decoding`);
-  encoder_only fills a fully masked target of the reference length in one pass (an oracle length:
-  a non-autoregressive score, not comparable one to one with the others). `max_new`: the decoding
-  budget, by default one more token than the longest reference.
+  'prompt' (decoder_only) continues `<bos> source <sep>`; 'source' (encoder_decoder, rnn_seq2seq)
+  decodes from `<bos>` over the encoded `source <eos>` (all with the KV cache / recurrent state,
+  `models.decoding`); 'fill' (encoder_only) fills a fully masked target of the reference length in
+  one pass (an oracle length: a non-autoregressive score, not comparable one to one with the
+  others). `max_new`: the decoding budget, by default one more token than the longest reference.
   """
-  arch = config.model.arch
-  if arch == 'encoder_only':
+  spec = models.spec(config.model.arch)
+  if spec.translation == 'fill':
     return _fill_masks(model, examples, tokenizer)
   max_new = max_new or max(len(e['target_ids']) for e in examples) + 1
-  kwargs = dict(max_new=max_new, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, method=method,
-                **decode_kwargs)
-  if arch == 'decoder_only':
-    prompts = [[tokenizer.bos_id] + e['source_ids'] + [tokenizer.sep_id] for e in examples]
-    # Longer test splits need a longer buffer than training (that is the extrapolation).
-    length = max(config.data.max_length, max(len(p) for p in prompts) + max_new)
-    model.decoder.position.check_length(length)
-    if method == 'greedy' and not decode_kwargs:
-      return decoding.greedy_translate(model, prompts, length=length, max_new=max_new,
-                                       eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-    return decoding.generate(model, prompts, length=length, **kwargs)
+  return TRANSLATORS[spec.translation](config, model, examples, tokenizer, method=method,
+                                       max_new=max_new, decode_kwargs=decode_kwargs)
+
+
+def _continue_prompts(config, model, examples, tokenizer, *, method, max_new, decode_kwargs):
+  """'prompt': each row continues `<bos> source <sep>` with the decoding stack's KV cache."""
+  prompts = [[tokenizer.bos_id] + e['source_ids'] + [tokenizer.sep_id] for e in examples]
+  # Longer test splits need a longer buffer than training (that is the extrapolation).
+  length = max(config.data.max_length, max(len(p) for p in prompts) + max_new)
+  getattr(model, models.spec(config.model.arch).decoder).position.check_length(length)
+  if method == 'greedy' and not decode_kwargs:
+    return decoding.greedy_translate(model, prompts, length=length, max_new=max_new,
+                                     eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+  return decoding.generate(model, prompts, length=length, max_new=max_new,
+                           eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, method=method,
+                           **decode_kwargs)
+
+
+def _decode_from_source(config, model, examples, tokenizer, *, method, max_new, decode_kwargs):
+  """'source': each row decodes from `<bos>` over its encoded `source <eos>`."""
   sources = [e['source_ids'] + [tokenizer.eos_id] for e in examples]
-  if hasattr(model, 'encoder') and hasattr(model.encoder, 'position'):
-    model.encoder.position.check_length(max(len(x) for x in sources))
-    model.decoder.position.check_length(max_new + 1)
-  return decoding.generate(model, [[tokenizer.bos_id]] * len(examples), sources=sources, **kwargs)
+  spec = models.spec(config.model.arch)
+  for s in spec.stacks:  # the Transformer stacks' position tables (none in an RNN)
+    getattr(model, s.role).position.check_length(
+        max_new + 1 if s.role == spec.decoder else max(len(x) for x in sources))
+  return decoding.generate(model, [[tokenizer.bos_id]] * len(examples), sources=sources,
+                           max_new=max_new, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                           method=method, **decode_kwargs)
+
+
+# `ArchSpec.translation` -> how the architecture's model translates (the 'fill' of a one-pass
+# model is `_fill_masks`, which takes no decoding options).
+TRANSLATORS = {'prompt': _continue_prompts, 'source': _decode_from_source}
 
 
 def bleu(hyp_texts, ref_texts):

@@ -34,9 +34,6 @@ from training import validation_synthetic
 SCHEDULES = state_lib.SCHEDULES
 LOSS_ON = pipeline.LOSS_ON
 PACKINGS = tuple(pipeline.PACKINGS)
-# The archs whose Transformer self-attention is causal (their decoders), and the one whose is not.
-CAUSAL_ARCHS = ('decoder_only', 'encoder_decoder')
-BIDIRECTIONAL_ARCHS = ('encoder_only',)
 
 # The registries whose entries read `config.model` fields (layers.options.Configurable).
 REGISTRIES = (attention_variants.VARIANTS, positions.POSITIONS, norms.NORMS, feed_forward.FFNS,
@@ -113,13 +110,14 @@ def _validate_model(config):
   _check_registry('norm', norms.NORMS, m, d)
   _check_registry('ffn', feed_forward.FFNS, m, d)
   moe.MoE.check_options(m)  # the MoE layer's fields, whichever FFN kind (layers.moe)
-  moe.MoE.check_config(m, d)
+  moe.MoE.check_config(m, d, causal=models.spec(m.arch).causal)
   if not isinstance(m.share_embeddings, bool):
     raise ConfigError(f'model.share_embeddings={m.share_embeddings!r} must be True or False')
   for name in ('mlm_rate', 'mlm_mask_prob', 'mlm_random_prob', 'mlm_target_rate'):
     if not isinstance(m[name], (int, float)) or not 0.0 <= m[name] <= 1.0:
       raise ConfigError(f'model.{name}={m[name]!r} must be in [0, 1]')
-  if m.arch == 'encoder_only' and m.mlm_rate == 0 and m.mlm_target_rate == 0:
+  spec = models.spec(m.arch)  # what the architecture declares (models.contract.ArchSpec)
+  if 'mlm_rate' in spec.options and m.mlm_rate == 0 and m.mlm_target_rate == 0:
     raise ConfigError('model.mlm_rate=0 with model.mlm_target_rate=0 masks nothing to predict')
   if m.mlm_mask_prob + m.mlm_random_prob > 1.0:
     raise ConfigError(f'model.mlm_random_prob={m.mlm_random_prob!r} plus model.mlm_mask_prob='
@@ -127,12 +125,9 @@ def _validate_model(config):
   _choice('model.rnn_cell', m.rnn_cell, rnn_seq2seq.CELLS)
   _choice('model.rnn_attention', m.rnn_attention, rnn_attention.RNN_ATTENTIONS)
   _check_registry('rnn_attention', rnn_attention.RNN_ATTENTIONS, m, d)
-  if m.arch == 'rnn_seq2seq' and config.data.packing != 'none':
+  if config.data.packing in PACKINGS and config.data.packing not in spec.packings:
     raise ConfigError(f"data.packing={config.data.packing!r} is not valid for model.arch="
-                      "'rnn_seq2seq' (a recurrence reads one pair per row); valid values: none")
-  if m.arch in ('encoder_decoder', 'rnn_seq2seq') and config.data.packing == 'stream':
-    raise ConfigError(f"data.packing='stream' is not valid for model.arch={m.arch!r}; valid "
-                      'values: none, segments')
+                      f"{m.arch!r}{spec.packing_note}; valid values: {', '.join(spec.packings)}")
   _validate_attention(config)
   _validate_scan(config)
   _validate_model_options(config)
@@ -224,9 +219,10 @@ def _validate_code_data(config):
   if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 6:
     raise ConfigError(f'data.vocab_size={vocab!r} must be an integer > 6 (the SentencePiece '
                       'pieces, the 6 special tokens included), e.g. 1000')
-  if m.arch not in ('decoder_only', 'encoder_only'):
+  if not models.spec(m.arch).documents:
     raise ConfigError(f"data.task='python_code' (documents, no sentence pairs) is not valid for "
-                      f'model.arch={m.arch!r}; valid archs: decoder_only, encoder_only')
+                      f'model.arch={m.arch!r}; valid archs: '
+                      f'{", ".join(models.archs_where(lambda s: s.documents))}')
 
 
 def _validate_text_data(config):
@@ -247,10 +243,12 @@ def _validate_text_data(config):
                       'pieces, the 6 special tokens included), e.g. 1000')
   if not isinstance(d.get('shared_vocab', True), bool):
     raise ConfigError(f'data.shared_vocab={d.shared_vocab!r} must be True or False')
-  if d.task == 'text_lm' and m.arch not in ('decoder_only', 'encoder_only'):
+  spec = models.spec(m.arch)
+  if d.task == 'text_lm' and not spec.documents:
     raise ConfigError(f"data.task='text_lm' (documents, no sentence pairs) is not valid for "
-                      f'model.arch={m.arch!r}; valid archs: decoder_only, encoder_only')
-  if d.task == 'text_lm' and m.arch == 'encoder_only' and m.mlm_target_rate > 0:
+                      f'model.arch={m.arch!r}; valid archs: '
+                      f'{", ".join(models.archs_where(lambda s: s.documents))}')
+  if d.task == 'text_lm' and 'mlm_target_rate' in spec.options and m.mlm_target_rate > 0:
     raise ConfigError(f"model.mlm_target_rate={m.mlm_target_rate!r} masks a target side, which "
                       "data.task='text_lm' documents lack; valid: 0")
 
@@ -300,10 +298,10 @@ def _validate_scan(config):
                       "scanned block); valid values without it: none")
   if not scan:
     return
-  if m.arch == 'rnn_seq2seq':
-    raise ConfigError("model.scan_layers=True is not valid for model.arch='rnn_seq2seq' (no "
-                      'Transformer blocks); valid archs: decoder_only, encoder_decoder, '
-                      'encoder_only')
+  if not models.spec(m.arch).stacks:
+    raise ConfigError(f'model.scan_layers=True is not valid for model.arch={m.arch!r} (no '
+                      'Transformer blocks); valid archs: '
+                      f'{", ".join(models.archs_where(lambda s: s.stacks))}')
   names = stack.layer_attentions(m)
   if len(set(names)) > 1:
     raise ConfigError(f'model.scan_layers=True is not valid for model.layer_pattern='
@@ -352,8 +350,8 @@ def _validate_layer_pattern(config):
     if entry not in attention_variants.VARIANTS:
       raise ConfigError(f'model.layer_pattern={pattern!r}: entry {entry!r} is not valid; valid '
                         f'entries: {", ".join(sorted(attention_variants.VARIANTS))}')
-  if m.arch == 'rnn_seq2seq':
-    raise ConfigError(f"model.layer_pattern={pattern!r} is not valid for model.arch='rnn_seq2seq' "
+  if not models.spec(m.arch).stacks:
+    raise ConfigError(f'model.layer_pattern={pattern!r} is not valid for model.arch={m.arch!r} '
                       "(no Transformer blocks); valid value here: ''")
   if m.get('decoder_attention', ''):
     raise ConfigError(f'model.layer_pattern={pattern!r} sets every stack\'s layers, so '
@@ -384,11 +382,14 @@ def _validate_variant(config):
   m = config.model
   _check_registry('attention', attention_variants.VARIANTS, m, config.data)
   variant = attention_variants.VARIANTS[m.attention]
+  spec = models.spec(m.arch)
   decoder = m.get('decoder_attention', '')
   if decoder:
-    if m.arch != 'encoder_decoder':
+    if 'decoder_attention' not in spec.options:
+      readers = ' or '.join(repr(a) for a in models.archs_where(
+          lambda s: 'decoder_attention' in s.options))
       raise ConfigError(f'model.decoder_attention={decoder!r} is read only by '
-                        f"model.arch='encoder_decoder' (model.arch={m.arch!r}); valid value "
+                        f'model.arch={readers} (model.arch={m.arch!r}); valid value '
                         "here: '' (model.attention is used)")
     _choice('model.decoder_attention', decoder, attention_variants.VARIANTS)
     decoder_cfg = m.copy_and_resolve_references()
@@ -402,13 +403,16 @@ def _validate_variant(config):
       raise ConfigError(f'model.scan_layers=True is not valid for model.decoder_attention='
                         f'{decoder!r} (its layers draw their own random blocks/features); use '
                         'scan_layers=False')
-  elif not variant.supports_causal and m.arch in CAUSAL_ARCHS:
+  elif not variant.supports_causal and spec.causal:
     hint = (" or set model.decoder_attention to a causal variant (the encoder keeps "
-            f"{m.attention!r})" if m.arch == 'encoder_decoder' else '')
+            f"{m.attention!r})" if 'decoder_attention' in spec.options else '')
+    bidirectional_archs = models.archs_where(lambda s: s.stacks and not s.causal)
     raise ConfigError(f'model.attention={m.attention!r} is not causal and model.arch={m.arch!r} '
                       'needs causal self-attention; valid archs: '
-                      f'{", ".join(BIDIRECTIONAL_ARCHS)}{hint}')
-  for name in dict.fromkeys(models.layer_attentions(m).get('encoder', ())):
+                      f'{", ".join(bidirectional_archs)}{hint}')
+  encoders = [s.role for s in spec.stacks if not s.causal]
+  for name in dict.fromkeys(n for role, names in models.layer_attentions(m).items()
+                            if role in encoders for n in names):
     # An encoder stack's self-attention sees the whole row: a causal-only variant cannot run there.
     if not attention_variants.VARIANTS[name].supports_bidirectional:
       bidirectional = [n for n, v in attention_variants.VARIANTS.items()
@@ -454,10 +458,10 @@ def _validate_loop_options(config):
   if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
     raise ConfigError(f'train.loss_chunk={chunk!r} must be an integer >= 0 (0 = off, C = '
                       'vocabulary rows per tile)')
-  if chunk and config.model.arch == 'rnn_seq2seq':
-    raise ConfigError("train.loss_chunk > 0 is not valid for model.arch='rnn_seq2seq' (its output "
-                      'layer is not a tied embedding); valid archs: decoder_only, encoder_decoder, '
-                      'encoder_only')
+  if chunk and not models.spec(config.model.arch).tiled_loss:
+    raise ConfigError(f'train.loss_chunk > 0 is not valid for model.arch={config.model.arch!r} '
+                      '(its output layer is not a tied embedding); valid archs: '
+                      f'{", ".join(models.archs_where(lambda s: s.tiled_loss))}')
   spec = t.get('profile_steps', '')
   if spec:
     parts = str(spec).split(',')

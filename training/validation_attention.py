@@ -19,12 +19,14 @@ ConfigError = options.ConfigError
 
 
 def variant_label(model_cfg, name, role='decoder'):
-  """How a message names the self-attention variant `name` of stack `role` (models.STACKS):
-  "model.attention='x'", "model.decoder_attention='x'" or "model.layer_pattern entry 'x'"."""
+  """How a message names the self-attention variant `name` of stack `role` (the roles of
+  `models.contract.ArchSpec.stacks`): "model.attention='x'", "model.decoder_attention='x'" or
+  "model.layer_pattern entry 'x'"."""
   m = model_cfg
   if stack.pattern_entries(m):
     return f'model.layer_pattern entry {name!r}'
-  if role == 'decoder' and m.arch == 'encoder_decoder' and m.get('decoder_attention', ''):
+  if (role == 'decoder' and 'decoder_attention' in models.spec(m.arch).options
+      and m.get('decoder_attention', '')):
     return f'model.decoder_attention={name!r}'
   return f'model.attention={name!r}'
 
@@ -45,15 +47,16 @@ def attention_layers(model_cfg):
   self-attention variant of its stacks (the position acts there) and the decoder's
   cross-attention (it does not)."""
   layers = [(label, cls, True) for label, cls in self_attentions(model_cfg)]
-  if model_cfg.arch == 'encoder_decoder':
+  if models.spec(model_cfg.arch).cross_attention:
     layers.append(('cross-attention', attention.Attention, False))
   return layers
 
 
 def decoder_layers(model_cfg):
-  """[(label, class)] of the self-attention variants that decode token by token ([]: no
-  decoder)."""
-  return self_attentions(model_cfg, roles=('decoder',))
+  """[(label, class)] of the self-attention variants that decode token by token: the stack the
+  arch declares as its `decoder` ([]: none)."""
+  decoder = models.spec(model_cfg.arch).decoder
+  return self_attentions(model_cfg, roles=(decoder,)) if decoder else []
 
 
 def decodes_with_cache(model_cfg):

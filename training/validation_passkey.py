@@ -3,6 +3,7 @@ the lengths a retrieval report asks of a run, each bad value one line before any
 
 import math
 
+import models
 from data import passkey
 from layers import options
 from training import validation_positions
@@ -41,10 +42,11 @@ def check_config(config):
         raise ConfigError(f'data.{name}={value!r} is read only by data.task={passkey.TASK!r} '
                           f'(data.task={d.task!r}); valid here: {default!r} (or set data.task)')
     return
-  if m.arch != 'decoder_only':
-    raise ConfigError(f"data.task='passkey' is a decoder_only task (the model reads the prompt and "
+  if not models.spec(m.arch).causal_lm:
+    valid = ', '.join(models.archs_where(lambda s: s.causal_lm))
+    raise ConfigError(f"data.task='passkey' is a {valid} task (the model reads the prompt and "
                       f'predicts the value); model.arch={m.arch!r} is not valid; '
-                      'valid: decoder_only')
+                      f'valid: {valid}')
   if d.packing != 'none':
     raise ConfigError(f"data.packing={d.packing!r} is not valid for data.task='passkey' (each "
                       'example fills its row of data.max_length tokens); valid: none')

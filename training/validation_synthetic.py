@@ -2,6 +2,7 @@
 data/synthetic.py): the data.synthetic knobs against what a row can hold, each bad value one line
 before anything compiles."""
 
+import models
 from data import synthetic
 from layers import options
 
@@ -37,10 +38,11 @@ def check_config(config):
       raise ConfigError(f'data.synthetic.{name}={values[name]!r} is not read by data.task='
                         f'{task!r} (only by {", ".join(synthetic.READ_BY[name])}); valid here: '
                         f'{default!r}')
-  if m.arch != 'decoder_only':
-    raise ConfigError(f'data.task={task!r} is a decoder_only task (each row is read left to right '
+  if not models.spec(m.arch).causal_lm:
+    valid = ', '.join(models.archs_where(lambda s: s.causal_lm))
+    raise ConfigError(f'data.task={task!r} is a {valid} task (each row is read left to right '
                       f'and scored where it says); model.arch={m.arch!r} is not valid; valid: '
-                      'decoder_only')
+                      f'{valid}')
   if d.packing != 'none':
     raise ConfigError(f'data.packing={d.packing!r} is not valid for data.task={task!r} (each '
                       'example fills its row of data.max_length tokens); valid: none')

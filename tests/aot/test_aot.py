@@ -123,6 +123,25 @@ def test_bf16_scanned_layers_and_gradient_accumulation_compile(devices):
   assert report['decode']['bytes']['alias'] > 0  # the cache is donated and updated in place
 
 
+def test_a_registered_architecture_compiles_from_its_declaration(devices, monkeypatch):
+  """The prefix LM of tests/unit/test_open_architecture.py, registered with one dict entry: its
+  train, eval and cached decode steps compile for the pod from what it declares."""
+  from tests.unit import test_open_architecture as open_arch
+  monkeypatch.setitem(models.ARCHS, 'prefix_lm', open_arch.PrefixLM)
+  config = decoder_only.get_config('quick')
+  config.model.update(arch='prefix_lm', position='rope')
+  config.model.prefix_length = 8
+  config.mesh.update(MESHES['fsdp8'])
+  config = validation.resolve(config)
+  validation.validate(config)
+  report = _compile(config, devices)
+  assert set(report) == {'train', 'eval', 'decode'}  # it declares a decoding stack
+  assert report['train']['collectives']['all-gather'] > 0
+  for r in report.values():
+    assert 0 < r['bytes']['total'] < aot.hbm_bytes(devices[0])
+  assert aot.analytic_flops(config, accounting.task_vocab_size(config.data), 8) > 0
+
+
 def _aot(*args):
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   return subprocess.run([sys.executable, '-m', 'tools.aot', *args], cwd=ROOT, env=env,

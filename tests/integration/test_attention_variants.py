@@ -94,7 +94,8 @@ def test_variant_trains_and_loss_falls(data_dir, arch, variant):
   graphdef, tx, state = state_lib.create_state(
       config, tokenizer.vocab_size, special_ids=models.SpecialIds.from_tokenizer(tokenizer))
   it = pipeline.make_iterator(config.data, 'train', t.batch_size,
-                              arch=models.batch_format(config.model.arch), loss_on=t.loss_on)
+                              batch_format=models.batch_format(config.model.arch),
+                              loss_on=t.loss_on)
   step = jax.jit(functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0)))
   losses = []
   for _, batch in zip(range(t.steps), it):

@@ -104,7 +104,7 @@ def _step_losses(config, steps, **step_kwargs):
   graphdef, tx, state = state_lib.create_state(config,
                                                pipeline.get_tokenizer(config.data).vocab_size)
   it = pipeline.make_iterator(config.data, 'train', config.train.batch_size,
-                              arch=models.batch_format(config.model.arch),
+                              batch_format=models.batch_format(config.model.arch),
                               loss_on=config.train.loss_on)
   step = jax.jit(functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0),
                                    **step_kwargs))

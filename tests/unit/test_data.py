@@ -16,14 +16,14 @@ L = 64
 
 
 _FIELDS = {
-    'decoder_only': ['inputs', 'targets', 'weights', 'segment_ids', 'positions'],
-    'encoder_only': ['inputs', 'targets', 'weights', 'segment_ids', 'positions'],
-    'encoder_decoder': ['src_inputs', 'src_segment_ids', 'src_positions', 'tgt_inputs',
+    'next_token': ['inputs', 'targets', 'weights', 'segment_ids', 'positions'],
+    'same_token': ['inputs', 'targets', 'weights', 'segment_ids', 'positions'],
+    'source_target': ['src_inputs', 'src_segment_ids', 'src_positions', 'tgt_inputs',
                         'tgt_targets', 'tgt_weights', 'tgt_segment_ids', 'tgt_positions'],
 }
 
-_CASES = [(p, a) for p in pipeline.PACKINGS for a in pipeline.ARCHS
-          if (p, a) != ('stream', 'encoder_decoder')]
+_CASES = [(p, a) for p in pipeline.PACKINGS for a in pipeline.BATCH_FORMATS
+          if (p, a) != ('stream', 'source_target')]
 
 
 def _config(data_dir, packing='none'):
@@ -128,7 +128,7 @@ def test_tokenizer_special_ids_round_trip_and_save(tok, tmp_path):
 
 @pytest.mark.parametrize('packing,arch', _CASES)
 def test_batch_shapes_and_dtypes(data_dir, packing, arch):
-  batch = next(pipeline.make_iterator(_config(data_dir, packing), 'train', 8, arch=arch))
+  batch = next(pipeline.make_iterator(_config(data_dir, packing), 'train', 8, batch_format=arch))
   assert sorted(batch) == sorted(_FIELDS[arch])
   for name, value in batch.items():
     assert value.shape == (8, L), name
@@ -137,10 +137,12 @@ def test_batch_shapes_and_dtypes(data_dir, packing, arch):
 
 def test_stream_encoder_decoder_and_unknown_values_raise(data_dir):
   with pytest.raises(ValueError, match="packing 'stream'"):
-    pipeline.make_iterator(_config(data_dir, 'stream'), 'train', 2, arch='encoder_decoder')
+    pipeline.make_iterator(_config(data_dir, 'stream'), 'train', 2,
+                           batch_format='source_target')
   with pytest.raises(ValueError, match='Unknown packing .*none, segments, stream'):
     pipeline.make_iterator(_config(data_dir, 'bins'), 'train', 2)
-  for kwargs, field in [({'arch': 'gpt'}, 'arch'), ({'loss_on': 'source'}, 'loss_on')]:
+  for kwargs, field in [({'batch_format': 'gpt'}, 'batch_format'),
+                        ({'loss_on': 'source'}, 'loss_on')]:
     with pytest.raises(ValueError, match=f'Unknown {field}'):
       pipeline.make_iterator(_config(data_dir), 'train', 2, **kwargs)
   with pytest.raises(ValueError, match='Unknown split .*test_long'):
@@ -150,13 +152,13 @@ def test_stream_encoder_decoder_and_unknown_values_raise(data_dir):
 def test_decoder_only_weights_hand_checked():
   src, tgt = np.array([10, 11]), np.array([20, 21, 22])
   # <bos> 10 11 <sep> 20 21 22 <eos>
-  target_side = pipeline.ARCHS['decoder_only'](src, tgt, 'target')
+  target_side = pipeline.BATCH_FORMATS['next_token'](src, tgt, 'target')
   np.testing.assert_array_equal(target_side['inputs'], [1, 10, 11, 3, 20, 21, 22])
   np.testing.assert_array_equal(target_side['targets'], [10, 11, 3, 20, 21, 22, 2])
   np.testing.assert_array_equal(target_side['weights'], [0, 0, 0, 1, 1, 1, 1])
-  everything = pipeline.ARCHS['decoder_only'](src, tgt, 'all')
+  everything = pipeline.BATCH_FORMATS['next_token'](src, tgt, 'all')
   np.testing.assert_array_equal(everything['weights'], [1, 1, 1, 1, 1, 1, 1])
-  enc_dec = pipeline.ARCHS['encoder_decoder'](src, tgt, 'target')
+  enc_dec = pipeline.BATCH_FORMATS['source_target'](src, tgt, 'target')
   np.testing.assert_array_equal(enc_dec['src_inputs'], [10, 11, 2])
   np.testing.assert_array_equal(enc_dec['tgt_inputs'], [1, 20, 21, 22])
   np.testing.assert_array_equal(enc_dec['tgt_targets'], [20, 21, 22, 2])
@@ -226,17 +228,17 @@ def test_stream_rows_are_contiguous_slices_of_the_stream(data_dir, tok):
       offset += L + 1
 
 
-@pytest.mark.parametrize('packing,arch', [('none', 'decoder_only'), ('segments', 'decoder_only'),
-                                          ('stream', 'decoder_only'), ('stream', 'encoder_only'),
-                                          ('segments', 'encoder_decoder')])
+@pytest.mark.parametrize('packing,arch', [('none', 'next_token'), ('segments', 'next_token'),
+                                          ('stream', 'next_token'), ('stream', 'same_token'),
+                                          ('segments', 'source_target')])
 def test_resume_from_state_gives_the_same_batches(data_dir, packing, arch):
   config = _config(data_dir, packing)
-  iterator = pipeline.make_iterator(config, 'train', 4, arch=arch, seed=3)
+  iterator = pipeline.make_iterator(config, 'train', 4, batch_format=arch, seed=3)
   for _ in range(3):
     next(iterator)
   state = json.loads(json.dumps(iterator.get_state()))  # As a checkpoint would store it.
   expected = [next(iterator) for _ in range(3)]
-  resumed = pipeline.make_iterator(config, 'train', 4, arch=arch, seed=3)
+  resumed = pipeline.make_iterator(config, 'train', 4, batch_format=arch, seed=3)
   resumed.set_state(state)
   for want, got in zip(expected, [next(resumed) for _ in range(3)]):
     for name in want:

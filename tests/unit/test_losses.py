@@ -114,7 +114,7 @@ def test_train_step_with_loss_chunk_equals_the_plain_step(data_dir, arch, head):
   validation.validate(config)
   tokenizer = pipeline.get_tokenizer(config.data)
   batch = next(pipeline.make_iterator(config.data, 'train', config.train.batch_size,
-                                      arch=models.batch_format(arch)))
+                                      batch_format=models.batch_format(arch)))
   results = []
   for chunk in (0, 48):
     graphdef, tx, state = state_lib.create_state(

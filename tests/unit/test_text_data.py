@@ -210,7 +210,7 @@ def test_encoder_decoder_batches(prepared, packing):
   config, _ = prepared
   config = ml_collections.ConfigDict(config.to_dict())
   config.packing = packing
-  batch = next(pipeline.make_iterator(config, 'train', 8, arch='encoder_decoder'))
+  batch = next(pipeline.make_iterator(config, 'train', 8, batch_format='source_target'))
   assert batch['src_inputs'].shape == (8, 32) and batch['tgt_targets'].shape == (8, 32)
   tok = pipeline.get_tokenizer(config)
   # Every row's first target segment decodes to a German sentence ending in its verb.
@@ -221,9 +221,9 @@ def test_encoder_decoder_batches(prepared, packing):
 
 def test_shards_give_the_same_global_batches_for_any_process_count(prepared):
   config, _ = prepared
-  one = pipeline.ShardedIterator(config, 'train', 8, 2, range(0, 2), arch='encoder_decoder')
+  one = pipeline.ShardedIterator(config, 'train', 8, 2, range(0, 2), batch_format='source_target')
   halves = [pipeline.ShardedIterator(config, 'train', 8, 2, range(s, s + 1),
-                                     arch='encoder_decoder') for s in (0, 1)]
+                                     batch_format='source_target') for s in (0, 1)]
   for _ in range(3):
     whole, parts = next(one), [next(h) for h in halves]
     for key in whole:
@@ -241,7 +241,7 @@ def test_text_lm_documents_stream(lm_corpus, tmp_path):
   np.testing.assert_array_equal(tokens[:len(first) + 2], [tok.bos_id] + first + [tok.eos_id])
   assert tok.sep_id not in tokens and in_target[0] == 0 and in_target[1:len(first) + 2].all()
   assert (tokens == tok.bos_id).sum() == len(docs)
-  batch = next(pipeline.make_iterator(config, 'train', 4, arch='decoder_only', loss_on='all'))
+  batch = next(pipeline.make_iterator(config, 'train', 4, batch_format='next_token', loss_on='all'))
   assert batch['inputs'].shape == (4, 64) and batch['weights'].all()
   with pytest.raises(ValueError, match='nothing to translate'):
     pipeline.load_examples(config, 'test')
