@@ -21,6 +21,7 @@ from layers import attention
 from layers import attention_heads
 from layers import attention_variants
 from layers import block
+from layers import flash_core
 from layers import initializers
 from layers import moe
 from layers import positions
@@ -199,7 +200,7 @@ def score_bytes(length, bytes_per_element, *, key_length=None, with_softmax=Fals
   return length * s * bytes_per_element * (2 if with_softmax else 1)
 
 
-def forward_flops(cfg, vocab_size, length):
+def forward_flops(cfg, vocab_size, length, tiles=None):
   """Forward FLOPs of one row of `length` tokens (encoder-decoder: `length` source and target).
 
   A matmul costs 2 FLOPs per parameter per token that passes through it (multiply and add); the
@@ -213,7 +214,8 @@ def forward_flops(cfg, vocab_size, length):
   routed and the shared experts), not the idle experts nor the dispatch.
 
   Returns:
-    {'matmul', 'scores', 'scores_causal'} FLOPs per row.
+    {'matmul', 'scores', 'scores_causal'} FLOPs per row, and 'scores_tiled' (`tiled_pairs`) when
+    `tiles` = (block_q, block_k) of a kernel that skips the tiles outside the causal band.
   """
   stacks, cross = stack_layout(cfg.arch)
   t, d, n = length, cfg.d_model, cfg.num_heads
@@ -236,7 +238,24 @@ def forward_flops(cfg, vocab_size, length):
     matmul += 2 * t * attention_weights * cfg.num_layers
     pairs += full * cfg.num_layers
     causal_pairs += full * cfg.num_layers  # cross-attention sees the whole source
-  return {'matmul': matmul, 'scores': 4 * pairs * n * h, 'scores_causal': 4 * causal_pairs * n * h}
+  out = {'matmul': matmul, 'scores': 4 * pairs * n * h, 'scores_causal': 4 * causal_pairs * n * h}
+  if tiles:
+    out['scores_tiled'] = 4 * tiled_pairs(cfg, t, tiles) * n * h
+  return out
+
+
+def tiled_pairs(cfg, length, tiles):
+  """The (query, key) pairs of one row that a kernel cutting the scores into `tiles` = (block_q,
+  block_k) computes: every tile of the padded matrix, but only the tiles inside the causal band
+  of a causal stack (`flash_core.visited_tiles`; a window is not counted)."""
+  bq, bk = tiles
+  nq, nk = -(-length // bq), -(-length // bk)
+  band = flash_core.TileConfig(scale=1.0, is_causal=True, window=None, q_len=length,
+                               kv_len=length, block_q=bq, block_k=bk)
+  full, kept = nq * bq * nk * bk, flash_core.visited_tiles(band, nq, nk) * bq * bk
+  stacks, cross = stack_layout(cfg.arch)
+  causal = _count_stacks(cfg.arch, 'causal')
+  return cfg.num_layers * (full * (stacks - causal + int(cross)) + kept * causal)
 
 
 # --- Counted from the real model ------------------------------------------------------------------

@@ -132,9 +132,11 @@ def describe(summary, name):
              f'program), {summary["generation"]} has '
              f'{"?" if hbm is None else gib(hbm)} GiB of HBM.')
   if flops and summary['flops_per_chip']:
+    full = summary.get('analytic_flops_full_per_chip')
     out.append(f'Train step FLOPs per chip: XLA {summary["flops_per_chip"]:.4g}, '
-               f'models.accounting {flops:.4g} (matmuls and full score matrices, x3 for the '
-               'backward pass; a Mosaic kernel\'s FLOPs are not in XLA\'s count).')
+               f'models.accounting {flops:.4g} counted for the kernel (its score products over '
+               'the tiles it visits)' + (f', {full:.4g} with full score matrices x3 (the MFU\'s '
+               'count)' if full and abs(full / flops - 1) > 1e-3 else '') + '.')
   if summary.get('estimate'):
     out.append(estimate_line(summary['estimate'], summary.get('programs', {}).get('train')
                              and 'train step' or 'first program'))

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from data import pipeline
+from layers import attention
 from layers import sharding
 import models
 from training import diagnostics
@@ -249,7 +250,7 @@ def compile_config(config, devices, *, vocab_size, special_ids=None,
     leaf_groups = diagnostics.param_groups(state['params'])[1]
     out['train'] = analyse(lower(loop.jit_train_step(config, graphdef, tx, state, mesh,
                                                      leaf_groups), state, batch),
-                           ordered, analytic_flops(config, vocab_size, len(devices)))
+                           ordered, analytic_flops(config, vocab_size, len(devices), full=True))
   variables = state_lib.model_variables(state)
   if 'eval' in programs:
     out['eval'] = analyse(lower(jax.jit(functools.partial(steps.eval_step, graphdef)),
@@ -295,15 +296,25 @@ def per_chip_bytes(report):
   return max(r['bytes']['total'] for r in report.values())
 
 
-def analytic_flops(config, vocab_size, chips):
-  """`models.accounting`'s FLOPs of one training step per chip: forward + backward = 3x the
-  forward matmuls and full score matrices of every row of the batch; None for an arch the closed
-  forms do not cover (one without Transformer stacks: rnn_seq2seq)."""
+def analytic_flops(config, vocab_size, chips, platform='tpu', *, full=False):
+  """`models.accounting`'s FLOPs of one training step per chip, counted for the configured kernel
+  lowered for `platform`: 3x the forward matmuls (forward and backward), and the score matrices'
+  T x S x H products as many times as the kernel computes them (`Kernel.score_matmuls`) over the
+  tiles it visits (`Kernel.tiles`: a kernel that skips the tiles outside the causal band), or the
+  full matrices; `full=True`: every layer's full score matrices x3 (what the count was before
+  kernels declared theirs). None for an arch the closed forms do not cover (no Transformer
+  stacks: rnn_seq2seq)."""
   from models import accounting
   if config.model.arch not in models.ARCHS or not accounting.covers(config.model.arch):
     return None
-  row = accounting.forward_flops(config.model, vocab_size, config.data.max_length)
-  return 3.0 * (row['matmul'] + row['scores']) * config.train.batch_size / chips
+  kernel = attention.KERNELS[config.model.attention_impl]
+  tiles = None if full else dict(kernel.tiles).get(platform)
+  row = accounting.forward_flops(config.model, vocab_size, config.data.max_length, tiles=tiles)
+  if full:
+    step = 3.0 * (row['matmul'] + row['scores'])
+  else:  # 'scores' counts 2 products (QKᵀ, PV) of the forward
+    step = 3.0 * row['matmul'] + row.get('scores_tiled', row['scores']) * kernel.score_matmuls / 2
+  return step * config.train.batch_size / chips
 
 
 def target(config, devices):
@@ -337,7 +348,10 @@ def summary(config, devices, report, vocab_size):
       'per_chip_bytes': int(need),
       'params': param_count(config, vocab_size),
       'flops_per_chip': train['flops'],
-      'analytic_flops_per_chip': analytic_flops(config, vocab_size, len(devices)),
+      'analytic_flops_per_chip': analytic_flops(config, vocab_size, len(devices),
+                                                lowering_platform(devices[0])),
+      'analytic_flops_full_per_chip': analytic_flops(config, vocab_size, len(devices),
+                                                     full=True),
       'collectives': train['collectives'],
       'estimate': train.get('estimate'),
       'custom_calls': dict(sorted(kernels.items())),

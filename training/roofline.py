@@ -17,7 +17,8 @@ published peak of the chip (`PEAKS`):
 
 The step time is the largest of the three (compute, memory and collectives perfectly overlapped: a
 lower bound), `serial_s` their sum (nothing overlapped: an upper bound); the bound is the largest
-term, and the MFU that time implies is the model's FLOPs (models.accounting) over step time x peak.
+term, and the MFU that time implies is the model's FLOPs (models.accounting: 3x the forward, full
+score matrices, as PaLM counts them, no recomputation) over step time x peak.
 jax.experimental.roofline was considered: it reads a jaxpr, so it sees only the collectives a
 program writes (shard_map) and none that GSPMD inserts for fsdp or tensor sharding, which are most
 of this project's; the compiled program holds them all.

@@ -163,3 +163,30 @@ def test_flash_vjp_gradients_equal_autodiff_of_the_reference():
   np.testing.assert_allclose(flash(0.5, q, k, v, seg), reference(q, k, v), **TOL)
   for g, r in zip(got, want):
     np.testing.assert_allclose(g, r, **TOL)
+
+
+@pytest.mark.parametrize('is_causal,window,t,s,bq,bk', [
+    (False, None, 300, 200, 64, 32),
+    (True, None, 256, 256, 64, 64),
+    (True, None, 200, 200, 128, 64),
+    (True, (40, 0), 512, 512, 64, 64),
+    (False, (30, 50), 300, 300, 32, 64),
+])
+def test_visited_tiles_are_the_bands_tiles_and_hold_every_visible_pair(is_causal, window, t, s,
+                                                                       bq, bk):
+  """The host count of the tiles a band-skipping kernel computes equals the sum of its bands
+  (what the kernels iterate over), and those tiles hold every visible (query, key) pair."""
+  cfg = flash_core.TileConfig(scale=1.0, is_causal=is_causal, window=window, q_len=t, kv_len=s,
+                              block_q=bq, block_k=bk)
+  nq, nk = -(-t // bq), -(-s // bk)
+  bands = [tuple(int(x) for x in flash_core.key_block_band(i, cfg, nk)) for i in range(nq)]
+  assert flash_core.visited_tiles(cfg, nq, nk) == sum(max(hi - lo, 0) for lo, hi in bands)
+  visible = masks.visible(jnp.arange(t)[:, None], jnp.arange(s)[None, :], is_causal=is_causal,
+                          window=window)
+  visible = np.ones((t, s), bool) if visible is None else np.asarray(visible)  # None: all
+  inside = np.zeros((t, s), bool)
+  for i, (lo, hi) in enumerate(bands):
+    inside[i * bq:(i + 1) * bq, lo * bk:hi * bk] = True
+  assert not (visible & ~inside).any()
+  if is_causal and window is None and nq == nk == 4:  # (4 + 1) / 2 of 4 rows: the saving
+    assert flash_core.visited_tiles(cfg, nq, nk) == 10
