@@ -33,6 +33,7 @@ aot.quiet_libtpu()  # before jax starts: none of libtpu's start-up noise in the 
 
 from ml_collections import config_flags  # noqa: E402
 
+from layers import options  # noqa: E402
 import models  # noqa: E402
 from tools import accounting  # noqa: E402
 from tools import sweep as sweep_lib  # noqa: E402
@@ -158,7 +159,7 @@ def load_configs():
   config = validation.resolve(FLAGS.config.unlock())
   try:
     validation.validate(config)
-  except validation.ConfigError as e:
+  except options.ConfigError as e:
     cli_checks.fail('config error', e)
   return [(FLAGS['config'].config_filename, config)]
 
@@ -194,7 +195,7 @@ def main(argv):
         summary['status'] = 1
         summary['error'] = does_not_fit_line(summary['per_chip_bytes'], devices)
       results.append((name, summary))
-    except (validation.ConfigError, aot.AotError) as e:
+    except (options.ConfigError, aot.AotError) as e:
       results.append((name, {'error': ' '.join(str(e).split()), 'status': 2}))
     except DoesNotFit as e:
       need, line = e.args

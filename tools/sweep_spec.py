@@ -11,6 +11,7 @@ import os
 import re
 import sys
 
+from layers import options
 from training import paths
 from training import validation
 
@@ -194,7 +195,7 @@ def cell_config(module, arg, cell):
   config = validation.resolve(config)
   try:
     validation.validate(config)
-  except validation.ConfigError as e:
+  except options.ConfigError as e:
     raise SweepError(f'cell {cell["name"]}: {e}') from None
   return config
 

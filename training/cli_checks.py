@@ -22,11 +22,11 @@ from configs import default
 from data import pipeline
 from data import python_code
 from data import text_corpus
+from layers.options import ConfigError
 from training import distributed
 from training import paths
 from training import validation
 
-ConfigError = validation.ConfigError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OVERRIDE = re.compile(r'^--?(?:no)?config\.([^=]+)(?:=(.*))?$')
 _TYPE_NAMES = {bool: 'True or False', int: 'an integer', float: 'a number', str: 'a string',

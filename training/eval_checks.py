@@ -10,6 +10,7 @@ import ml_collections
 
 from data import pipeline
 from data import text_corpus
+from layers.options import ConfigError
 from layers import rope
 from training import cli_checks
 from training import extrapolation
@@ -17,8 +18,6 @@ from training import paths
 from training import validation
 from training import validation_attention
 from training import validation_passkey
-
-ConfigError = validation.ConfigError
 
 
 def _finite(value):

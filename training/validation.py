@@ -17,6 +17,7 @@ from layers import initializers
 from layers import moe
 from layers import norms
 from layers import options
+from layers.options import ConfigError
 from layers import positions
 from layers import rnn_attention
 from layers import sharding
@@ -37,7 +38,6 @@ PACKINGS = tuple(pipeline.PACKINGS)
 CAUSAL_ARCHS = ('decoder_only', 'encoder_decoder')
 BIDIRECTIONAL_ARCHS = ('encoder_only',)
 
-ConfigError = options.ConfigError  # re-exported: callers catch validation.ConfigError
 _choice = options.choice
 _positive = options.positive
 

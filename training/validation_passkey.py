@@ -4,9 +4,8 @@ the lengths a retrieval report asks of a run, each bad value one line before any
 import math
 
 from data import passkey
-from layers import options
+from layers.options import ConfigError
 
-ConfigError = options.ConfigError
 DEFAULT_MULTIPLES = (1.0, 2.0, 4.0, 8.0)  # the retrieval report's lengths, x data.max_length
 
 

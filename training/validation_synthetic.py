@@ -3,9 +3,7 @@ data/synthetic.py): the data.synthetic knobs against what a row can hold, each b
 before anything compiles."""
 
 from data import synthetic
-from layers import options
-
-ConfigError = options.ConfigError
+from layers.options import ConfigError
 
 
 def _integer(value):

@@ -14,6 +14,7 @@ from data import pipeline
 from data import sentencepiece_tokenizer as spt
 from data import text_corpus
 from data import tokenizer as tokenizer_lib
+from layers import options
 from training import translation
 from training import validation
 from tests.helpers import ROOT
@@ -351,7 +352,7 @@ def test_validation_of_text_fields(change, needle):
     config.data.files.update(files)
   with config.data.ignore_type():  # wrong types, as a config.json or a config file may hold
     config.data.update(change)
-  with pytest.raises(validation.ConfigError, match=None) as e:
+  with pytest.raises(options.ConfigError, match=None) as e:
     validation.validate(config)
   assert needle in str(e.value), str(e.value)
 
@@ -455,7 +456,7 @@ def test_eval_flags_of_sentence_pairs_are_refused_for_text_lm(lm_corpus, tmp_pat
   _text_lm_run(workdir, lm_corpus, tmp_path / 'data')
   run = dict(split=['test'], translate=[], lengths=[], stream_split='test', rope_scaling=None)
   eval_checks.check_eval_run(workdir, **run)  # loss and perplexity of a text_lm run: fine
-  with pytest.raises(eval_checks.ConfigError) as e:
+  with pytest.raises(options.ConfigError) as e:
     eval_checks.check_eval_run(workdir, **{**run, **flag})
   assert str(e.value).startswith(needle) and str(e.value).endswith('valid: ' + {
       'translate': 'leave it out (loss and perplexity per --split, and --lengths)',
@@ -475,7 +476,7 @@ def test_eval_and_resume_refuse_a_changed_file(lm_corpus, tmp_path):
   with open(files['train'], 'a') as f:
     f.write('The dog reads a new line.\n')
   needle = f'data.files.train={files["train"]} changed since the run started training'
-  with pytest.raises(cli_checks.ConfigError, match=needle):  # eval.py: one line, exit 2
+  with pytest.raises(options.ConfigError, match=needle):  # eval.py: one line, exit 2
     eval_checks.check_eval_run(workdir, **run)
   with pytest.raises(text_corpus.DataError, match=needle):  # train.py: 'data error', exit 2
     cli_checks.check_corpus(config, workdir)
