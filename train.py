@@ -26,6 +26,7 @@ from training import distributed  # noqa: E402
 from training import loop  # noqa: E402
 from training import memory  # noqa: E402
 from training import paths  # noqa: E402
+from training import train_checks  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -73,7 +74,7 @@ def main(argv):
     cli_checks.check_workdir(FLAGS.workdir)
     distributed.init_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                  FLAGS.process_id, FLAGS.multihost)
-    config = cli_checks.check_train_run(FLAGS.config.unlock(), FLAGS.workdir)
+    config = train_checks.check_train_run(FLAGS.config.unlock(), FLAGS.workdir)
     vocab_size = pipeline.get_tokenizer(config.data).vocab_size
     limit = memory.device_limit()  # before the run takes any of it
     if FLAGS.memory_check:

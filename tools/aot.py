@@ -38,6 +38,7 @@ import models  # noqa: E402
 from tools import accounting  # noqa: E402
 from tools import sweep as sweep_lib  # noqa: E402
 from training import cli_checks  # noqa: E402
+from training import config_file  # noqa: E402
 from training import validation  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -135,7 +136,7 @@ def describe(summary, name):
 def load_configs():
   """[(name, config or the ConfigError text)] of --config or of every cell of --sweep."""
   if FLAGS.sweep:
-    path, arg = sweep_lib.split_spec(FLAGS.sweep)
+    path, arg = config_file.split_spec(FLAGS.sweep)
     try:
       module = sweep_lib.load_sweep_module(path)
       sweep = sweep_lib.get_sweep(module, arg)

@@ -49,7 +49,7 @@ from tools import sweep_runner
 # tools/aot.py reads sweep files through this module (sweep_lib.expand, ...): these names stay
 # importable from here for it. New code imports tools.sweep_spec and tools.sweep_runner.
 from tools.sweep_spec import (  # noqa: F401
-    SweepError, cell_config, expand, get_sweep, load_sweep_module, split_spec)
+    SweepError, cell_config, expand, get_sweep, load_sweep_module)
 
 FLAGS = flags.FLAGS
 FINISHED = ('done', 'skipped', 'diverged', 'dry_run')  # results that leave nothing to rerun

@@ -14,8 +14,8 @@ from training import writers
 from tools import processes
 from tools import sweep_spec
 
-TRAIN_PY = os.path.join(sweep_spec.ROOT, 'train.py')
-EVAL_PY = os.path.join(sweep_spec.ROOT, 'eval.py')
+TRAIN_PY = os.path.join(processes.ROOT, 'train.py')
+EVAL_PY = os.path.join(processes.ROOT, 'eval.py')
 
 
 # --- A cell's workdir -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import shlex
 import signal
 import sys
 
+from training import config_file
 from training import paths
 from tools import processes
 from tools import sweep_cells
@@ -62,7 +63,7 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
       'stopped (rc N)'), later ones never started ('not started'); `results` holds every status.
   """
   children = children or processes.Children()
-  path, arg = sweep_spec.split_spec(spec)
+  path, arg = config_file.split_spec(spec)
   module = sweep_spec.load_sweep_module(path)
   sweep = sweep_spec.get_sweep(module, arg)
   cells, tunings, axis = sweep_spec.expand(sweep, seeds), [], None

@@ -4,18 +4,16 @@ The file format is documented in tools/sweep.py, the runner that launches the ce
 """
 
 import hashlib
-import importlib.util
 import inspect
 import itertools
 import os
 import re
-import sys
 
 from layers import options
+from training import config_file
 from training import paths
 from training import validation
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP_KEYS = ('grid', 'cells', 'seeds', 'eval_flags', 'eval_variants')
 _UNSAFE = re.compile(r'[^A-Za-z0-9._=,+-]')
 MAX_NAME = 200  # characters; longer names are cut and end in a hash of the full name
@@ -25,23 +23,12 @@ class SweepError(ValueError):
   """A sweep file that cannot be expanded; the message names the problem."""
 
 
-def split_spec(spec):
-  """'configs/ablations/x.py:quick' -> ('configs/ablations/x.py', 'quick')."""
-  path, _, arg = spec.partition(':')
-  return path, arg or None
-
-
 def load_sweep_module(path):
-  """Imports a sweep file by path (the repository root must be importable, as for train.py)."""
+  """Imports a sweep file by path (training.config_file.import_file, as for a config file)."""
   if not os.path.exists(path):
     raise SweepError(f'sweep file {path} does not exist')
-  if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-  name = 'sweep_' + re.sub(r'\W', '_', os.path.splitext(os.path.basename(path))[0])
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
   try:
-    spec.loader.exec_module(module)
+    module = config_file.import_file(path, 'sweep_')
   except SyntaxError as e:
     raise SweepError(f'sweep file {path} line {e.lineno}: syntax error: {e.msg}') from None
   except Exception as e:  # noqa: BLE001

@@ -19,8 +19,10 @@ from tools import processes
 from tools import sweep_runner
 from tools import sweep_spec
 from training import cli_checks
+from training import config_file
 from training import eval_checks
 from training import memory
+from training import train_checks
 from training import validation
 from models import accounting
 
@@ -49,16 +51,16 @@ def test_a_config_file_that_cannot_load_is_one_line(tmp_path, name, text, messag
   path = tmp_path / name
   path.write_text(text)
   with pytest.raises(options.ConfigError, match=message) as e:
-    cli_checks.load_config_file(str(path))
+    config_file.load_config_file(str(path))
   assert '\n' not in str(e.value) and str(e.value).startswith(f'--config={path}')
 
 
 def test_a_missing_config_file_lists_the_config_files(tmp_path):
   with pytest.raises(options.ConfigError, match='no such file') as e:
-    cli_checks.load_config_file(str(tmp_path / 'nope.py:quick'))
+    config_file.load_config_file(str(tmp_path / 'nope.py:quick'))
   assert 'configs/decoder_only.py' in str(e.value) and 'configs/__init__.py' not in str(e.value)
   with pytest.raises(options.ConfigError, match='--config= is empty'):
-    cli_checks.load_config_file('')
+    config_file.load_config_file('')
 
 
 def test_config_arguments_are_checked_and_parse_arg_is_restored():
@@ -66,18 +68,19 @@ def test_config_arguments_are_checked_and_parse_arg_is_restored():
   parse_arg = default.parse_arg
   with pytest.raises(options.ConfigError, match="size='huge' is not valid; valid values: base, "
                      'large, small, tiny, xl'):
-    cli_checks.load_config_file(f'{path}:size=huge')
+    config_file.load_config_file(f'{path}:size=huge')
   with pytest.raises(options.ConfigError,
                      match="argument 'bogus' is not one .* reads; valid: quick, size"):
-    cli_checks.load_config_file(f'{path}:quick,bogus=1')
+    config_file.load_config_file(f'{path}:quick,bogus=1')
   assert default.parse_arg is parse_arg
-  config = cli_checks.load_config_file(f'{path}:quick,size=tiny')
+  config = config_file.load_config_file(f'{path}:quick,size=tiny')
   assert config.train.steps == 20 and config.model.d_model == 64
   # A file with arguments of its own (rnn_seq2seq: cell, attention) reads them too.
-  rnn = cli_checks.load_config_file(os.path.join(ROOT, 'configs', 'rnn_seq2seq.py:attention=luong'))
+  rnn = config_file.load_config_file(
+      os.path.join(ROOT, 'configs', 'rnn_seq2seq.py:attention=luong'))
   assert rnn.model.rnn_attention == 'luong'
   with pytest.raises(options.ConfigError, match='valid: attention, cell, quick, size'):
-    cli_checks.load_config_file(os.path.join(ROOT, 'configs', 'rnn_seq2seq.py:atention=luong'))
+    config_file.load_config_file(os.path.join(ROOT, 'configs', 'rnn_seq2seq.py:atention=luong'))
   assert default.parse_arg is parse_arg
 
 
@@ -86,7 +89,7 @@ def test_a_file_that_parses_its_argument_itself_is_not_second_guessed(tmp_path):
   path.write_text('from configs import default\n\ndef get_config(arg=None):\n'
                   '  config = default.get_config()\n  config.train.steps = int(arg)\n'
                   '  return config\n')
-  assert cli_checks.load_config_file(f'{path}:7').train.steps == 7
+  assert config_file.load_config_file(f'{path}:7').train.steps == 7
 
 
 def test_an_override_of_a_missing_field_names_the_valid_ones():
@@ -129,11 +132,11 @@ def test_a_mesh_that_does_not_cover_the_devices_is_a_config_error(tmp_path):
   config.data.data_dir = str(tmp_path / 'd')
   config.mesh.data = 3  # batch 8 is not a multiple of 3: validation refuses it
   with pytest.raises(options.ConfigError, match='train.batch_size=8'):
-    cli_checks.check_train_run(config, str(tmp_path / 'w'))
+    train_checks.check_train_run(config, str(tmp_path / 'w'))
   config.mesh.data = 2  # the batch divides, but 2 is not the device count (8 here)
   with pytest.raises(options.ConfigError, match=f'product 2 must equal the device count '
                      f'{jax.device_count()}'):
-    cli_checks.check_train_run(config, str(tmp_path / 'w'))
+    train_checks.check_train_run(config, str(tmp_path / 'w'))
 
 
 # --- Config values -----------------------------------------------------------------------------
