@@ -23,7 +23,7 @@ from absl import logging  # noqa: E402
 import jax  # noqa: E402
 
 from layers import options  # noqa: E402
-from tools import plots  # noqa: E402
+from tools.plots import run_pictures as plots  # noqa: E402
 from training import checkpointing  # noqa: E402
 from training import cli_checks  # noqa: E402
 from training import eval_checks  # noqa: E402

@@ -36,7 +36,7 @@ from ml_collections import config_flags  # noqa: E402
 from layers import options  # noqa: E402
 import models  # noqa: E402
 from tools import accounting  # noqa: E402
-from tools import sweep as sweep_lib  # noqa: E402
+from tools.sweep import spec as sweep_spec  # noqa: E402
 from training import cli_checks  # noqa: E402
 from training import config_file  # noqa: E402
 from training import validation  # noqa: E402
@@ -138,11 +138,11 @@ def load_configs():
   if FLAGS.sweep:
     path, arg = config_file.split_spec(FLAGS.sweep)
     try:
-      module = sweep_lib.load_sweep_module(path)
-      sweep = sweep_lib.get_sweep(module, arg)
+      module = sweep_spec.load_sweep_module(path)
+      sweep = sweep_spec.get_sweep(module, arg)
       # One seed: the seed changes the parameters' values, not the program.
-      cells = sweep_lib.expand(sweep, seeds=[str((sweep.get('seeds') or [0])[0])])
-    except sweep_lib.SweepError as e:
+      cells = sweep_spec.expand(sweep, seeds=[str((sweep.get('seeds') or [0])[0])])
+    except sweep_spec.SweepError as e:
       cli_checks.fail('config error', e)
     out = []
     for cell in cells:
@@ -151,8 +151,8 @@ def load_configs():
                                     if k != 'train.init_from'}}
       name = cell['name'].rsplit(',seed=', 1)[0] or 'base'
       try:
-        out.append((name, sweep_lib.cell_config(module, arg, cell)))
-      except sweep_lib.SweepError as e:
+        out.append((name, sweep_spec.cell_config(module, arg, cell)))
+      except sweep_spec.SweepError as e:
         out.append((name, str(e)))
     return out
   if FLAGS.config is None:

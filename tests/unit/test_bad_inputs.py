@@ -15,9 +15,9 @@ from configs import decoder_only
 from configs import default
 from tests.helpers import ROOT
 from layers import options
-from tools import processes
-from tools import sweep_runner
-from tools import sweep_spec
+from tools.sweep import processes
+from tools.sweep import runner as sweep_runner
+from tools.sweep import spec as sweep_spec
 from training import cli_checks
 from training import config_file
 from training import eval_checks

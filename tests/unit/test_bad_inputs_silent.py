@@ -8,10 +8,10 @@ import pytest
 from configs import default
 from data import text_corpus
 from layers import options
-from tools import curves as curves_lib
-from tools import runs as runs_lib
-from tools import summary as summary_lib
-from tools import sweep_spec
+from tools.compare import curves as curves_lib
+from tools.compare import runs as runs_lib
+from tools.compare import summary as summary_lib
+from tools.sweep import spec as sweep_spec
 from training import validation
 
 

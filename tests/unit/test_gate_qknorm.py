@@ -25,7 +25,7 @@ from tests.helpers import quick_jit, tiny
 from tests.unit import test_accounting
 from tests.unit import test_decoding
 from tests.unit import test_plots
-from tools import compare
+from tools.compare import comparison as compare
 from tests.unit import test_scan_layers
 from training import validation
 

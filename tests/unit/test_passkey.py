@@ -17,7 +17,7 @@ from data import passkey
 from data import pipeline
 from data import tokenizer as tokenizer_lib
 from layers import options
-from tools import plots
+from tools.plots import run_pictures as plots
 from training import eval_checks
 from training import retrieval
 from training import validation

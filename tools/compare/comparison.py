@@ -16,16 +16,17 @@ colour.
 
 A tuned sweep's directory (`tools.sweep --tune`, its choices in tune.json) is compared at each
 cell's chosen value, shown in the table's `chosen` column; a second table lists the final
-validation loss of every tuning run, cell x value (tools/tune_table.py). Runs evaluated by eval.py
-add their tables: loss by length (--lengths, tools/extrapolation_compare.py) and passkey retrieval
-accuracy by length, with every cell's heat map in OUT_retrieval.png (tools/retrieval_compare.py).
+validation loss of every tuning run, cell x value (tools/compare/tune_table.py). Runs evaluated by
+eval.py add their tables: loss by length (--lengths, tools/compare/extrapolation.py) and passkey
+retrieval accuracy by length, with every cell's heat map in OUT_retrieval.png
+(tools/compare/retrieval.py).
 
-Statistics (tools/stats.py): every cell's final validation loss and eval.json metrics as a mean
-with a 95% t interval across seeds, in a table and in OUT_stats.json; with --baseline=CELL (a
-cell's name as the table prints it) a t-test of every cell against it, paired by seed where both
-ran the same seeds, else Welch's, and a verdict at 5%: better, worse or n.s. The final validation
-loss's verdict also reads in the picture's legend; OUT_intervals.png draws each cell's mean and
-interval as a dot, coloured by its verdict (tools/stats_figure.py).
+Statistics (tools/compare/stats.py): every cell's final validation loss and eval.json metrics as
+a mean with a 95% t interval across seeds, in a table and in OUT_stats.json; with --baseline=CELL
+(a cell's name as the table prints it) a t-test of every cell against it, paired by seed where
+both ran the same seeds, else Welch's, and a verdict at 5%: better, worse or n.s. The final
+validation loss's verdict also reads in the picture's legend; OUT_intervals.png draws each cell's
+mean and interval as a dot, coloured by its verdict (tools/compare/stats_figure.py).
 
 Flags (on the raw train loss of each run, documented in the table's footnote):
 - diverged: a non-finite loss, or a spike: after the first 10% of the run's steps, a train loss
@@ -43,17 +44,17 @@ from absl import flags
 import numpy as np
 
 from training import paths as paths_lib  # local or gs:// (the arguments are `paths` here)
-from tools import compare_figure
-from tools import curves as curves_lib
-from tools import extrapolation_compare
-from tools import metric_compare
-from tools import retrieval_compare
-from tools import runs as runs_lib
-from tools import stats as stats_lib
-from tools import stats_figure
-from tools import summary as summary_lib
-from tools import summary_table
-from tools import tune_table
+from tools.compare import figure as compare_figure
+from tools.compare import curves as curves_lib
+from tools.compare import extrapolation as extrapolation_compare
+from tools.compare import metrics as metric_compare
+from tools.compare import retrieval as retrieval_compare
+from tools.compare import runs as runs_lib
+from tools.compare import stats as stats_lib
+from tools.compare import stats_figure
+from tools.compare import summary as summary_lib
+from tools.compare import summary_table
+from tools.compare import tune_table
 
 
 def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=None,
@@ -64,25 +65,25 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   Args:
     paths: workdirs and sweep directories.
     out: the PNG to write.
-    smoothing: the train curves' `tools.curves.smooth` spec.
+    smoothing: the train curves' `tools.compare.curves.smooth` spec.
     logy: log-scale loss axes.
     logx: log-scale step axes.
     target_loss: tabulate the first logged step at which the loss reaches this.
     target_split: the loss `target_loss` is read from: 'valid' or 'train'.
-    color_by: the field that picks the hue (None: `tools.group_styles.rank_fields`'s first;
+    color_by: the field that picks the hue (None: `tools.compare.group_styles.rank_fields`'s first;
       'none': one per group).
     style_by: the field that picks the line style (None: automatic; 'none': solid lines).
     band_kind: the spread across seeds: 'minmax', 'std' or 'none'.
     metrics: logged training metrics beside the loss to draw over training into OUT_metrics.png
-      and tabulate (`tools.metric_compare`).
-    baseline: a cell's label: every other cell is tested against it (`tools.stats`).
+      and tabulate (`tools.compare.metrics`).
+    baseline: a cell's label: every other cell is tested against it (`tools.compare.stats`).
 
   Returns:
     The markdown table, the groups labelled with their full overrides (then, for a tuned sweep,
-    the tuning table of `tools.tune_table`; for runs with eval.json extrapolation rows,
+    the tuning table of `tools.compare.tune_table`; for runs with eval.json extrapolation rows,
     `extrapolation_compare`'s table; for passkey runs with a retrieval report,
-    `retrieval_compare`'s; with `metrics`, `metric_compare`'s; then `tools.stats`' table, whose
-    numbers are written to OUT_stats.json).
+    `retrieval_compare`'s; with `metrics`, `metric_compare`'s; then `tools.compare.stats`' table,
+    whose numbers are written to OUT_stats.json).
   """
   runs = [runs_lib.load_run(w) for w in runs_lib.find_runs(paths)]
   # A tuned sweep (tools.sweep --tune): each cell at its chosen value; the tuning runs at the
@@ -134,7 +135,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags():
-  """The CLI flags, defined only when run as a program (tests import this module)."""
+  """The CLI flags, defined only when run as a program (importing the package defines none)."""
   flags.DEFINE_string('smooth', None, 'Train-curve smoothing: ema:BETA (or BETA), ma:K, or none.')
   flags.DEFINE_bool('logy', False, 'Log-scale loss axis.')
   flags.DEFINE_bool('logx', False, 'Log-scale step axis.')
@@ -170,10 +171,11 @@ def main(argv):
     sys.exit(2)
   out = FLAGS.out or paths_lib.join(paths[0], 'compare.png')
   try:
-    table = compare(paths, out, smoothing=FLAGS.smooth, logy=FLAGS.logy, logx=FLAGS.logx,
-                    target_loss=FLAGS.target_loss, target_split=FLAGS.target_split,
-                    color_by=FLAGS.color_by, style_by=FLAGS.style_by, band_kind=FLAGS.band,
-                    metrics=FLAGS.metrics, baseline=FLAGS.baseline)
+    table = compare(
+        paths, out, smoothing=FLAGS.smooth, logy=FLAGS.logy, logx=FLAGS.logx,
+        target_loss=FLAGS.target_loss, target_split=FLAGS.target_split, color_by=FLAGS.color_by,
+        style_by=FLAGS.style_by, band_kind=FLAGS.band, metrics=FLAGS.metrics,
+        baseline=FLAGS.baseline)
   except (FileNotFoundError, ValueError) as e:
     print(str(e), file=sys.stderr)
     sys.exit(2)

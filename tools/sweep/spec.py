@@ -1,6 +1,6 @@
 """A sweep file (configs/ablations/*.py) as named cells: expansion, names, configs and commands.
 
-The file format is documented in tools/sweep.py, the runner that launches the cells.
+The file format is documented in tools/sweep/__main__.py, the runner that launches the cells.
 """
 
 import hashlib
@@ -159,13 +159,19 @@ def _resolve_sources(overrides, seed, seen):
   return out, after
 
 
-def cell_config(module, arg, cell):
-  """The resolved, validated config of a cell (raises SweepError naming the field)."""
+def base_config(module, arg):
+  """The sweep file's `get_config(arg)`, the config every cell starts from (SweepError when it
+  raises)."""
   try:
-    config = module.get_config(arg)
+    return module.get_config(arg)
   except Exception as e:  # noqa: BLE001
     raise SweepError(f'get_config({arg!r}) of {module.__file__} raised {type(e).__name__}: '
                      f'{e}') from None
+
+
+def cell_config(module, arg, cell):
+  """The resolved, validated config of a cell (raises SweepError naming the field)."""
+  config = base_config(module, arg)
   for field, value in list(cell['overrides'].items()) + [('train.seed', cell['seed'])]:
     *parents, leaf = field.split('.')
     node = config
