@@ -22,7 +22,8 @@ from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
 import jax  # noqa: E402
 
-from tools import plots  # noqa: E402
+from layers import options  # noqa: E402
+from tools.plots import run_pictures as plots  # noqa: E402
 from training import checkpointing  # noqa: E402
 from training import cli_checks  # noqa: E402
 from training import eval_checks  # noqa: E402
@@ -149,7 +150,7 @@ def main(argv):
     distributed.init_distributed(flags.FLAGS.coordinator_address, flags.FLAGS.num_processes,
                                  flags.FLAGS.process_id, flags.FLAGS.multihost)
     lengths = check_flags()
-  except cli_checks.ConfigError as e:
+  except options.ConfigError as e:
     cli_checks.fail('eval', e)
   except paths.StoreUnreachable as e:
     cli_checks.fail('eval', e, status=1)

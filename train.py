@@ -19,13 +19,14 @@ from absl import logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from data import pipeline  # noqa: E402
+from layers import options  # noqa: E402
 from training import checkpointing  # noqa: E402
 from training import cli_checks  # noqa: E402
 from training import distributed  # noqa: E402
 from training import loop  # noqa: E402
 from training import memory  # noqa: E402
 from training import paths  # noqa: E402
-from training import validation  # noqa: E402
+from training import train_checks  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -73,7 +74,7 @@ def main(argv):
     cli_checks.check_workdir(FLAGS.workdir)
     distributed.init_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                  FLAGS.process_id, FLAGS.multihost)
-    config = cli_checks.check_train_run(FLAGS.config.unlock(), FLAGS.workdir)
+    config = train_checks.check_train_run(FLAGS.config.unlock(), FLAGS.workdir)
     vocab_size = pipeline.get_tokenizer(config.data).vocab_size
     limit = memory.device_limit()  # before the run takes any of it
     if FLAGS.memory_check:
@@ -84,7 +85,7 @@ def main(argv):
     cli_checks.fail('train', e, status=1)
   except pipeline.DataError as e:  # your own data: a bad file (named, with the line) or vocab_size
     cli_checks.fail('data error', e)
-  except validation.ConfigError as e:
+  except options.ConfigError as e:
     cli_checks.fail('config error', e)
   notice = host.cpu_notice('train')
   if notice and not FLAGS.process_id:  # once: process 0 (or the only process)
@@ -93,7 +94,7 @@ def main(argv):
     loop.train_and_evaluate(config, FLAGS.workdir)
   except checkpointing.IncompatibleResume as e:
     cli_checks.fail('train', e)
-  except validation.ConfigError as e:  # raised where the loop first meets the devices or data
+  except options.ConfigError as e:  # raised where the loop first meets the devices or data
     cli_checks.fail('config error', e)
   except checkpointing.RunFailed as e:  # non-finite loss, a failed save, no readable checkpoint
     print(str(e), file=sys.stderr)

@@ -377,7 +377,7 @@ def main(argv):
   try:
     validation.validate(config)
     text = report(config, FLAGS.vocab_size or task_vocab_size(config.data))
-  except ValueError as e:  # validation.ConfigError, or an arch the closed forms do not cover
+  except ValueError as e:  # options.ConfigError, or an arch the closed forms do not cover
     print(f'config error: {e}', file=sys.stderr)
     sys.exit(2)
   print(text)

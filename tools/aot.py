@@ -38,11 +38,13 @@ aot.quiet_libtpu()  # before jax starts: none of libtpu's start-up noise in the 
 from ml_collections import config_flags  # noqa: E402
 import tqdm  # noqa: E402
 
+from layers import options  # noqa: E402
 import models  # noqa: E402
 from layers import sharding  # noqa: E402
 from tools import accounting  # noqa: E402
-from tools import sweep as sweep_lib  # noqa: E402
+from tools.sweep import spec as sweep_spec  # noqa: E402
 from training import cli_checks  # noqa: E402
+from training import config_file  # noqa: E402
 from training import validation  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -161,13 +163,13 @@ def estimate_line(e, what):
 def load_configs():
   """[(name, config or the ConfigError text)] of --config or of every cell of --sweep."""
   if FLAGS.sweep:
-    path, arg = sweep_lib.split_spec(FLAGS.sweep)
+    path, arg = config_file.split_spec(FLAGS.sweep)
     try:
-      module = sweep_lib.load_sweep_module(path)
-      sweep = sweep_lib.get_sweep(module, arg)
+      module = sweep_spec.load_sweep_module(path)
+      sweep = sweep_spec.get_sweep(module, arg)
       # One seed: the seed changes the parameters' values, not the program.
-      cells = sweep_lib.expand(sweep, seeds=[str((sweep.get('seeds') or [0])[0])])
-    except sweep_lib.SweepError as e:
+      cells = sweep_spec.expand(sweep, seeds=[str((sweep.get('seeds') or [0])[0])])
+    except sweep_spec.SweepError as e:
       cli_checks.fail('config error', e)
     out = []
     for cell in cells:
@@ -176,8 +178,8 @@ def load_configs():
                                     if k != 'train.init_from'}}
       name = cell['name'].rsplit(',seed=', 1)[0] or 'base'
       try:
-        out.append((name, sweep_lib.cell_config(module, arg, cell)))
-      except sweep_lib.SweepError as e:
+        out.append((name, sweep_spec.cell_config(module, arg, cell)))
+      except sweep_spec.SweepError as e:
         out.append((name, str(e)))
     return out
   if FLAGS.config is None:
@@ -185,7 +187,7 @@ def load_configs():
   config = validation.resolve(FLAGS.config.unlock())
   try:
     validation.validate(config)
-  except validation.ConfigError as e:
+  except options.ConfigError as e:
     cli_checks.fail('config error', e)
   return [(FLAGS['config'].config_filename, config)]
 
@@ -225,7 +227,7 @@ def main(argv):
         summary['status'] = 1
         summary['error'] = does_not_fit_line(summary['per_chip_bytes'], devices)
       results.append((name, summary))
-    except (validation.ConfigError, aot.AotError) as e:
+    except (options.ConfigError, aot.AotError) as e:
       results.append((name, {'error': ' '.join(str(e).split()), 'status': 2}))
     except DoesNotFit as e:
       need, line = e.args

@@ -25,8 +25,8 @@ import re
 
 import numpy as np
 
-from tools import group_styles
-from tools import plot_style
+from tools.compare import group_styles
+from tools.plots import style as plot_style
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,8 +12,8 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from layers import options
 from layers import sharding
-from training import validation
 
 def define_distributed_flags():
   """Multi-host flags of train.py and eval.py: the arguments of `jax.distributed.initialize`."""
@@ -50,7 +50,7 @@ def make_mesh(config):
   try:
     return sharding.make_mesh(config.get('mesh', {}))
   except ValueError as e:
-    raise validation.ConfigError(str(e)) from None
+    raise options.ConfigError(str(e)) from None
 
 def place_batch(batch, mesh, rules, first_row=0, batch_size=None):
   """A host batch as global arrays on `mesh`: rows over the batch axes, the length over `sequence`

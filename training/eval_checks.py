@@ -11,17 +11,16 @@ import ml_collections
 import models
 from data import pipeline
 from data import text_corpus
+from layers.options import ConfigError
 from layers import rope
-from training import cli_checks
 from training import evaluation
 from training import extrapolation
 from training import paths
+from training import train_checks
 from training import validation
 from training import validation_attention
 from training import validation_passkey
 from training import validation_positions
-
-ConfigError = validation.ConfigError
 
 
 def _finite(value):
@@ -136,7 +135,7 @@ def check_eval_run(workdir, *, split, translate, lengths, stream_split, rope_sca
   if config is None:
     return
   try:
-    cli_checks.check_corpus(config, workdir)  # first: the checks below may prepare the stream
+    train_checks.check_corpus(config, workdir)  # first: the checks below may prepare the stream
   except text_corpus.DataError as e:
     raise ConfigError(str(e)) from None
   if not pipeline.has_pairs(config.data):

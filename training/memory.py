@@ -12,14 +12,14 @@ import resource
 
 import jax
 
+from layers import options
 from layers import sharding
 from models import accounting
-from training import validation
 
 GIB = 2 ** 30
 
 
-class OutOfMemory(validation.ConfigError):
+class OutOfMemory(options.ConfigError):
   """The estimated training memory exceeds what the device (or the host, on a CPU) has."""
 
 

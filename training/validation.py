@@ -17,6 +17,7 @@ from layers import initializers
 from layers import moe
 from layers import norms
 from layers import options
+from layers.options import ConfigError
 from layers import positions
 from layers import rnn_attention
 from layers import sharding
@@ -39,7 +40,6 @@ PACKINGS = tuple(pipeline.PACKINGS)
 REGISTRIES = (attention_variants.VARIANTS, positions.POSITIONS, norms.NORMS, feed_forward.FFNS,
               rnn_attention.RNN_ATTENTIONS)
 
-ConfigError = options.ConfigError  # re-exported: callers catch validation.ConfigError
 _choice = options.choice
 _positive = options.positive
 

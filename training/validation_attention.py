@@ -11,11 +11,9 @@ import models
 from layers import attention
 from layers import attention_variants
 from layers import contract
-from layers import options
+from layers.options import ConfigError
 from layers import positions
 from models import stack
-
-ConfigError = options.ConfigError
 
 
 def variant_label(model_cfg, name, role='decoder'):

@@ -5,10 +5,9 @@ import math
 
 import models
 from data import passkey
-from layers import options
+from layers.options import ConfigError
 from training import validation_positions
 
-ConfigError = options.ConfigError
 DEFAULT_MULTIPLES = (1.0, 2.0, 4.0, 8.0)  # the retrieval report's lengths, x data.max_length
 
 

@@ -4,9 +4,7 @@ before anything compiles."""
 
 import models
 from data import synthetic
-from layers import options
-
-ConfigError = options.ConfigError
+from layers.options import ConfigError
 
 
 def _integer(value):

@@ -9,7 +9,7 @@ import pytest
 
 from configs import decoder_only
 from training import validation
-from tools import plots
+from tools.plots import run_pictures as plots
 from training import evaluation
 from training import loop
 

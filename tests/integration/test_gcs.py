@@ -79,8 +79,8 @@ def test_train_stop_resume_from_a_damaged_newest_checkpoint_and_eval_on_gs(gcs, 
 
 
 def test_a_two_cell_sweep_and_its_comparison_on_gs(gcs, tmp_path):
-  from tools import compare
-  from tools import sweep_runner
+  from tools.compare import comparison as compare
+  from tools.sweep import runner as sweep_runner
   spec = tmp_path / 'gs_sweep.py'
   spec.write_text(f'''
 from configs import decoder_only

@@ -9,7 +9,7 @@ from configs import encoder_decoder
 from configs import encoder_only
 from configs import rnn_seq2seq
 from training import validation
-from tools import plots
+from tools.plots import run_pictures as plots
 from training import evaluation
 from training import loop
 

@@ -8,8 +8,8 @@ import json
 import os
 
 from tests.helpers import ROOT
-from tools import compare
-from tools import sweep_runner
+from tools.compare import comparison as compare
+from tools.sweep import runner as sweep_runner
 
 WRAPPER = '''
 import importlib.util

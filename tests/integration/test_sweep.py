@@ -1,5 +1,6 @@
-"""Sweeps (tools/sweep.py) and comparisons (tools/compare.py): expansion, names, skip/resume,
---dry_run, and the comparison's band, divergence, plateau and steps-to-target on synthetic runs."""
+"""Sweeps (tools/sweep/__main__.py) and comparisons (tools/compare/comparison.py): expansion, names,
+skip/resume, --dry_run, and the comparison's band, divergence, plateau and steps-to-target on
+synthetic runs."""
 
 from tests.helpers import ROOT, write_run
 import io
@@ -10,8 +11,8 @@ import sys
 
 import pytest
 
-from tools import sweep_runner
-from tools import sweep_spec
+from tools.sweep import runner as sweep_runner
+from tools.sweep import spec as sweep_spec
 
 
 TINY_SWEEP = '''
@@ -198,7 +199,7 @@ def test_a_tuned_sweep_trains_the_second_seed_at_the_chosen_rate_only(tmp_path, 
   """tools.sweep --tune on 2 cells x 2 rates x 2 seeds, side by side: four tuning runs, the choice
   file, seed 1 at each cell's chosen rate alone; tools.compare's chosen column and tuning table; a
   rerun launches nothing."""
-  from tools import compare
+  from tools.compare import comparison as compare
   # The cells compile through a cache of this test: a seed-1 run finds what its cell's tuning run
   # at that rate compiled (about a third off its time), the second rate the eval step and init.
   monkeypatch.setenv('JAX_COMPILATION_CACHE_DIR', str(tmp_path / 'jax_cache'))

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from layers import attention
 from layers import attention_sharded
+from layers import options
 from layers import sharding
 from tests.helpers import quick_jit
 
@@ -164,7 +165,7 @@ def test_pallas_with_a_sequence_axis_is_refused_in_one_line():
   config = validation.resolve(default.get_config('quick'))
   config.model.attention_impl = 'pallas'
   config.mesh.sequence = 2
-  with pytest.raises(validation.ConfigError) as e:
+  with pytest.raises(options.ConfigError) as e:
     validation.validate(config)
   assert str(e.value).startswith("model.attention_impl='pallas' holds the whole sequence")
   assert 'model.attention_impl in: ring' in str(e.value) and '\n' not in str(e.value)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from layers import options
 from tools import attention_tradeoff
 from configs import default
 from training import validation
@@ -54,7 +55,7 @@ def test_decoder_attention_default_is_the_encoders():
 ])
 def test_decoder_attention_errors_name_the_field_and_valid_values(overrides, message):
   config = enc_dec_config(**overrides)
-  with pytest.raises(validation.ConfigError, match=message.replace('(', r'\(')):
+  with pytest.raises(options.ConfigError, match=message.replace('(', r'\(')):
     validation.validate(config)
 
 

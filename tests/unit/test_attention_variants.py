@@ -16,6 +16,7 @@ from layers import attention_variants
 from layers import attention_xla
 from layers import linear_attention
 from layers import masks
+from layers import options
 from layers import sparse_attention
 from tests.helpers import quick_jit
 
@@ -216,7 +217,7 @@ def test_linear_bidirectional_equals_its_quadratic_form_and_linformer_is_low_ran
 def test_impossible_combinations_are_one_line_config_errors(overrides, field):
   config = validation.resolve(default.get_config())
   config.model.update(overrides)
-  with pytest.raises(validation.ConfigError, match=field.replace('.', r'\.')) as e:
+  with pytest.raises(options.ConfigError, match=field.replace('.', r'\.')) as e:
     validation.validate(config)
   assert '\n' not in str(e.value)
 

@@ -14,12 +14,15 @@ import pytest
 from configs import decoder_only
 from configs import default
 from tests.helpers import ROOT
-from tools import processes
-from tools import sweep_runner
-from tools import sweep_spec
+from layers import options
+from tools.sweep import processes
+from tools.sweep import runner as sweep_runner
+from tools.sweep import spec as sweep_spec
 from training import cli_checks
+from training import config_file
 from training import eval_checks
 from training import memory
+from training import train_checks
 from training import validation
 from models import accounting
 
@@ -47,36 +50,37 @@ BAD_FILES = [
 def test_a_config_file_that_cannot_load_is_one_line(tmp_path, name, text, message):
   path = tmp_path / name
   path.write_text(text)
-  with pytest.raises(cli_checks.ConfigError, match=message) as e:
-    cli_checks.load_config_file(str(path))
+  with pytest.raises(options.ConfigError, match=message) as e:
+    config_file.load_config_file(str(path))
   assert '\n' not in str(e.value) and str(e.value).startswith(f'--config={path}')
 
 
 def test_a_missing_config_file_lists_the_config_files(tmp_path):
-  with pytest.raises(cli_checks.ConfigError, match='no such file') as e:
-    cli_checks.load_config_file(str(tmp_path / 'nope.py:quick'))
+  with pytest.raises(options.ConfigError, match='no such file') as e:
+    config_file.load_config_file(str(tmp_path / 'nope.py:quick'))
   assert 'configs/decoder_only.py' in str(e.value) and 'configs/__init__.py' not in str(e.value)
-  with pytest.raises(cli_checks.ConfigError, match='--config= is empty'):
-    cli_checks.load_config_file('')
+  with pytest.raises(options.ConfigError, match='--config= is empty'):
+    config_file.load_config_file('')
 
 
 def test_config_arguments_are_checked_and_parse_arg_is_restored():
   path = os.path.join(ROOT, 'configs', 'decoder_only.py')
   parse_arg = default.parse_arg
-  with pytest.raises(cli_checks.ConfigError, match="size='huge' is not valid; valid values: base, "
+  with pytest.raises(options.ConfigError, match="size='huge' is not valid; valid values: base, "
                      'large, small, tiny, xl'):
-    cli_checks.load_config_file(f'{path}:size=huge')
-  with pytest.raises(cli_checks.ConfigError,
+    config_file.load_config_file(f'{path}:size=huge')
+  with pytest.raises(options.ConfigError,
                      match="argument 'bogus' is not one .* reads; valid: quick, size"):
-    cli_checks.load_config_file(f'{path}:quick,bogus=1')
+    config_file.load_config_file(f'{path}:quick,bogus=1')
   assert default.parse_arg is parse_arg
-  config = cli_checks.load_config_file(f'{path}:quick,size=tiny')
+  config = config_file.load_config_file(f'{path}:quick,size=tiny')
   assert config.train.steps == 20 and config.model.d_model == 64
   # A file with arguments of its own (rnn_seq2seq: cell, attention) reads them too.
-  rnn = cli_checks.load_config_file(os.path.join(ROOT, 'configs', 'rnn_seq2seq.py:attention=luong'))
+  rnn = config_file.load_config_file(
+      os.path.join(ROOT, 'configs', 'rnn_seq2seq.py:attention=luong'))
   assert rnn.model.rnn_attention == 'luong'
-  with pytest.raises(cli_checks.ConfigError, match='valid: attention, cell, quick, size'):
-    cli_checks.load_config_file(os.path.join(ROOT, 'configs', 'rnn_seq2seq.py:atention=luong'))
+  with pytest.raises(options.ConfigError, match='valid: attention, cell, quick, size'):
+    config_file.load_config_file(os.path.join(ROOT, 'configs', 'rnn_seq2seq.py:atention=luong'))
   assert default.parse_arg is parse_arg
 
 
@@ -85,19 +89,19 @@ def test_a_file_that_parses_its_argument_itself_is_not_second_guessed(tmp_path):
   path.write_text('from configs import default\n\ndef get_config(arg=None):\n'
                   '  config = default.get_config()\n  config.train.steps = int(arg)\n'
                   '  return config\n')
-  assert cli_checks.load_config_file(f'{path}:7').train.steps == 7
+  assert config_file.load_config_file(f'{path}:7').train.steps == 7
 
 
 def test_an_override_of_a_missing_field_names_the_valid_ones():
   config = decoder_only.get_config()
   cli_checks.check_field(config, 'model.d_model', '--config.model.d_model=8')
-  with pytest.raises(cli_checks.ConfigError, match="model has no field 'foo'; valid fields of "
+  with pytest.raises(options.ConfigError, match="model has no field 'foo'; valid fields of "
                      'model: arch, attention,') as e:
     cli_checks.check_field(config, 'model.foo', '--config.model.foo=1')
   assert str(e.value).startswith('--config.model.foo=1: ')
-  with pytest.raises(cli_checks.ConfigError, match=r"'modle' \(did you mean model\?\)"):
+  with pytest.raises(options.ConfigError, match=r"'modle' \(did you mean model\?\)"):
     cli_checks.check_field(config, 'modle.d_model', '--config.modle.d_model=1')
-  with pytest.raises(cli_checks.ConfigError, match="model.d_model has no field 'x'"):
+  with pytest.raises(options.ConfigError, match="model.d_model has no field 'x'"):
     cli_checks.check_field(config, 'model.d_model.x', '--config.model.d_model.x=1')
 
 
@@ -117,9 +121,9 @@ def test_absl_value_errors_become_one_line_naming_the_type():
 
 
 def test_an_empty_workdir_is_refused():
-  with pytest.raises(cli_checks.ConfigError, match='--workdir is empty'):
+  with pytest.raises(options.ConfigError, match='--workdir is empty'):
     cli_checks.check_workdir('')
-  with pytest.raises(cli_checks.ConfigError, match='--workdir is required'):
+  with pytest.raises(options.ConfigError, match='--workdir is required'):
     cli_checks.check_workdir(None)
 
 
@@ -127,12 +131,12 @@ def test_a_mesh_that_does_not_cover_the_devices_is_a_config_error(tmp_path):
   config = decoder_only.get_config('quick')
   config.data.data_dir = str(tmp_path / 'd')
   config.mesh.data = 3  # batch 8 is not a multiple of 3: validation refuses it
-  with pytest.raises(cli_checks.ConfigError, match='train.batch_size=8'):
-    cli_checks.check_train_run(config, str(tmp_path / 'w'))
+  with pytest.raises(options.ConfigError, match='train.batch_size=8'):
+    train_checks.check_train_run(config, str(tmp_path / 'w'))
   config.mesh.data = 2  # the batch divides, but 2 is not the device count (8 here)
-  with pytest.raises(cli_checks.ConfigError, match=f'product 2 must equal the device count '
+  with pytest.raises(options.ConfigError, match=f'product 2 must equal the device count '
                      f'{jax.device_count()}'):
-    cli_checks.check_train_run(config, str(tmp_path / 'w'))
+    train_checks.check_train_run(config, str(tmp_path / 'w'))
 
 
 # --- Config values -----------------------------------------------------------------------------
@@ -171,7 +175,7 @@ def test_bad_config_values_are_one_line(field, value, message):
   config = validation.resolve(decoder_only.get_config())
   section, name = field.split('.')
   config[section][name] = value
-  with pytest.raises(validation.ConfigError, match=f'^{message}') as e:
+  with pytest.raises(options.ConfigError, match=f'^{message}') as e:
     validation.validate(config)
   assert '\n' not in str(e.value)
 
@@ -222,7 +226,7 @@ BAD_EVAL_FLAGS = [
 @pytest.mark.parametrize('flag,value,message', BAD_EVAL_FLAGS,
                          ids=[f'{f}={v}' for f, v, _ in BAD_EVAL_FLAGS])
 def test_bad_eval_flags_are_one_line(flag, value, message):
-  with pytest.raises(cli_checks.ConfigError, match=message) as e:
+  with pytest.raises(options.ConfigError, match=message) as e:
     eval_checks.check_eval_flags(**{**EVAL_DEFAULTS, flag: value})
   assert '\n' not in str(e.value)
 
@@ -249,26 +253,26 @@ def test_eval_lengths_beyond_the_model_or_the_stream_are_refused(tmp_path, data_
   length = config.data.max_length
   run = dict(split=['test'], translate=[], stream_split='test', rope_scaling=None)
   eval_checks.check_eval_run(str(learned), lengths=[1.0], **run)
-  with pytest.raises(cli_checks.ConfigError, match=f'2 x data.max_length={length} = {2 * length} '
+  with pytest.raises(options.ConfigError, match=f'2 x data.max_length={length} = {2 * length} '
                      f'positions; .*table has max_length={length} rows; valid: multiples <= 1'):
     eval_checks.check_eval_run(str(learned), lengths=[2.0], **run)
   rope = tmp_path / 'rope'
   _fake_run(rope, data_dir, position='rope')
   eval_checks.check_eval_run(str(rope), lengths=[4.0], **run)
-  with pytest.raises(cli_checks.ConfigError, match=f'1000 x data.max_length={length} = '
+  with pytest.raises(options.ConfigError, match=f'1000 x data.max_length={length} = '
                      f"{1000 * length} tokens, longer than the 'test' stream") as e:
     eval_checks.check_eval_run(str(rope), lengths=[1000.0], **run)
   limit = int(str(e.value).rsplit('<= ', 1)[1])
   eval_checks.check_eval_run(str(rope), lengths=[float(limit)], **run)  # the largest that fits
-  with pytest.raises(cli_checks.ConfigError, match=f"4 x data.max_length={length} = {4 * length} "
+  with pytest.raises(options.ConfigError, match=f"4 x data.max_length={length} = {4 * length} "
                      f"tokens, longer than the 'test' stream \\({3 * length} tokens kept by "
                      "--stream_tokens\\); valid: multiples <= 2"):
     eval_checks.check_eval_run(str(rope), lengths=[4.0], stream_tokens=3 * length, **run)
-  with pytest.raises(cli_checks.ConfigError, match='is under one token'):
+  with pytest.raises(options.ConfigError, match='is under one token'):
     eval_checks.check_eval_run(str(rope), lengths=[0.001], **run)
-  with pytest.raises(cli_checks.ConfigError, match="'nosuch' is not a split of this run"):
+  with pytest.raises(options.ConfigError, match="'nosuch' is not a split of this run"):
     eval_checks.check_eval_run(str(rope), lengths=[], **{**run, 'split': ['test', 'nosuch']})
-  with pytest.raises(cli_checks.ConfigError, match="needs a run with model.position='rope'"):
+  with pytest.raises(options.ConfigError, match="needs a run with model.position='rope'"):
     eval_checks.check_eval_run(str(learned), lengths=[], **{**run, 'rope_scaling': 'ntk:2'})
 
 
@@ -280,24 +284,24 @@ def test_eval_position_overrides_are_checked_against_the_run(tmp_path, data_dir)
   config = _fake_run(rope, data_dir, position='rope', random_positions_max=128)
   length = config.data.max_length
   eval_checks.check_eval_run(str(rope), lengths=[1.0, 128 / length], position_ids='random', **run)
-  with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=spaced: a window of '):
+  with pytest.raises(options.ConfigError, match=r'^--position_ids=spaced: a window of '):
     eval_checks.check_eval_run(str(rope), lengths=[2 * 128 / length], position_ids='spaced', **run)
-  with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=random sets the ids of the '
+  with pytest.raises(options.ConfigError, match=r'^--position_ids=random sets the ids of the '
                                                    r'--lengths stream windows'):
     eval_checks.check_eval_run(str(rope), lengths=[], position_ids='random', **run)
-  with pytest.raises(cli_checks.ConfigError, match=r"^--xpos_block=0 needs a run with "
+  with pytest.raises(options.ConfigError, match=r"^--xpos_block=0 needs a run with "
                                                    r"model.position='xpos'; this one has 'rope'$"):
     eval_checks.check_eval_run(str(rope), lengths=[1.0], xpos_block=0, **run)
   xpos = tmp_path / 'xpos'
   _fake_run(xpos, data_dir, position='xpos', xpos_block=16, attention_impl='blockwise')
   eval_checks.check_eval_run(str(xpos), lengths=[2.0], xpos_block=0, **run)
-  with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=random draws ids'):
+  with pytest.raises(options.ConfigError, match=r'^--position_ids=random draws ids'):
     eval_checks.check_eval_run(str(xpos), lengths=[1.0], position_ids='random', **run)
-  with pytest.raises(cli_checks.ConfigError, match=r'^--xpos_block=-1 must be an integer >= 0'):
+  with pytest.raises(options.ConfigError, match=r'^--xpos_block=-1 must be an integer >= 0'):
     eval_checks.check_eval_run(str(xpos), lengths=[1.0], xpos_block=-1, **run)
   window = tmp_path / 'window'
   _fake_run(window, data_dir, position='xpos', attention='sliding_window')
-  with pytest.raises(cli_checks.ConfigError, match=r"^--xpos_block=8: model.position='xpos' adds "
+  with pytest.raises(options.ConfigError, match=r"^--xpos_block=8: model.position='xpos' adds "
                                                    r'a \[T, S\] mask'):
     eval_checks.check_eval_run(str(window), lengths=[1.0], xpos_block=8, **run)
 
@@ -306,9 +310,9 @@ def test_eval_json_must_be_writable(tmp_path):
   eval_checks.check_can_write(str(tmp_path), 'eval.json')
   assert os.listdir(tmp_path) == []  # the probe leaves nothing behind
   os.makedirs(tmp_path / 'eval.json')
-  with pytest.raises(cli_checks.ConfigError, match='eval.json is a directory'):
+  with pytest.raises(options.ConfigError, match='eval.json is a directory'):
     eval_checks.check_can_write(str(tmp_path), 'eval.json')
-  with pytest.raises(cli_checks.ConfigError, match=r'cannot write eval.json in .* \(No such file'):
+  with pytest.raises(options.ConfigError, match=r'cannot write eval.json in .* \(No such file'):
     eval_checks.check_can_write(str(tmp_path / 'missing'), 'eval.json')
 
 

@@ -7,10 +7,11 @@ import pytest
 
 from configs import default
 from data import text_corpus
-from tools import curves as curves_lib
-from tools import runs as runs_lib
-from tools import summary as summary_lib
-from tools import sweep_spec
+from layers import options
+from tools.compare import curves as curves_lib
+from tools.compare import runs as runs_lib
+from tools.compare import summary as summary_lib
+from tools.sweep import spec as sweep_spec
 from training import validation
 
 
@@ -34,7 +35,7 @@ def _config(**fields):
     ({'train.seed': 2 ** 70}, r'train.seed=1180591620717411303424 must be an integer in'),
 ])
 def test_a_field_no_part_of_the_run_would_read_is_refused(fields, message):
-  with pytest.raises(validation.ConfigError, match=message) as e:
+  with pytest.raises(options.ConfigError, match=message) as e:
     validation.validate(_config(**fields))
   assert '\n' not in str(e.value)
 

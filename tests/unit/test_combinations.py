@@ -16,6 +16,7 @@ from configs import default
 from data import pipeline
 from layers import attention
 from layers import attention_variants
+from layers import options
 from layers import positions
 from layers import sharding
 from models import accounting
@@ -56,7 +57,7 @@ def outcomes():
         try:
           validation.validate(combination(variant, impl, position))
           out[variant, impl, position] = None
-        except validation.ConfigError as e:
+        except options.ConfigError as e:
           out[variant, impl, position] = str(e)
   return out
 
@@ -122,7 +123,7 @@ def option_outcomes():
         try:
           validation.validate(config)
           out[variant, impl, option] = None
-        except validation.ConfigError as e:
+        except options.ConfigError as e:
           out[variant, impl, option] = str(e)
   return out
 

@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
+from layers import options
 from training import validation
 from training import diagnostics
 from training import state as state_lib
@@ -127,5 +128,5 @@ def test_diagnostics_config_is_validated():
   config.train.diagnostics = False
   validation.validate(config)
   config.train.diagnostics_batch = -1
-  with pytest.raises(validation.ConfigError, match='diagnostics_batch'):
+  with pytest.raises(options.ConfigError, match='diagnostics_batch'):
     validation.validate(config)

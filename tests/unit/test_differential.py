@@ -12,6 +12,7 @@ from flax import nnx
 import models
 from configs import default
 from layers import differential_attention
+from layers import options
 from layers import rope
 from models import accounting
 from tests.helpers import quick_jit
@@ -193,7 +194,7 @@ def test_differential_maps_are_the_difference_of_the_softmax_maps():
 
 
 def refusal(**overrides):
-  with pytest.raises(validation.ConfigError) as e:
+  with pytest.raises(options.ConfigError) as e:
     model_config(**overrides)
   assert '\n' not in str(e.value)
   return str(e.value)

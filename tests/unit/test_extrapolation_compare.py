@@ -1,4 +1,4 @@
-"""tools.extrapolation_compare: the extrapolation table (mean [min, max] across seeds) and the loss
+"""tools.compare.extrapolation: the extrapolation table (mean [min, max] across seeds) and the loss
 per position with seed bands, from eval.json files, also through tools.compare."""
 
 import json
@@ -6,10 +6,10 @@ import os
 
 import numpy as np
 
-from tools import compare
-from tools import extrapolation_compare
-from tools import runs as runs_lib
-from tools import summary as summary_lib
+from tools.compare import comparison as compare
+from tools.compare import extrapolation as extrapolation_compare
+from tools.compare import runs as runs_lib
+from tools.compare import summary as summary_lib
 
 L = 8
 

@@ -25,7 +25,7 @@ from tests.helpers import quick_jit, tiny
 from tests.unit import test_accounting
 from tests.unit import test_decoding
 from tests.unit import test_plots
-from tools import compare
+from tools.compare import comparison as compare
 from tests.unit import test_scan_layers
 from training import validation
 
@@ -283,7 +283,7 @@ def test_encoder_decoder_cache_equals_the_full_forward():
 def test_an_unknown_value_is_refused_in_one_line(field, value, valid):
   config = validation.resolve(default.get_config())
   config.model[field] = value
-  with pytest.raises(validation.ConfigError) as e:
+  with pytest.raises(options.ConfigError) as e:
     validation.validate(config)
   assert str(e.value) == f'model.{field}={value!r} is not valid; valid values: {valid}'
 
@@ -294,7 +294,7 @@ def test_a_variant_that_declares_no_gate_is_refused_in_one_line(monkeypatch):
   monkeypatch.setitem(attention_variants.VARIANTS, 'ungated', Ungated)
   config = validation.resolve(default.get_config())
   config.model.update(attention='ungated', attention_gate='headwise')
-  with pytest.raises(validation.ConfigError) as e:
+  with pytest.raises(options.ConfigError) as e:
     validation.validate(config)
   assert str(e.value) == ("model.attention_gate='headwise' is not applied by "
                           "model.attention='ungated'; valid value here: 'none'")

@@ -14,6 +14,7 @@ from configs import default
 from layers import attention_variants
 from layers import delta_attention
 from layers import delta_rule
+from layers import options
 from layers import positions
 from models import decoding
 from tests.unit.test_decoding import build, full_and_cached_logits
@@ -295,7 +296,7 @@ REFUSED = [
 def test_refusals_are_one_line(model, message):
   config = default.get_config()
   config.model.update(attention='gated_deltanet', **model)
-  with pytest.raises(validation.ConfigError) as e:
+  with pytest.raises(options.ConfigError) as e:
     validation.validate(validation.resolve(config))
   assert str(e.value).startswith(message) and '\n' not in str(e.value), str(e.value)
   assert 'valid' in str(e.value)

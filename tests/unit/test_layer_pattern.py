@@ -12,6 +12,7 @@ import models
 from configs import default
 from layers import attention
 from layers import attention_variants
+from layers import options
 from models import accounting
 from models import decoding
 from tools import accounting as accounting_cli
@@ -46,7 +47,7 @@ def build(pattern, **kwargs):
 
 
 def refusal(config):
-  with pytest.raises(validation.ConfigError) as e:
+  with pytest.raises(options.ConfigError) as e:
     validation.validate(config)
   message = str(e.value)
   assert '\n' not in message, message
@@ -134,7 +135,7 @@ def test_decoding_needs_a_cached_step_in_every_layer(monkeypatch):
   model_cfg = make_config('dense,nocache').model
   validation.validate(make_config('dense,nocache'))  # it trains
   assert not validation_attention.decodes_with_cache(model_cfg)
-  with pytest.raises(validation.ConfigError, match=r"^--translate=test decodes with a KV cache, "
+  with pytest.raises(options.ConfigError, match=r"^--translate=test decodes with a KV cache, "
                      r"which model.layer_pattern entry 'nocache' \(NoCache\) does not have; valid "
                      'values: '):
     validation_attention.check_decoding(model_cfg, '--translate=test')

@@ -16,6 +16,7 @@ from layers import attention_variants
 from layers import block
 from layers import feed_forward
 from layers import norms
+from layers import options
 from layers import positions
 from layers import rnn_attention
 
@@ -130,14 +131,14 @@ def test_a_variant_check_names_its_field_and_valid_values():
   cfg = model_config(attention='longformer', position='t5_bias')
   data = ml_collections.ConfigDict({'max_length': 64})
   # Derived from the declarations (takes_score_terms, the position's terms), not the variant's code.
-  with pytest.raises(validation.ConfigError, match=r"^model\.position='t5_bias' adds a dense "
+  with pytest.raises(options.ConfigError, match=r"^model\.position='t5_bias' adds a dense "
                      r"\[T, S\] bias to the scores, which model.attention='longformer' does not "
                      r'take; valid values: learned, nope, rope, sinusoidal, xpos$'):
     validation_attention.check_position_terms(cfg, validation_attention.attention_layers(cfg))
   cfg.update(position='rope', window=-2)
-  with pytest.raises(validation.ConfigError, match=r'^model\.window=-2 must be an integer >= 0$'):
+  with pytest.raises(options.ConfigError, match=r'^model\.window=-2 must be an integer >= 0$'):
     attention_variants.VARIANTS['longformer'].check_config(cfg, data)
-  with pytest.raises(validation.ConfigError, match=r"^model\.rope_scaling='x' is not valid; "
+  with pytest.raises(options.ConfigError, match=r"^model\.rope_scaling='x' is not valid; "
                      'valid values: none, ntk, pi, yarn$'):
     positions.POSITIONS['rope'].check_options(model_config(rope_scaling='x'))
 

@@ -14,6 +14,7 @@ from configs import default
 from layers import attention
 from layers import attention_variants
 from layers import mla_attention
+from layers import options
 from layers import rope
 from models import accounting
 from models import decoding
@@ -254,7 +255,7 @@ def test_the_cache_per_token_is_below_mha_and_reported():
     ({'use_bias': True}, r"model.use_bias=True: model.attention='mla' has no projection biases"),
 ])
 def test_bad_values_are_refused_in_one_line(model, message):
-  with pytest.raises(validation.ConfigError, match=f'^{message}') as e:
+  with pytest.raises(options.ConfigError, match=f'^{message}') as e:
     validation.validate(config_of(**model))
   assert '\n' not in str(e.value)
 

@@ -14,6 +14,7 @@ from layers import attention
 from layers import attention_xla
 from layers import block
 from layers import feed_forward
+from layers import options
 from models import accounting
 from training import validation
 from tests.helpers import jitted_forward, quick_jit
@@ -274,7 +275,7 @@ def test_untied_output_has_its_own_kernel_and_bias():
 def test_bad_model_option_is_one_line_naming_the_field(overrides, field):
   config = validation.resolve(default.get_config())
   config.model.update(overrides)
-  with pytest.raises(validation.ConfigError, match=field.replace('.', r'\.')) as e:
+  with pytest.raises(options.ConfigError, match=field.replace('.', r'\.')) as e:
     validation.validate(config)
   assert '\n' not in str(e.value)
 
@@ -283,7 +284,7 @@ def test_untied_output_refuses_the_tiled_loss():
   config = validation.resolve(default.get_config())
   config.model.tie_output = False
   config.train.loss_chunk = 8
-  with pytest.raises(validation.ConfigError, match='train.loss_chunk.*tie_output'):
+  with pytest.raises(options.ConfigError, match='train.loss_chunk.*tie_output'):
     validation.validate(config)
 
 

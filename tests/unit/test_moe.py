@@ -15,6 +15,7 @@ from flax import nnx
 from configs import default
 from layers import feed_forward
 from layers import moe
+from layers import options
 from models import accounting
 from training import loop
 from training import steps
@@ -211,7 +212,7 @@ BAD = [
 
 @pytest.mark.parametrize('overrides,message', BAD)
 def test_bad_moe_fields_are_one_line_config_errors(overrides, message):
-  with pytest.raises(validation.ConfigError, match=message) as e:
+  with pytest.raises(options.ConfigError, match=message) as e:
     model_config(**overrides)
   assert '\n' not in str(e.value)
 
@@ -220,7 +221,7 @@ def test_an_expert_axis_that_does_not_divide_the_experts_is_one_line():
   config = validation.resolve(default.get_config())
   config.model.update(moe_experts=6, moe_top_k=1)
   config.mesh.update(expert=4, data=2)
-  with pytest.raises(validation.ConfigError,
+  with pytest.raises(options.ConfigError,
                      match=r'^mesh.expert=4 must divide model.moe_experts=6; valid values: '
                            r'1, 2, 3, 6$'):
     validation.validate(config)

@@ -16,6 +16,7 @@ from flax import nnx
 
 from configs import default
 from layers import block
+from layers import options
 from models import accounting
 from models import stack
 import models
@@ -107,11 +108,11 @@ def test_deepnorm_scales_keep_one_scaling_alone(scales):
 def test_deepnorm_scales_is_checked_before_building():
   config = validation.resolve(default.get_config())
   config.model.deepnorm_scales = 'gamma'
-  with pytest.raises(validation.ConfigError,
+  with pytest.raises(options.ConfigError,
                      match="deepnorm_scales='gamma'.*alpha, alpha_beta, beta"):
     validation.validate(config)
   config.model.deepnorm_scales = 'alpha'  # under the default 'pre': nothing to ablate
-  with pytest.raises(validation.ConfigError, match="model.norm_position='pre' does not use"):
+  with pytest.raises(options.ConfigError, match="model.norm_position='pre' does not use"):
     validation.validate(config)
 
 
@@ -270,7 +271,7 @@ def test_accounting_counts_each_placements_norms_and_gates(position):
 def test_bad_norm_position_lists_the_new_values():
   config = validation.resolve(default.get_config())
   config.model.norm_position = 'middle'
-  with pytest.raises(validation.ConfigError, match='deepnorm, post, pre, rezero, sandwich'):
+  with pytest.raises(options.ConfigError, match='deepnorm, post, pre, rezero, sandwich'):
     validation.validate(config)
 
 

@@ -14,6 +14,7 @@ from configs import default
 from layers import attention
 from layers import attention_variants
 from layers import contract
+from layers import options
 from layers import positions
 from models import accounting
 from tests.helpers import metric_rows, quick_config
@@ -81,7 +82,7 @@ def _config(**model):
 
 
 def _refusal(config):
-  with pytest.raises(validation.ConfigError) as e:
+  with pytest.raises(options.ConfigError) as e:
     validation.validate(config)
   assert '\n' not in str(e.value)
   return str(e.value)
@@ -161,6 +162,6 @@ def test_a_variant_without_a_cached_step_is_refused_before_decoding(monkeypatch)
 
   monkeypatch.setitem(attention_variants.VARIANTS, 'nocache', NoCache)
   model = _config(attention='nocache', position='rope').model
-  with pytest.raises(validation.ConfigError, match=r"^--translate=test decodes with a KV cache, "
+  with pytest.raises(options.ConfigError, match=r"^--translate=test decodes with a KV cache, "
                      r"which model.attention='nocache' \(NoCache\) does not have; valid values: "):
     validation_attention.check_decoding(model, '--translate=test')

@@ -52,13 +52,13 @@ def cosine_config(data_dir, scale):
 
 def test_unregistered_variant_is_refused_with_the_valid_names(data_dir):
   config = cosine_config(data_dir, 10.0)
-  with pytest.raises(validation.ConfigError, match=r"model.attention='cosine' is not valid"):
+  with pytest.raises(options.ConfigError, match=r"model.attention='cosine' is not valid"):
     validation.validate(config)
 
 
 def test_the_variant_checks_its_own_option(data_dir, cosine_registered):
   del cosine_registered
-  with pytest.raises(validation.ConfigError, match=r'model.cosine_scale=-1.0 must be a positive'):
+  with pytest.raises(options.ConfigError, match=r'model.cosine_scale=-1.0 must be a positive'):
     validation.validate(cosine_config(data_dir, -1.0))
 
 

@@ -16,8 +16,8 @@ from configs import passkey as passkey_config
 from data import passkey
 from data import pipeline
 from data import tokenizer as tokenizer_lib
-from tools import plots
-from training import cli_checks
+from layers import options
+from tools.plots import run_pictures as plots
 from training import eval_checks
 from training import retrieval
 from training import validation
@@ -132,7 +132,7 @@ BAD_CONFIGS = [
 
 @pytest.mark.parametrize('data,message', BAD_CONFIGS, ids=[str(d) for d, _ in BAD_CONFIGS])
 def test_bad_passkey_fields_are_one_line(data, message):
-  with pytest.raises(validation.ConfigError, match=message) as e:
+  with pytest.raises(options.ConfigError, match=message) as e:
     validation.validate(_config(**data))
   assert '\n' not in str(e.value)
 
@@ -140,11 +140,11 @@ def test_bad_passkey_fields_are_one_line(data, message):
 def test_an_arch_or_loss_the_task_cannot_use_is_refused():
   config = _config()
   config.model.arch = 'encoder_decoder'
-  with pytest.raises(validation.ConfigError, match="is a decoder_only task"):
+  with pytest.raises(options.ConfigError, match="is a decoder_only task"):
     validation.validate(config)
   config = _config()
   config.train.loss_on = 'all'
-  with pytest.raises(validation.ConfigError, match="train.loss_on='all' is not valid"):
+  with pytest.raises(options.ConfigError, match="train.loss_on='all' is not valid"):
     validation.validate(config)
 
 
@@ -161,7 +161,7 @@ def test_eval_lengths_the_model_cannot_take_are_refused(tmp_path):
   _fake_run(tmp_path / 'learned', position='learned')
   learned = str(tmp_path / 'learned')
   eval_checks.check_eval_run(learned, lengths=[1.0, 0.5], **run)
-  with pytest.raises(cli_checks.ConfigError, match=r'the retrieval report \(default '
+  with pytest.raises(options.ConfigError, match=r'the retrieval report \(default '
                      r'--lengths=1,2,4,8\): 2 x data.max_length=32 = 64 positions; the run\'s '
                      'position=learned table has 32 rows; valid: multiples <= 1') as e:
     eval_checks.check_eval_run(learned, lengths=[], **run)
@@ -169,16 +169,16 @@ def test_eval_lengths_the_model_cannot_take_are_refused(tmp_path):
   _fake_run(tmp_path / 'rope', position='rope')
   rope = str(tmp_path / 'rope')
   eval_checks.check_eval_run(rope, lengths=[], **run)  # RoPE takes any length
-  with pytest.raises(cli_checks.ConfigError, match='= 4 tokens, under the 7 a passkey example '
+  with pytest.raises(options.ConfigError, match='= 4 tokens, under the 7 a passkey example '
                      'needs; valid: multiples >= 0.21875'):
     eval_checks.check_eval_run(rope, lengths=[0.125], **run)
-  with pytest.raises(cli_checks.ConfigError, match="--translate=test decodes target sentences; "
+  with pytest.raises(options.ConfigError, match="--translate=test decodes target sentences; "
                      "data.task='passkey' holds retrieval prompts"):
     eval_checks.check_eval_run(rope, lengths=[], **{**run, 'translate': ['test']})
   flags = dict(split=['test'], max_examples=0, lengths=[], modes=['sliding'], stride=0.5,
                num_beams=1, length_penalty=0.6, temperature=1.0, top_k=0, top_p=1.0,
                plot_attention=0, rope_scaling=None)
-  with pytest.raises(cli_checks.ConfigError, match='--retrieval_examples=0 must be a positive'):
+  with pytest.raises(options.ConfigError, match='--retrieval_examples=0 must be a positive'):
     eval_checks.check_eval_flags(**flags, retrieval_examples=0)
 
 
@@ -260,10 +260,10 @@ def test_retrieval_rows_at_randomized_training_ids(tok, tmp_path):
   run = dict(split=['test'], translate=[], stream_split='test', rope_scaling=None)
   _fake_run(tmp_path / 'rand', position='rope', random_positions_max=256)
   eval_checks.check_eval_run(str(tmp_path / 'rand'), lengths=[], position_ids='random', **run)
-  with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=spaced: a window of 512 '
+  with pytest.raises(options.ConfigError, match=r'^--position_ids=spaced: a window of 512 '
                      r'tokens needs that many ids of model.random_positions_max=256; valid: '
                      r'--lengths up to 8$'):
     eval_checks.check_eval_run(str(tmp_path / 'rand'), lengths=[16], position_ids='spaced', **run)
   _fake_run(tmp_path / 'plain', position='rope')
-  with pytest.raises(cli_checks.ConfigError, match=r'^--position_ids=random draws ids from'):
+  with pytest.raises(options.ConfigError, match=r'^--position_ids=random draws ids from'):
     eval_checks.check_eval_run(str(tmp_path / 'plain'), lengths=[], position_ids='random', **run)

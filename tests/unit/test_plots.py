@@ -1,7 +1,7 @@
-"""The pictures: short legend labels (tools/legend.py), colour and line-style assignment
-(tools/group_styles.py) and bands (tools/curves.py), the comparison's legend placement
-(tools/compare_figure.py), the extrapolation and attention pictures (tools/plots.py). No processes,
-no training: synthetic runs and arrays."""
+"""The pictures: short legend labels (tools/compare/legend.py), colour and line-style assignment
+(tools/compare/group_styles.py) and bands (tools/compare/curves.py), the comparison's legend
+placement (tools/compare/figure.py), the extrapolation and attention pictures
+(tools/plots/run_pictures.py). No processes, no training: synthetic runs and arrays."""
 
 import json
 import os
@@ -11,15 +11,15 @@ import matplotlib
 import numpy as np
 import pytest
 
-from tools import compare
-from tools import compare_figure
-from tools import curves as curves_lib
-from tools import group_styles
-from tools import legend
-from tools import plot_style
-from tools import plots
-from tools import runs as runs_lib
-from tools import summary as summary_lib
+from tools.compare import comparison as compare
+from tools.compare import figure as compare_figure
+from tools.compare import curves as curves_lib
+from tools.compare import group_styles
+from tools.compare import legend
+from tools.plots import style as plot_style
+from tools.plots import run_pictures as plots
+from tools.compare import runs as runs_lib
+from tools.compare import summary as summary_lib
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt
@@ -292,7 +292,7 @@ def test_compare_draws_and_tabulates_logged_metrics(tmp_path):
     compare.compare([str(tmp_path / 'sw')], str(out), metrics=['moe_drop_fraction'])
 
 
-# --- tools/plots.py -------------------------------------------------------------------------------
+# --- tools/plots/run_pictures.py ------------------------------------------------------------------
 
 def test_extrapolation_plot_draws_one_line_per_length_and_marks_the_training_length(tmp_path):
   rng = np.random.default_rng(0)

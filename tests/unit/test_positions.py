@@ -10,6 +10,7 @@ from flax import nnx
 
 from configs import default
 from training import validation
+from layers import options
 from layers import positions
 from layers import rope
 from models import decoder_only
@@ -335,9 +336,9 @@ def test_config_validation_of_the_new_fields():
                               ('t5_max_distance', 8, 't5_max_distance')]:
     bad = validation.resolve(default.get_config())
     bad.model[field] = value
-    with pytest.raises(validation.ConfigError, match=match):
+    with pytest.raises(options.ConfigError, match=match):
       validation.validate(bad)
   bad = validation.resolve(default.get_config())
   bad.model.position, bad.model.rope_fraction = 'rope', 0.01  # head dim 32: no pair rotated
-  with pytest.raises(validation.ConfigError, match='rope_fraction'):
+  with pytest.raises(options.ConfigError, match='rope_fraction'):
     validation.validate(bad)

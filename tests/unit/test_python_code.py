@@ -10,6 +10,7 @@ import pytest
 from configs import python_code as python_code_config
 from data import pipeline
 from data import python_code
+from layers import options
 from training import validation
 
 
@@ -74,19 +75,19 @@ def test_the_config_files_validate_and_bad_fields_are_one_line():
     assert not pipeline.has_pairs(config.data)
   config = validation.resolve(python_code_config.get_config('quick'))
   config.data.code_max_files = -1
-  with pytest.raises(validation.ConfigError, match=r'data.code_max_files=-1 must be an integer '
+  with pytest.raises(options.ConfigError, match=r'data.code_max_files=-1 must be an integer '
                      r'>= 0') as e:
     validation.validate(config)
   assert '\n' not in str(e.value)
   config = validation.resolve(python_code_config.get_config('quick'))
   config.model.arch, config.data.packing = 'encoder_decoder', 'none'
-  with pytest.raises(validation.ConfigError, match="data.task='python_code' .* is not valid for "
+  with pytest.raises(options.ConfigError, match="data.task='python_code' .* is not valid for "
                      "model.arch='encoder_decoder'"):
     validation.validate(config)
   config = validation.resolve(python_code_config.get_config('quick'))
   config.data.task = 'base'
   config.data.packing = 'none'
   config.train.loss_on = 'target'
-  with pytest.raises(validation.ConfigError, match="data.code_max_files=60 is read only by "
+  with pytest.raises(options.ConfigError, match="data.code_max_files=60 is read only by "
                      "data.task='python_code'"):
     validation.validate(config)

@@ -16,6 +16,7 @@ from configs import default
 from configs import extrapolation as extrapolation_config
 from layers import attention
 from layers import attention_blockwise
+from layers import options
 from layers import positions
 from layers import relative_bias
 from layers import rope
@@ -251,7 +252,7 @@ def test_decoder_cache_equals_full_forward(kind, impl):
 @pytest.mark.parametrize('kind', ['fire', 'kerple'])
 def test_learned_bias_refused_by_kernels_that_cannot_take_it(kind):
   for impl in ('pallas', 'cudnn', 'ring'):
-    with pytest.raises(validation.ConfigError,
+    with pytest.raises(options.ConfigError,
                        match=f"model.position='{kind}'.*attention_impl='{impl}'.*blockwise, xla"):
       model_config(position=kind, attention_impl=impl)
   pb = relative_bias.PositionBias(relative_bias.kerple_log_bias,
@@ -271,19 +272,19 @@ def test_config_checks_of_the_new_fields():
                               ('random_positions_max', -1, 'random_positions_max')]:
     bad = validation.resolve(default.get_config())
     bad.model[field] = value
-    with pytest.raises(validation.ConfigError, match=match):
+    with pytest.raises(options.ConfigError, match=match):
       validation.validate(bad)
   bad = validation.resolve(default.get_config())
   bad.model.position, bad.model.random_positions_max = 'alibi', 256
-  with pytest.raises(validation.ConfigError, match='random_positions_max=256 needs model.position'):
+  with pytest.raises(options.ConfigError, match='random_positions_max=256 needs model.position'):
     validation.validate(bad)
   bad.model.position, bad.model.random_positions_max = 'rope', 32  # < data.max_length = 64
-  with pytest.raises(validation.ConfigError, match='must be >= data.max_length=64'):
+  with pytest.raises(options.ConfigError, match='must be >= data.max_length=64'):
     validation.validate(bad)
   bad.model.random_positions_max = 256
   validation.validate(bad)
   bad.model.update(position='xpos', random_positions_max=0, xpos_block=64, attention_impl='ring')
-  with pytest.raises(validation.ConfigError,
+  with pytest.raises(options.ConfigError,
                      match=r"model.position='xpos' adds a \[T, S\] mask, which "
                            r"model.attention_impl='ring' cannot take; valid values: blockwise, "
                            r"cudnn, pallas, xla \(or model.position in: "
@@ -291,7 +292,7 @@ def test_config_checks_of_the_new_fields():
                            r"sinusoidal\)$"):
     validation.validate(bad)
   bad.model.xpos_block = -1
-  with pytest.raises(validation.ConfigError, match='xpos_block=-1 must be an integer >= 0'):
+  with pytest.raises(options.ConfigError, match='xpos_block=-1 must be an integer >= 0'):
     validation.validate(bad)
 
 
@@ -360,7 +361,7 @@ def test_xpos_block_with_a_variant_without_scores_is_refused_at_validation():
   from training import validation
   config = validation.resolve(default.get_config())
   config.model.update({'position': 'xpos', 'xpos_block': 16, 'attention': 'sliding_window'})
-  with pytest.raises(validation.ConfigError,
+  with pytest.raises(options.ConfigError,
                      match=r"^model.position='xpos' adds a \[T, S\] mask to the scores, which "
                            r"model.attention='sliding_window' does not take; valid values: "):
     validation.validate(config)

@@ -10,6 +10,7 @@ import pytest
 
 from configs import decoder_only
 from configs import default
+from layers import options
 from training import validation
 from training import checkpointing
 from training import state as state_lib
@@ -42,7 +43,7 @@ def test_bad_config_names_the_field(field, value):
   config = validation.resolve(decoder_only.get_config())
   section, name = field.split('.')
   config[section][name] = value
-  with pytest.raises(validation.ConfigError, match=field.replace('.', r'\.')) as e:
+  with pytest.raises(options.ConfigError, match=field.replace('.', r'\.')) as e:
     validation.validate(config)
   assert '\n' not in str(e.value)
 

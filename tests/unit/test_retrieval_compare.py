@@ -1,14 +1,14 @@
-"""tools.retrieval_compare: the passkey retrieval table (accuracy by length, mean [min, max] across
+"""tools.compare.retrieval: the passkey retrieval table (accuracy by length, mean [min, max] across
 seeds, the evaluation variants in rows of their own) and the heat maps, also through
 tools.compare."""
 
 import json
 import os
 
-from tools import compare
-from tools import retrieval_compare
-from tools import runs as runs_lib
-from tools import summary as summary_lib
+from tools.compare import comparison as compare
+from tools.compare import retrieval as retrieval_compare
+from tools.compare import runs as runs_lib
+from tools.compare import summary as summary_lib
 
 
 def _workdir(root, position, seed, accuracy, variant=None):

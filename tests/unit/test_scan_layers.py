@@ -12,6 +12,7 @@ from flax import nnx
 
 from configs import default
 from training import validation
+from layers import options
 from layers import sharding
 from models import stack
 import models
@@ -184,7 +185,7 @@ def test_scan_config_is_validated(overrides, match):
   config.model.update(scan_layers=True, remat='dots')
   validation.validate(config)  # the other remat policies are valid with scan_layers
   config.model.update(**{'scan_layers': False, 'remat': 'none', **overrides})
-  with pytest.raises(validation.ConfigError, match=match.replace('(', r'\(').replace(
+  with pytest.raises(options.ConfigError, match=match.replace('(', r'\(').replace(
       ')', r'\)')) as e:
     validation.validate(config)
   assert '\n' not in str(e.value)

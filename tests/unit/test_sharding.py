@@ -8,6 +8,7 @@ from flax import nnx
 
 from configs import default
 from training import validation
+from layers import options
 from layers import sharding
 import models
 from training import distributed
@@ -57,7 +58,7 @@ def test_state_is_initialised_into_its_shardings_with_the_one_device_values():
 def test_mesh_that_does_not_cover_the_devices_is_one_line(mesh, match):
   config = validation.resolve(default.get_config('quick'))
   config.mesh.update(dict(zip(sharding.MESH_AXES, mesh)))
-  with pytest.raises(validation.ConfigError, match=match) as e:
+  with pytest.raises(options.ConfigError, match=match) as e:
     distributed.make_mesh(config)
   assert '\n' not in str(e.value) and 'mesh.data' in str(e.value)
 
@@ -71,7 +72,7 @@ def test_mesh_that_does_not_cover_the_devices_is_one_line(mesh, match):
 def test_bad_mesh_fields_are_config_errors(field, value, match):
   config = validation.resolve(default.get_config('quick'))
   config.mesh[field] = value
-  with pytest.raises(validation.ConfigError, match=match):
+  with pytest.raises(options.ConfigError, match=match):
     validation.validate(config)
 
 
@@ -96,7 +97,7 @@ def test_each_host_reads_the_shards_of_its_rows(mesh, shards, expected):
 def test_bad_data_shards_is_a_config_error(value):
   config = validation.resolve(default.get_config('quick'))
   config.data.shards = value
-  with pytest.raises(validation.ConfigError, match=r'data.shards=.*train.batch_size'):
+  with pytest.raises(options.ConfigError, match=r'data.shards=.*train.batch_size'):
     validation.validate(config)
 
 

@@ -20,6 +20,7 @@ from layers import attention_blockwise
 from layers import attention_pallas
 from layers import attention_pallas_tpu
 from layers import attention_xla
+from layers import options
 from models import accounting
 from tests.helpers import quick_jit
 from tests.unit.test_decoding import enc_dec_batch
@@ -259,7 +260,7 @@ REFUSALS = {
 @pytest.mark.parametrize('overrides', list(REFUSALS))
 def test_refusals_are_one_line(overrides):
   config = _config(**dict(overrides))
-  with pytest.raises(validation.ConfigError) as e:
+  with pytest.raises(options.ConfigError) as e:
     validation.validate(config)
   assert str(e.value) == REFUSALS[overrides]
 

@@ -1,6 +1,6 @@
-"""tools.stats and tools.compare --baseline: t intervals across seeds, the paired or Welch test,
-and verdicts that read n.s. for cells drawn from one distribution and better/worse for cells ten
-standard errors apart."""
+"""tools.compare.stats and tools.compare --baseline: t intervals across seeds, the paired or Welch
+test, and verdicts that read n.s. for cells drawn from one distribution and better/worse for cells
+ten standard errors apart."""
 
 import json
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from tools import compare
-from tools import stats
+from tools.compare import comparison as compare
+from tools.compare import stats
 
 
 def test_the_interval_is_students_t():

@@ -1,6 +1,6 @@
-"""Sweep files (tools/sweep_spec.py) and comparisons (tools/compare.py): expansion, names, and the
-comparison's band (tools/curves.py), divergence, plateau and steps-to-target (tools/summary.py) on
-synthetic runs."""
+"""Sweep files (tools/sweep/spec.py) and comparisons (tools/compare/comparison.py): expansion,
+names, and the comparison's band (tools/compare/curves.py), divergence, plateau and steps-to-target
+(tools/compare/summary.py) on synthetic runs."""
 
 from tests.helpers import ROOT, write_run
 import glob
@@ -10,10 +10,10 @@ import os
 import numpy as np
 import pytest
 
-from tools import compare
-from tools import curves as curves_lib
-from tools import summary as summary_lib
-from tools import sweep_spec
+from tools.compare import comparison as compare
+from tools.compare import curves as curves_lib
+from tools.compare import summary as summary_lib
+from tools.sweep import spec as sweep_spec
 from training import validation
 
 ABLATIONS = sorted(glob.glob(os.path.join(ROOT, 'configs', 'ablations', '[!_]*.py')))

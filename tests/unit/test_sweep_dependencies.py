@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from tools import sweep_runner
-from tools import sweep_spec
+from tools.sweep import runner as sweep_runner
+from tools.sweep import spec as sweep_spec
 
 SWEEP = '''
 from configs import extrapolation

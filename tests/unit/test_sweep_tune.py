@@ -1,6 +1,6 @@
-"""tools.sweep --tune (tools/sweep_tune.py): the flag's checks, the selection rule on fake workdirs,
+"""tools.sweep --tune (tools/sweep/tune.py): the flag's checks, the selection rule on fake workdirs,
 the seed plan, the runner's order and choice file with a fake train.py, and tools.compare's chosen
-column and tuning table (tools/tune_table.py) on synthetic runs."""
+column and tuning table (tools/compare/tune_table.py) on synthetic runs."""
 
 from tests.helpers import write_run
 import io
@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from tools import compare
-from tools import sweep_runner
-from tools import sweep_spec
-from tools import sweep_tune
+from tools.compare import comparison as compare
+from tools.sweep import runner as sweep_runner
+from tools.sweep import spec as sweep_spec
+from tools.sweep import tune as sweep_tune
 
 SWEEP = '''
 from configs import decoder_only

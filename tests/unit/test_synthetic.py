@@ -17,6 +17,7 @@ from configs import selective_copy as selective_copy_config
 from data import pipeline
 from data import synthetic
 from data import tokenizer as tokenizer_lib
+from layers import options
 from tools import accounting
 from training import recall
 from training import validation
@@ -166,7 +167,7 @@ BAD_CONFIGS = [
 @pytest.mark.parametrize('task,knobs,message', BAD_CONFIGS, ids=[f'{t}-{k}' for t, k, _ in
                                                                  BAD_CONFIGS])
 def test_bad_knobs_are_one_line(task, knobs, message):
-  with pytest.raises(validation.ConfigError, match=message) as e:
+  with pytest.raises(options.ConfigError, match=message) as e:
     validation.validate(_config(task, **knobs))
   assert '\n' not in str(e.value)
 
@@ -174,17 +175,17 @@ def test_bad_knobs_are_one_line(task, knobs, message):
 def test_knobs_of_another_task_and_a_wrong_arch_are_refused():
   config = validation.resolve(default.get_config('quick'))
   config.data.synthetic.pairs = 8
-  with pytest.raises(validation.ConfigError, match=r"data.synthetic.pairs=8 is read only by "
+  with pytest.raises(options.ConfigError, match=r"data.synthetic.pairs=8 is read only by "
                      r"data.task in mqar, induction, selective_copy, memorize "
                      r"\(data.task='base'\)"):
     validation.validate(config)
   config = _config('mqar')
   config.model.arch = 'encoder_decoder'
-  with pytest.raises(validation.ConfigError, match="data.task='mqar' is a decoder_only task"):
+  with pytest.raises(options.ConfigError, match="data.task='mqar' is a decoder_only task"):
     validation.validate(config)
   config = _config('mqar')
   config.data.packing = 'stream'
-  with pytest.raises(validation.ConfigError, match="data.packing='stream' is not valid"):
+  with pytest.raises(options.ConfigError, match="data.packing='stream' is not valid"):
     validation.validate(config)
 
 

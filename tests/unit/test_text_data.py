@@ -14,6 +14,7 @@ from data import pipeline
 from data import sentencepiece_tokenizer as spt
 from data import text_corpus
 from data import tokenizer as tokenizer_lib
+from layers import options
 from training import translation
 from training import validation
 from tests.helpers import ROOT
@@ -351,15 +352,15 @@ def test_validation_of_text_fields(change, needle):
     config.data.files.update(files)
   with config.data.ignore_type():  # wrong types, as a config.json or a config file may hold
     config.data.update(change)
-  with pytest.raises(validation.ConfigError, match=None) as e:
+  with pytest.raises(options.ConfigError, match=None) as e:
     validation.validate(config)
   assert needle in str(e.value), str(e.value)
 
 
 def test_example_configs_validate():
-  from training import cli_checks
+  from training import config_file
   for name, suffix in (('text_pairs', 'tsv'), ('text_lm', 'txt')):
-    config = cli_checks.load_config_file(f'{ROOT}/configs/{name}.py:dir=/corpus,quick')
+    config = config_file.load_config_file(f'{ROOT}/configs/{name}.py:dir=/corpus,quick')
     assert config.data.files.test == f'/corpus/test.{suffix}'
     validation.validate(validation.resolve(config))
 
@@ -455,7 +456,7 @@ def test_eval_flags_of_sentence_pairs_are_refused_for_text_lm(lm_corpus, tmp_pat
   _text_lm_run(workdir, lm_corpus, tmp_path / 'data')
   run = dict(split=['test'], translate=[], lengths=[], stream_split='test', rope_scaling=None)
   eval_checks.check_eval_run(workdir, **run)  # loss and perplexity of a text_lm run: fine
-  with pytest.raises(eval_checks.ConfigError) as e:
+  with pytest.raises(options.ConfigError) as e:
     eval_checks.check_eval_run(workdir, **{**run, **flag})
   assert str(e.value).startswith(needle) and str(e.value).endswith('valid: ' + {
       'translate': 'leave it out (loss and perplexity per --split, and --lengths)',
@@ -464,20 +465,20 @@ def test_eval_flags_of_sentence_pairs_are_refused_for_text_lm(lm_corpus, tmp_pat
 
 
 def test_eval_and_resume_refuse_a_changed_file(lm_corpus, tmp_path):
-  from training import cli_checks
   from training import eval_checks
+  from training import train_checks
   files = _copy_corpus(lm_corpus, str(tmp_path / 'corpus'))
   workdir = str(tmp_path / 'run')
   config = _text_lm_run(workdir, files, tmp_path / 'data')
   run = dict(split=['test'], translate=[], lengths=[], stream_split='test', rope_scaling=None)
   eval_checks.check_eval_run(workdir, **run)
-  cli_checks.check_corpus(config, workdir)
+  train_checks.check_corpus(config, workdir)
   with open(files['train'], 'a') as f:
     f.write('The dog reads a new line.\n')
   needle = f'data.files.train={files["train"]} changed since the run started training'
-  with pytest.raises(cli_checks.ConfigError, match=needle):  # eval.py: one line, exit 2
+  with pytest.raises(options.ConfigError, match=needle):  # eval.py: one line, exit 2
     eval_checks.check_eval_run(workdir, **run)
   with pytest.raises(text_corpus.DataError, match=needle):  # train.py: 'data error', exit 2
-    cli_checks.check_corpus(config, workdir)
-  cli_checks.check_corpus(config, str(tmp_path / 'new_run'))  # a new workdir: nothing to compare
+    train_checks.check_corpus(config, workdir)
+  train_checks.check_corpus(config, str(tmp_path / 'new_run'))  # a new workdir: nothing to compare
   assert not (tmp_path / 'data').exists()

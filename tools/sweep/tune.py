@@ -36,16 +36,16 @@ The choices go to SWEEP_DIR/tune.json (`CHOICE_FILE`), rewritten whole as each c
                 "note": ""}]}
 
 `chosen` is null (and `runs` empty) until the cell's tuning runs have ended, or when nothing could
-be chosen (`note` says why). tools.compare reads it (tools/tune_table.py).
+be chosen (`note` says why). tools.compare reads it (tools/compare/tune_table.py).
 """
 
 import math
 from typing import NamedTuple
 
 from training import paths
-from tools import sweep_cells
-from tools import sweep_spec
-from tools.sweep_spec import SweepError
+from tools.sweep import cells as sweep_cells
+from tools.sweep import spec as sweep_spec
+from tools.sweep.spec import SweepError
 
 CHOICE_FILE = 'tune.json'
 TOLERANCE = 0.003  # nats: the seed spread of the final validation loss at one rate (toy stream)
@@ -111,11 +111,7 @@ def _swept_in(field, sweep):
 
 def _current_value(module, arg, field, flag):
   """The field's value in the sweep file's base config (SweepError when it has no such field)."""
-  try:
-    node = module.get_config(arg)
-  except Exception as e:  # noqa: BLE001
-    raise SweepError(f'get_config({arg!r}) of {module.__file__} raised {type(e).__name__}: '
-                     f'{e}') from None
+  node = sweep_spec.base_config(module, arg)
   for part in field.split('.'):
     try:
       if part not in node:

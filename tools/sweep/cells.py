@@ -11,11 +11,11 @@ from typing import Callable, NamedTuple
 
 from training import paths
 from training import writers
-from tools import processes
-from tools import sweep_spec
+from tools.sweep import processes
+from tools.sweep import spec as sweep_spec
 
-TRAIN_PY = os.path.join(sweep_spec.ROOT, 'train.py')
-EVAL_PY = os.path.join(sweep_spec.ROOT, 'eval.py')
+TRAIN_PY = os.path.join(processes.ROOT, 'train.py')
+EVAL_PY = os.path.join(processes.ROOT, 'eval.py')
 
 
 # --- A cell's workdir -----------------------------------------------------------------------------

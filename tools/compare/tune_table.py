@@ -1,19 +1,19 @@
-"""tools.compare on a tuned sweep (`tools.sweep --tune`, tools/sweep_tune.py): each cell is compared
+"""tools.compare on a tuned sweep (`tools.sweep --tune`, tools/sweep/tune.py): each cell is compared
 at its own chosen value, and the tuning runs at the other values get a table of their own.
 
 `split_runs` reads the choice file (tune.json) of every sweep directory compared. A cell's runs at
-its chosen value stay in the comparison, marked `run['tuned'] = {field: value}`: tools.runs then
-leaves the tuned field out of the groups and labels (when every run compared is tuned on it) and
-the summary table shows it as a column (`chosen learning_rate`). Its tuning runs at the other
+its chosen value stay in the comparison, marked `run['tuned'] = {field: value}`: tools.compare.runs
+then leaves the tuned field out of the groups and labels (when every run compared is tuned on it)
+and the summary table shows it as a column (`chosen learning_rate`). Its tuning runs at the other
 values, and all of its tuning runs while it has chosen nothing, are set aside. `markdown`
 tabulates the tuning runs: cell x value -> final validation loss, the chosen value in bold.
 """
 
 from training import paths as paths_lib  # local or gs://
-from tools import extrapolation_compare
-from tools import runs as runs_lib
-from tools import sweep_spec
-from tools import sweep_tune
+from tools.compare import extrapolation as extrapolation_compare
+from tools.compare import runs as runs_lib
+from tools.sweep import spec as sweep_spec
+from tools.sweep import tune as sweep_tune
 
 
 def read_choices(paths):

@@ -31,7 +31,7 @@ the file lists fields in) and filesystem-safe. Each cell trains in `SWEEP_DIR/<n
 `--tune=train.learning_rate:5e-4,1e-3,2e-3` trains every cell at each value with the first seed,
 keeps the smallest value whose final validation loss is within --tune_tolerance (0.003 nats by
 default) of the lowest, trains the other seeds at it alone, and records the choices in
-SWEEP_DIR/tune.json (tools/sweep_tune.py: the rule, the file).
+SWEEP_DIR/tune.json (tools/sweep/tune.py: the rule, the file).
 
 SIGINT (Ctrl-C) or SIGTERM to the runner is forwarded to the cells running at that moment, which
 save a checkpoint and stop; the runner waits for them, starts no further cell (nor eval), and
@@ -45,18 +45,15 @@ from absl import flags
 
 from training import cli_checks
 from training import paths
-from tools import sweep_runner
-# tools/aot.py reads sweep files through this module (sweep_lib.expand, ...): these names stay
-# importable from here for it. New code imports tools.sweep_spec and tools.sweep_runner.
-from tools.sweep_spec import (  # noqa: F401
-    SweepError, cell_config, expand, get_sweep, load_sweep_module, split_spec)
+from tools.sweep import runner as sweep_runner
+from tools.sweep import spec as sweep_spec
 
 FLAGS = flags.FLAGS
 FINISHED = ('done', 'skipped', 'diverged', 'dry_run')  # results that leave nothing to rerun
 
 
 def define_flags():
-  """The CLI flags, defined only when run as a program (tests import this module)."""
+  """The CLI flags, defined only when run as a program (importing the package defines none)."""
   flags.DEFINE_string('sweep', None, 'The sweep file, configs/ablations/NAME.py[:ARG]; every cell '
                       'trains with train.py into --sweep_dir/<cell name>.')
   flags.DEFINE_string('sweep_dir', None, 'Directory of the sweep (local or gs://): one '
@@ -95,7 +92,7 @@ def main(argv):
                                      dry_run=FLAGS.dry_run, parallel=FLAGS.parallel,
                                      run_eval=FLAGS.sweep_eval, tune=FLAGS.tune,
                                      tune_tolerance=FLAGS.tune_tolerance)
-  except SweepError as e:
+  except sweep_spec.SweepError as e:
     cli_checks.fail('sweep error', e)
   except sweep_runner.Stopped as e:
     sys.exit(128 + e.signum)  # the shell's convention for "ended by this signal"

@@ -11,7 +11,8 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # cells run from here
+# The repository root (tools/sweep/ is two below it): cells run from here.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 WAIT_SECS = 600  # how long a cell waits for a run of an earlier runner to release its workdir

@@ -10,10 +10,9 @@ A per-layer diagnostic is named with its layer (`attn_sink_share/decoder/blocks/
 import numpy as np
 
 from training import paths as paths_lib
-from tools import compare_figure
-from tools import curves as curves_lib
-from tools import plot_style
-from tools import plots
+from tools.compare import figure as compare_figure
+from tools.compare import curves as curves_lib
+from tools.plots import style as plot_style
 
 
 def value(row, metric):
@@ -98,7 +97,7 @@ def draw(groups, summary, out, metrics, *, color_by=None, style_by=None, band_ki
     compare_figure.add_legend(fig, axd, handles, labels, styles,
                               compare_figure.legend_title(groups, band_kind, note))
   paths_lib.makedirs(paths_lib.dirname(paths_lib.absolute(path)))
-  plots.save_figure(fig, path)
+  plot_style.save_figure(fig, path)
   plt.close(fig)
   return path
 

@@ -20,7 +20,7 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 from training import paths as paths_lib
-from tools import extrapolation_compare
+from tools.compare import extrapolation as extrapolation_compare
 
 ALPHA = 0.05
 LOWER_IS_BETTER = ('final_valid', 'loss.', 'r2', 'r4', 'r8', 'loss_L')
@@ -82,7 +82,7 @@ def verdict(metric, mean, base_mean, p):
 # --- The metrics of each run ----------------------------------------------------------------------
 
 def run_metrics(run):
-  """{metric: value} of one run (tools.runs record): its final validation loss and what its
+  """{metric: value} of one run (tools.compare.runs record): its final validation loss and what its
   eval.json holds."""
   out = {}
   _, valid = run['valid']

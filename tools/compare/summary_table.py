@@ -4,12 +4,12 @@ import math
 
 import numpy as np
 
-from tools import summary as summary_lib
+from tools.compare import summary as summary_lib
 
 
 def markdown_table(summary, target_loss=None, target_split='valid'):
-  """The summary (`tools.summary.summarize`) as a markdown table, with a footnote defining the
-  flags."""
+  """The summary (`tools.compare.summary.summarize`) as a markdown table, with a footnote defining
+  the flags."""
   has_init = any(v is not None for row in summary for v in row['init_grad_ratio'])
   tuned = sorted({f for row in summary for f in row.get('tuned') or ()})
   head = _header(target_loss, target_split, has_init, tuned)

@@ -16,12 +16,11 @@ import math
 import numpy as np
 
 from training import paths as paths_lib
-from tools import curves as curves_lib
-from tools import group_styles
-from tools import legend
-from tools import plot_style
-from tools import plots
-from tools import runs as runs_lib
+from tools.compare import curves as curves_lib
+from tools.compare import group_styles
+from tools.compare import legend
+from tools.plots import style as plot_style
+from tools.compare import runs as runs_lib
 
 RATIOS = (2, 4, 8)  # r_k = loss at k x L / loss at L
 TARGET_AT = (4, 8)  # target-token loss at these multiples
@@ -80,7 +79,7 @@ def row_label(label, name):
 
 
 def markdown_table(groups):
-  """The table over `tools.summary.group_runs` groups that have eval.json extrapolation rows
+  """The table over `tools.compare.summary.group_runs` groups that have eval.json extrapolation rows
   ('' when none has), one row per cell and evaluation variant; then `extension_table`."""
   keys = ['loss_L'] + [f'r{k}' for k in RATIOS] + [f'target_{k}L' for k in TARGET_AT]
   head = (['cell', 'seeds', 'loss at L'] + [f'r{k}' for k in RATIOS]
@@ -170,7 +169,8 @@ RATIO_TOP = 1.5
 
 
 def legend_labels(groups):
-  """(short legend label per group, note) from `tools.legend`, as tools.compare's figure has."""
+  """(short legend label per group, note) from `tools.compare.legend`, as tools.compare's figure
+  has."""
   configs = [runs[0].get('config') or {} for _, runs in groups]
   fields = runs_lib.differing_fields([r for _, runs in groups for r in runs])
   if not fields or not all(configs):
@@ -288,6 +288,6 @@ def report(groups, out, band_kind='minmax'):
   if drawn is not None:
     plt = plot_style.pyplot()
     stem = out[:-4] if out.endswith('.png') else out
-    plots.save_figure(drawn[0], f'{stem}_extrapolation.png')
+    plot_style.save_figure(drawn[0], f'{stem}_extrapolation.png')
     plt.close(drawn[0])
   return markdown_table(groups)

@@ -5,8 +5,7 @@ separable, black the baseline). Where the final losses of many cells coincide, d
 show what overlaid curves hide."""
 
 from training import paths as paths_lib
-from tools import plot_style
-from tools import plots
+from tools.plots import style as plot_style
 
 COLORS = {'better': '#0072B2', 'worse': '#D55E00', 'n.s.': '#888888', 'baseline': '#000000',
           'n/a': '#444444', None: '#444444'}
@@ -64,6 +63,6 @@ def draw(stats, out, baseline=None):
     fig.suptitle(note, fontsize=9)
   path = path_of(out)
   paths_lib.makedirs(paths_lib.dirname(paths_lib.absolute(path)))
-  plots.save_figure(fig, path)
+  plot_style.save_figure(fig, path)
   plt.close(fig)
   return path

@@ -1,7 +1,7 @@
 """The colour and line style of each compared group: which fields pick them, and the shades.
 
 The colour follows one field (--color_by), the line style another (--style_by), and the other
-differing fields the shade of the colour (tools/compare.py's docstring).
+differing fields the shade of the colour (tools/compare/__main__.py's docstring).
 """
 
 import json

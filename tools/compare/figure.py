@@ -1,7 +1,8 @@
 """The comparison's picture: train loss, validation loss and init gradient norm per block.
 
-One legend for all panels sits outside them, its labels from tools/legend.py, each group's colour
-and line style from tools/group_styles.py, its mean and band across seeds from tools/curves.py.
+One legend for all panels sits outside them, its labels from tools/compare/legend.py, each group's
+colour and line style from tools/compare/group_styles.py, its mean and band across seeds from
+tools/compare/curves.py.
 """
 
 import json
@@ -9,13 +10,12 @@ import json
 import numpy as np
 
 from training import paths as paths_lib  # local or gs://
-from tools import curves as curves_lib
-from tools import group_styles
-from tools import legend
-from tools import plot_style
-from tools import plots
-from tools import runs as runs_lib
-from tools import summary as summary_lib
+from tools.compare import curves as curves_lib
+from tools.compare import group_styles
+from tools.compare import legend
+from tools.plots import style as plot_style
+from tools.compare import runs as runs_lib
+from tools.compare import summary as summary_lib
 
 BAND_WORDS = {'minmax': 'band: min to max', 'std': 'band: mean -/+ std', 'none': 'no band'}
 
@@ -25,20 +25,20 @@ def figure(groups, summary, *, smoothing=None, logy=False, logx=False, title=Non
   """The comparison figure (not saved): train loss, validation loss, init gradient norm per block.
 
   Each group is its mean across seeds with a `band_kind` band, in the colour and line style of
-  `tools.group_styles.assign_styles`; a dotted vertical line marks a step where a run diverged, a
-  grey line the unigram entropy. Groups whose init gradient norms are identical (cells that differ
-  in training settings only) are drawn once in that panel. One legend for all panels sits outside
-  them: in the fourth cell of a 2 x 2 grid when the runs logged init gradient norms, else below the
-  two loss panels.
+  `tools.compare.group_styles.assign_styles`; a dotted vertical line marks a step where a run
+  diverged, a grey line the unigram entropy. Groups whose init gradient norms are identical (cells
+  that differ in training settings only) are drawn once in that panel. One legend for all panels
+  sits outside them: in the fourth cell of a 2 x 2 grid when the runs logged init gradient norms,
+  else below the two loss panels.
 
   Args:
-    groups: `tools.summary.group_runs`'s [(label, runs)].
-    summary: `tools.summary.summarize`'s rows of those groups.
-    smoothing: the train curves' `tools.curves.smooth` spec.
+    groups: `tools.compare.summary.group_runs`'s [(label, runs)].
+    summary: `tools.compare.summary.summarize`'s rows of those groups.
+    smoothing: the train curves' `tools.compare.curves.smooth` spec.
     logy: log-scale loss axes.
     logx: log-scale step axes.
     title: the figure's title, or None.
-    color_by: the field that picks the hue (`tools.group_styles.choose_style_fields`).
+    color_by: the field that picks the hue (`tools.compare.group_styles.choose_style_fields`).
     style_by: the field that picks the line style.
     band_kind: the spread across seeds: 'minmax', 'std' or 'none'.
 
@@ -73,14 +73,14 @@ def plot(groups, summary, out, *, smoothing=None, logy=False, logx=False, title=
   fig, _ = figure(groups, summary, smoothing=smoothing, logy=logy, logx=logx, title=title,
                   color_by=color_by, style_by=style_by, band_kind=band_kind)
   paths_lib.makedirs(paths_lib.dirname(paths_lib.absolute(out)))
-  plots.save_figure(fig, out)
+  plot_style.save_figure(fig, out)
   plt.close(fig)
   return out
 
 
 def group_look(groups, summary, color_by=None, style_by=None):
-  """(styles, labels, note): each group's `tools.group_styles` style and legend label, and the
-  legend's note, as every picture of one comparison draws them."""
+  """(styles, labels, note): each group's `tools.compare.group_styles` style and legend label, and
+  the legend's note, as every picture of one comparison draws them."""
   configs = [runs[0]['config'] for _, runs in groups]
   fields = runs_lib.differing_fields([r for _, runs in groups for r in runs])
   color_field, style_field = group_styles.choose_style_fields(configs, fields, color_by, style_by)
@@ -90,8 +90,8 @@ def group_look(groups, summary, color_by=None, style_by=None):
 
 
 def _labels(groups, summary, configs, fields, keep):
-  """(labels, note) of the legend: `tools.legend.legend_labels`, or the table's names cut short
-  when runs lack config.json or no field tells the groups apart."""
+  """(labels, note) of the legend: `tools.compare.legend.legend_labels`, or the table's names cut
+  short when runs lack config.json or no field tells the groups apart."""
   flags = [summary_lib.flag_words(row) for row in summary]
   labels, note = legend.legend_labels(configs, fields, flags, keep=keep)
   if len(set(labels)) == len(labels) and all(configs) and all(labels):

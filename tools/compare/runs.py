@@ -110,8 +110,8 @@ def _distinct_values(runs, field):
 
 def differing_fields(runs):
   """The config fields (sorted) whose values differ between runs, seeds and data_dir aside, and a
-  field every run was tuned on (`run['tuned']`, tools/tune_table.py): each cell at its own value
-  is one cell, not one per value."""
+  field every run was tuned on (`run['tuned']`, tools/compare/tune_table.py): each cell at its own
+  value is one cell, not one per value."""
   tuned = set.intersection(*(set(r.get('tuned') or ()) for r in runs)) if runs else set()
   keys = sorted(set().union(*(r['config'] for r in runs)) - set(IGNORED_FIELDS) - tuned)
   return [k for k in keys if len(_distinct_values(runs, k)) > 1]

@@ -84,7 +84,7 @@ def legend_labels(configs, fields, flags=None, keep=(), max_len=MAX_LABEL):
   Args:
     configs: one flat config per group.
     fields: the fields that differ between the groups, in label order.
-    flags: per group, a list of flag words (`tools.summary.flag_words`), or None.
+    flags: per group, a list of flag words (`tools.compare.summary.flag_words`), or None.
     keep: fields never left out.
     max_len: the most characters the fields of a label may take before values are left out.
 

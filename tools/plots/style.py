@@ -1,10 +1,13 @@
-"""Figure sizes and the matplotlib set-up every picture of tools/ shares.
+"""Figure sizes, the matplotlib set-up and the PNG writer every picture of tools/ shares.
 
-How compared runs look is decided elsewhere: curves and seed bands in tools/curves.py, legend
-labels in tools/legend.py, colours and line styles in tools/group_styles.py.
+How compared runs look is decided elsewhere: curves and seed bands in tools/compare/curves.py,
+legend labels in tools/compare/legend.py, colours and line styles in tools/compare/group_styles.py.
 """
 
+import io
 import math
+
+from training import paths
 
 # Sizes for a figure 9 inches wide shown at about 900 px (the README's width): 10 pt text is 14 px.
 STYLE = {'font.size': 10, 'axes.titlesize': 11, 'axes.labelsize': 10, 'legend.fontsize': 9.5,
@@ -12,6 +15,13 @@ STYLE = {'font.size': 10, 'axes.titlesize': 11, 'axes.labelsize': 10, 'legend.fo
          'lines.linewidth': 1.7, 'axes.spines.top': False, 'axes.spines.right': False}
 WIDTH = 9.0  # inches
 DPI = 150  # the PNG is 1350 px wide: sharp when scaled down to 900 px
+
+
+def save_figure(fig, path, dpi=DPI):
+  """Writes `fig` as a PNG to `path`, local or gs:// (rendered in memory, written whole)."""
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format='png', dpi=dpi)
+  paths.write_bytes(path, buffer.getvalue())
 
 
 def pyplot():

@@ -1,7 +1,7 @@
 """The sweep runner: every cell of a sweep file trained (or printed), side by side or in turn.
 
-The sweep file's format and the command line are in tools/sweep.py; a cell's run in
-tools/sweep_cells.py; the processes and the signals forwarded to them in tools/processes.py.
+The sweep file's format and the command line are in tools/sweep/__main__.py; a cell's run in
+tools/sweep/cells.py; the processes and the signals forwarded to them in tools/sweep/processes.py.
 """
 
 import concurrent.futures
@@ -10,11 +10,12 @@ import shlex
 import signal
 import sys
 
+from training import config_file
 from training import paths
-from tools import processes
-from tools import sweep_cells
-from tools import sweep_spec
-from tools import sweep_tune
+from tools.sweep import processes
+from tools.sweep import cells as sweep_cells
+from tools.sweep import spec as sweep_spec
+from tools.sweep import tune as sweep_tune
 
 FINISHED = ('done', 'skipped')  # results of a cell whose training is complete
 
@@ -45,12 +46,12 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
     parallel: cells run side by side as subprocesses, each with one XLA/OpenMP thread.
     run_eval: after a cell trains, run its eval.py commands (`eval_flags`, `eval_variants`).
     tune: None, or `FIELD:V1,V2,...`: each cell at every value with the first seed, its other
-      seeds at the value with the lowest final validation loss (tools/sweep_tune.py), the choices
+      seeds at the value with the lowest final validation loss (tools/sweep/tune.py), the choices
       recorded in `sweep_dir/tune.json`.
     tune_tolerance: the tuning choice's tolerance in nats (None: `sweep_tune.TOLERANCE`).
     launch: `launch(argv, log_path, env) -> exit code` (tests replace it); default
       `children.launch`.
-    children: the `tools.processes.Children` whose signal stops the sweep (default a new one,
+    children: the `tools.sweep.processes.Children` whose signal stops the sweep (default a new one,
       which forwards SIGINT and SIGTERM to the running cells while the sweep runs).
 
   Returns:
@@ -62,7 +63,7 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
       'stopped (rc N)'), later ones never started ('not started'); `results` holds every status.
   """
   children = children or processes.Children()
-  path, arg = sweep_spec.split_spec(spec)
+  path, arg = config_file.split_spec(spec)
   module = sweep_spec.load_sweep_module(path)
   sweep = sweep_spec.get_sweep(module, arg)
   cells, tunings, axis = sweep_spec.expand(sweep, seeds), [], None

@@ -1,20 +1,19 @@
 """A sweep file (configs/ablations/*.py) as named cells: expansion, names, configs and commands.
 
-The file format is documented in tools/sweep.py, the runner that launches the cells.
+The file format is documented in tools/sweep/__main__.py, the runner that launches the cells.
 """
 
 import hashlib
-import importlib.util
 import inspect
 import itertools
 import os
 import re
-import sys
 
+from layers import options
+from training import config_file
 from training import paths
 from training import validation
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEP_KEYS = ('grid', 'cells', 'seeds', 'eval_flags', 'eval_variants')
 _UNSAFE = re.compile(r'[^A-Za-z0-9._=,+-]')
 MAX_NAME = 200  # characters; longer names are cut and end in a hash of the full name
@@ -24,23 +23,12 @@ class SweepError(ValueError):
   """A sweep file that cannot be expanded; the message names the problem."""
 
 
-def split_spec(spec):
-  """'configs/ablations/x.py:quick' -> ('configs/ablations/x.py', 'quick')."""
-  path, _, arg = spec.partition(':')
-  return path, arg or None
-
-
 def load_sweep_module(path):
-  """Imports a sweep file by path (the repository root must be importable, as for train.py)."""
+  """Imports a sweep file by path (training.config_file.import_file, as for a config file)."""
   if not os.path.exists(path):
     raise SweepError(f'sweep file {path} does not exist')
-  if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-  name = 'sweep_' + re.sub(r'\W', '_', os.path.splitext(os.path.basename(path))[0])
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
   try:
-    spec.loader.exec_module(module)
+    module = config_file.import_file(path, 'sweep_')
   except SyntaxError as e:
     raise SweepError(f'sweep file {path} line {e.lineno}: syntax error: {e.msg}') from None
   except Exception as e:  # noqa: BLE001
@@ -171,13 +159,19 @@ def _resolve_sources(overrides, seed, seen):
   return out, after
 
 
-def cell_config(module, arg, cell):
-  """The resolved, validated config of a cell (raises SweepError naming the field)."""
+def base_config(module, arg):
+  """The sweep file's `get_config(arg)`, the config every cell starts from (SweepError when it
+  raises)."""
   try:
-    config = module.get_config(arg)
+    return module.get_config(arg)
   except Exception as e:  # noqa: BLE001
     raise SweepError(f'get_config({arg!r}) of {module.__file__} raised {type(e).__name__}: '
                      f'{e}') from None
+
+
+def cell_config(module, arg, cell):
+  """The resolved, validated config of a cell (raises SweepError naming the field)."""
+  config = base_config(module, arg)
   for field, value in list(cell['overrides'].items()) + [('train.seed', cell['seed'])]:
     *parents, leaf = field.split('.')
     node = config
@@ -194,7 +188,7 @@ def cell_config(module, arg, cell):
   config = validation.resolve(config)
   try:
     validation.validate(config)
-  except validation.ConfigError as e:
+  except options.ConfigError as e:
     raise SweepError(f'cell {cell["name"]}: {e}') from None
   return config
 

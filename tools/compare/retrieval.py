@@ -14,11 +14,11 @@ import textwrap
 
 import numpy as np
 
-from tools import extrapolation_compare
-from tools import group_styles
-from tools import plot_style
-from tools import plots
-from tools import stats as stats_lib
+from tools.compare import extrapolation as extrapolation_compare
+from tools.compare import group_styles
+from tools.plots import style as plot_style
+from tools.plots import run_pictures
+from tools.compare import stats as stats_lib
 
 PANEL_COLUMNS = 4
 BASE_STYLES = ('-', '-.', ':')  # cells at the base length, in turn ('--': trained longer)
@@ -145,7 +145,7 @@ def figure(rows):
                              squeeze=False)
     image = None
     for ax, (label, train_length, reports) in zip(axes.flat, rows):
-      image = plots.draw_retrieval(ax, mean_report(reports), train_length, fontsize=5.5)
+      image = run_pictures.draw_retrieval(ax, mean_report(reports), train_length, fontsize=5.5)
       ax.set_title('\n'.join(textwrap.wrap(f'{label} ({len(reports)} seeds)', 34)), fontsize=7.5)
       ax.tick_params(labelsize=6.5)
     for ax in axes.flat[len(rows):]:
@@ -168,6 +168,6 @@ def report(groups, out):
   stem = out[:-4] if out.endswith('.png') else out
   for fig, name in ((line_figure(short, _fine_tuned(found, groups)), 'retrieval_lines'),
                     (figure(short), 'retrieval')):
-    plots.save_figure(fig, f'{stem}_{name}.png')
+    plot_style.save_figure(fig, f'{stem}_{name}.png')
     plot_style.pyplot().close(fig)
   return markdown_table(_labelled(found, groups))

@@ -1,7 +1,7 @@
 """Compared runs grouped across seeds, and each group's numbers and flags (diverged, plateaued).
 
-The flags are defined in tools/compare.py's docstring (the CLI's help) and in the footnote of the
-table (tools/summary_table.py).
+The flags are defined in tools/compare/__main__.py's docstring (the CLI's help) and in the
+footnote of the table (tools/compare/summary_table.py).
 """
 
 import json
@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from training import paths as paths_lib  # local or gs://
-from tools import runs as runs_lib
+from tools.compare import runs as runs_lib
 
 SPIKE_FACTOR = 2.0  # diverged: train loss > this x the running minimum ...
 SPIKE_AFTER = 0.10  # ... after this share of the steps
@@ -22,7 +22,8 @@ PLATEAU_LEVEL = 0.9  # ... and above this x the unigram entropy
 # --- Flags of one run -----------------------------------------------------------------------------
 
 def divergence(steps, losses, total):
-  """The first step at which the run diverged (see tools/compare.py's docstring), or None."""
+  """The first step at which the run diverged (see tools/compare/__main__.py's docstring), or
+  None."""
   running_min = math.inf
   for step, loss in zip(steps, losses):
     if not math.isfinite(loss):
@@ -34,7 +35,8 @@ def divergence(steps, losses, total):
 
 
 def plateaued(steps, losses, total, level):
-  """Whether a run plateaued (tools/compare.py's docstring); `level` the unigram entropy or None."""
+  """Whether a run plateaued (tools/compare/__main__.py's docstring); `level` the unigram entropy
+  or None."""
   if len(losses) < 2 or not np.all(np.isfinite(losses)):
     return False
   if level is None:
@@ -53,11 +55,12 @@ def steps_to_target(steps, losses, target):
 # --- Groups ---------------------------------------------------------------------------------------
 
 def group_runs(runs):
-  """[(label, [runs])]: runs whose configs differ only in tools.runs.IGNORED_FIELDS share a group.
+  """[(label, [runs])]: runs whose configs differ only in tools.compare.runs.IGNORED_FIELDS share a
+  group.
 
   The label lists the fields that differ between groups (`norm_position=post,warmup_steps=0`,
   section prefixes dropped where unambiguous); a single group is labelled by its directory. It is
-  the markdown table's cell name; the legend uses `tools.legend.legend_labels`.
+  the markdown table's cell name; the legend uses `tools.compare.legend.legend_labels`.
   """
   differing = runs_lib.differing_fields(runs)
   short = _short_names(differing)
@@ -163,13 +166,13 @@ def _steady_tokens_per_sec(rows):
 def flag_words(row):
   """The legend's flags of a summary row: ['diverged 1/3', 'plateau'] (a count where not all
   seeds), and the final validation loss's verdict against a baseline ('n.s.', 'better', 'worse')
-  where `tools.stats` gave one."""
+  where `tools.compare.stats` gave one."""
   words = []
   hits = (('diverged', sum(d is not None for d in row['diverged'])),
           ('plateau', sum(row['plateaued'])))
   for word, count in hits:
     if count:
       words.append(word if count == row['seeds'] else f'{word} {count}/{row["seeds"]}')
-  if row.get('verdict') in ('better', 'worse', 'n.s.'):  # against --baseline (tools.stats)
+  if row.get('verdict') in ('better', 'worse', 'n.s.'):  # against --baseline (tools.compare.stats)
     words.append(row['verdict'])
   return words

@@ -1,7 +1,6 @@
 """The pictures of a run: loss curve, loss per position of extrapolation windows, passkey retrieval
 per length and depth, attention maps."""
 
-import io
 import json
 
 import numpy as np
@@ -10,14 +9,7 @@ import models
 from data import pipeline
 from training import paths
 from training import writers
-from tools import plot_style
-
-
-def save_figure(fig, path, dpi=plot_style.DPI):
-  """Writes `fig` as a PNG to `path`, local or gs:// (rendered in memory, written whole)."""
-  buffer = io.BytesIO()
-  fig.savefig(buffer, format='png', dpi=dpi)
-  paths.write_bytes(path, buffer.getvalue())
+from tools.plots import style as plot_style
 
 
 def _save(fig, ax, path):
@@ -26,7 +18,7 @@ def _save(fig, ax, path):
   ax.legend()
   ax.grid(alpha=0.3)
   fig.tight_layout()
-  save_figure(fig, path, dpi=120)
+  plot_style.save_figure(fig, path, dpi=120)
   plt.close(fig)
   return path
 
@@ -75,7 +67,7 @@ def per_position_figure(per_position, title, train_length=None):
 def _save_into(workdir, name, fig):
   """Saves `fig` as workdir/name (local or gs://), closes it; returns the path."""
   path = paths.join(workdir, name)
-  save_figure(fig, path)
+  plot_style.save_figure(fig, path)
   plot_style.pyplot().close(fig)
   return path
 
@@ -242,7 +234,7 @@ def plot_attention_maps(workdir, config, model, examples, tokenizer, layer=-1):
       title = f'{config.model.arch}, layer {layer}, {kind}: {example["source"]}'
       fig = attention_figure(weights, rows, cols, title)
       path = paths.join(workdir, f'attention_{i}_{kind}.png')
-      save_figure(fig, path)
+      plot_style.save_figure(fig, path)
       plt.close(fig)
       written.append(path)
   return written

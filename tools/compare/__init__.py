@@ -1,0 +1,1 @@
+"""Comparing train.py runs (`python -m tools.compare`): tables, figures, legend, statistics."""
