@@ -29,7 +29,7 @@ ALLOWED = {
     ('legend.py', 'dense'): "the legend of model.moe_experts=0 (a dense FFN), not the variant",
     ('attention_tradeoff.py', 'dense'): 'the efficient-attention study: the reference rows '
                                         'benchmarks/attention_variants.py writes under that name',
-    ('extrapolation_compare.py', 'alibi'): "the position study's reference curve, a choice of "
+    ('extrapolation.py', 'alibi'): "the position study's reference curve, a choice of "
                                            'that study (its ratio row), not a rule',
 }
 
