@@ -23,62 +23,18 @@ with_rope_scaling = rope.with_rope_scaling  # re-exported: a built model's RoPE 
 with_xpos_block = rope.with_xpos_block  # re-exported: a built model's xPos block
 
 
-class Position(nnx.Module, options.Configurable):
+class Position(nnx.Module, options.Configurable, contract.PositionDeclarations):
   """No position information (NoPE): self-attention is then permutation-equivariant.
 
-  The base of the position methods registered in POSITIONS (rope.RoPE has the same interface).
-
-  Attributes:
-    terms: the `layers.contract.ScoreTerms` fields `in_attention` may set (ALiBi's slopes, T5's
-      bias, ...): only attention with `[T, S]` scores takes them, and each kernel only those it
-      declares (`layers.contract.Kernel.terms`). `terms_for` refines it by the config.
-    rotates: `in_attention` rotates q and k (RoPE, xPos).
-    rotates_any_width: it also has `rotate(x, positions)`, the same rotation for a tensor of any
-      even width, which a variant with a rotary part of its own applies to it (MLA's decoupled
-      key); False where the rotation belongs to the head width it was built for (xPos's decay).
-    random_ids: it reads absolute position ids, which `model.random_positions_max` may randomize
-      (Ruoss et al. 2023); the relative methods see only differences and are left alone.
-    exclusive_options: {field: (off value, what it does)}: `config.model` fields only this method
-      reads; validation refuses another value under a method that does not declare the field.
-    eval_options: `config.model` fields eval.py may change on a trained model (no parameter
-      depends on them): validated as a changed config, applied by `set_eval_options`.
-    param_form: `param_count` in words (tools.accounting's table).
+  The base of the position methods registered in POSITIONS (rope.RoPE shares its declarations,
+  `layers.contract.PositionDeclarations`, where they are described).
   """
-
-  terms = ()
-  rotates = False
-  rotates_any_width = False
-  random_ids = False
-  exclusive_options = {}
-  eval_options = ()
-  param_form = '0'
-
-  @classmethod
-  def terms_for(cls, model_cfg):
-    """The ScoreTerms fields this method sets under `config.model` (default: `terms`)."""
-    del model_cfg
-    return cls.terms
 
   @classmethod
   def from_config(cls, cfg, max_length, *, rngs):
     """From `config.model` and the training length `max_length`."""
     del cfg, max_length, rngs
     return cls()
-
-  @classmethod
-  def max_positions(cls, model_cfg, max_length):
-    """The most positions a model trained at `max_length` can take (None: any number)."""
-    del model_cfg, max_length
-
-  @classmethod
-  def param_count(cls, model_cfg, max_length):
-    """One stack's parameters of this method, built for training length `max_length`."""
-    del model_cfg, max_length
-    return 0
-
-  def set_eval_options(self, model_cfg):
-    """Applies the `eval_options` of `config.model` to this built method, in place."""
-    del model_cfg
 
   def embed(self, x, positions):
     del positions

@@ -117,7 +117,7 @@ def apply_rope(x, positions, inv_freq, scale=1.0):
   return out.astype(x.dtype)
 
 
-class RoPE(nnx.Module, options.Configurable):
+class RoPE(nnx.Module, options.Configurable, contract.PositionDeclarations):
   """Rotates q and k by their positions: <R(i) q, R(j) k> depends on j - i only.
 
   The scaling is plain Python attributes (static in NNX's graph definition, not parameters), so
@@ -125,20 +125,12 @@ class RoPE(nnx.Module, options.Configurable):
   The position method 'rope' of `layers.positions.POSITIONS` (the interface of its `Position`).
   """
 
-  terms = ()  # it rotates q and k; the scores get no term
-  rotates = True
-  rotates_any_width = True  # `rotate` below (layers.positions.Position's declarations)
+  rotates = True  # it rotates q and k; the scores get no term
+  rotates_any_width = True  # `rotate` below (layers.contract.PositionDeclarations)
   random_ids = True  # absolute ids: model.random_positions_max applies
   exclusive_options = {'rope_scaling': ('none', 'scales RoPE')}
   eval_options = ('rope_scaling', 'rope_scaling_factor')  # eval.py's --rope_scaling
-  param_form = '0'
   options = ('rope_base', 'rope_fraction', 'rope_scaling', 'rope_scaling_factor')
-
-  @classmethod
-  def terms_for(cls, model_cfg):
-    """The `layers.contract.ScoreTerms` fields set under `config.model` (RoPE: none)."""
-    del model_cfg
-    return cls.terms
 
   def __init__(self, head_dim, *, fraction=1.0, base=10000.0, scaling='none', factor=1.0,
                original_max_length=None):
@@ -163,17 +155,6 @@ class RoPE(nnx.Module, options.Configurable):
     return cls(head_dim, fraction=cfg.rope_fraction, base=cfg.rope_base,
                scaling=cfg.rope_scaling, factor=cfg.rope_scaling_factor,
                original_max_length=max_length)
-
-  @classmethod
-  def max_positions(cls, model_cfg, max_length):
-    """None: any number of positions."""
-    del model_cfg, max_length
-
-  @classmethod
-  def param_count(cls, model_cfg, max_length):
-    """0: the rotation has no parameters."""
-    del model_cfg, max_length
-    return 0
 
   def set_eval_options(self, model_cfg):
     """The scaling of `config.model` (eval.py's --rope_scaling), on the built method."""

@@ -193,3 +193,20 @@ def gcs_emulator(**extra_env):
         os.environ.pop(k, None)
       else:
         os.environ[k] = v
+
+
+def random_batch(config, vocab_size, length, seed=0):
+  """A batch of the config's batch format (`[B, length]` arrays): random token ids in
+  [1, vocab_size), positions 0..length-1, every other feature (weights, segment ids) ones."""
+  import jax.numpy as jnp
+  import numpy as np
+  import models
+  from data import pipeline
+  shapes = pipeline.batch_shapes(models.batch_format(config.model.arch), config.train.batch_size,
+                                 length)
+  rng = np.random.default_rng(seed)
+  fill = {'inputs': lambda shape: rng.integers(1, vocab_size, shape),
+          'targets': lambda shape: rng.integers(1, vocab_size, shape),
+          'positions': lambda shape: np.broadcast_to(np.arange(shape[1]), shape)}
+  return {name: jnp.asarray(fill.get(name, np.ones)(shape), dtype)
+          for name, (shape, dtype) in shapes.items()}

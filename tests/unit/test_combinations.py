@@ -7,19 +7,18 @@ test_relative_positions.py; eval.py refuses a decoder with no cached step,
 tests/unit/test_open_contract.py.)"""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import models
 from configs import default
-from data import pipeline
 from layers import attention
 from layers import attention_variants
 from layers import options
 from layers import positions
 from layers import sharding
 from models import accounting
+from tests import helpers
 from training import diagnostics
 from training import loop
 from training import state as state_lib
@@ -78,17 +77,6 @@ def test_every_refusal_is_one_line_naming_a_field():
   assert OUTCOMES['linear', 'pallas', 'rope'] and OUTCOMES['longformer', 'xla', 'alibi']
 
 
-def _batch(config):
-  shapes = pipeline.batch_shapes(models.batch_format(config.model.arch), config.train.batch_size,
-                                 LENGTH)
-  rng = np.random.default_rng(0)
-  fill = {'inputs': lambda shape: rng.integers(1, V, shape),
-          'targets': lambda shape: rng.integers(1, V, shape),
-          'positions': lambda shape: np.broadcast_to(np.arange(shape[1]), shape)}
-  return {name: jnp.asarray(fill.get(name, np.ones)(shape), dtype)
-          for name, (shape, dtype) in shapes.items()}
-
-
 @pytest.mark.parametrize('variant,impl,position', ACCEPTED)
 def test_an_accepted_combination_trains_and_is_counted(variant, impl, position):
   config = combination(variant, impl, position)
@@ -97,7 +85,7 @@ def test_an_accepted_combination_trains_and_is_counted(variant, impl, position):
   with jax.set_mesh(mesh), sharding.use_rules(mesh, sharding.rules_of(config.mesh)):
     step = loop.jit_train_step(config, graphdef, tx, state, mesh,
                                diagnostics.param_groups(state['params'])[1])
-    batch = _batch(config)
+    batch = helpers.random_batch(config, V, LENGTH)
     for _ in range(2):
       state, sums = step(state, batch)
       assert np.isfinite(float(sums['loss_sum'])), (variant, impl, position)

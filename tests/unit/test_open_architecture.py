@@ -17,13 +17,13 @@ from flax import nnx
 
 import models
 from configs import default
-from data import pipeline
 from layers import positions
 from layers import sharding
 from models import accounting
 from models import decoder_only
 from tests.helpers import ROOT
 from tests.unit.test_decoding import full_and_cached_logits
+from tests import helpers
 from training import diagnostics
 from training import loop
 from training import state as state_lib
@@ -189,17 +189,6 @@ def _config(prefix=PREFIX, **model):
   return validation.resolve(config)
 
 
-def _batch(config):
-  shapes = pipeline.batch_shapes(models.batch_format(config.model.arch), config.train.batch_size,
-                                 LENGTH)
-  rng = np.random.default_rng(0)
-  fill = {'inputs': lambda shape: rng.integers(1, V, shape),
-          'targets': lambda shape: rng.integers(1, V, shape),
-          'positions': lambda shape: np.broadcast_to(np.arange(shape[1]), shape)}
-  return {name: jnp.asarray(fill.get(name, np.ones)(shape), dtype)
-          for name, (shape, dtype) in shapes.items()}
-
-
 def test_prefix_lm_trains_two_steps_through_the_training_step(prefix_lm):
   del prefix_lm
   config = _config()
@@ -209,7 +198,7 @@ def test_prefix_lm_trains_two_steps_through_the_training_step(prefix_lm):
   with jax.set_mesh(mesh), sharding.use_rules(mesh, sharding.rules_of(config.mesh)):
     step = loop.jit_train_step(config, graphdef, tx, state, mesh,
                                diagnostics.param_groups(state['params'])[1])
-    batch = _batch(config)
+    batch = helpers.random_batch(config, V, LENGTH)
     losses = []
     for _ in range(2):
       state, sums = step(state, batch)
