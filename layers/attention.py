@@ -22,6 +22,8 @@ KERNELS = attention_kernels.KERNELS
 DEFAULT_KERNEL = attention_kernels.DEFAULT
 dot_product_attention = attention_kernels.dot_product_attention
 kernels_taking = attention_kernels.kernels_taking
+target_platform = attention_kernels.target_platform
+compiling_for = attention_kernels.compiling_for
 
 # The ScoreTerms fields the layer sets itself (`Attention.layer_terms`), and the option of each.
 LAYER_TERMS = {'softcap': 'attn_logit_softcap', 'sinks': 'attention_sinks'}

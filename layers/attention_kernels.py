@@ -1,6 +1,8 @@
 """The exact-softmax kernels: the `dot_product_attention` contract and the table of what each
 takes."""
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -12,6 +14,7 @@ from layers import attention_pallas_gpu
 from layers import attention_pallas_tpu
 from layers import attention_ring
 from layers import attention_sharded
+from layers import attention_splash
 from layers import attention_xla
 from layers import contract
 from layers import masks
@@ -46,6 +49,13 @@ KERNELS = {
                                            attention_pallas_tpu.DEFAULT_BLOCK_K)),
                                   ('cuda', (attention_pallas_gpu.DEFAULT_BLOCK_Q,
                                             attention_pallas_gpu.DEFAULT_BLOCK_K)))),
+    # jax's TPU splash kernel: block-sparse over its static causal/window mask (the tiles it skips
+    # are pallas's on TPU), the soft cap and the sinks in the kernel, GQA in its MHA form. Mosaic
+    # only: refused off TPU, and compiled for a TPU target by tools.aot (`compiling_for`).
+    'splash': contract.Kernel(attention_sharded.per_device(attention_splash.attention),
+                              terms=('softcap', 'sinks'), sequence_mesh='never',
+                              platforms=('tpu',), score_matmuls=9, tiles=(
+                                  ('tpu', (attention_splash.BLOCK, attention_splash.BLOCK)),)),
     # jax.nn's fused call has no soft cap and no sink.
     'cudnn': contract.Kernel(attention_sharded.per_device(_cudnn),
                              terms=('bias', 'alibi_slopes', 'mask'), sequence_mesh='never',
@@ -60,6 +70,28 @@ KERNELS = {
 # The kernel of `implementation=None` and of the variants that run none (validation offers it as
 # the only value there): it takes every term and dropout, decodes, and runs on every platform.
 DEFAULT = 'xla'
+
+
+# The backend the programs traced now are lowered for, where not this host's (`compiling_for`).
+_TARGET = contextvars.ContextVar('attention_target_platform', default=None)
+
+
+def target_platform():
+  """The jax backend ('cpu', 'gpu', 'tpu') the kernels are checked against: the one
+  `compiling_for` names, else this host's."""
+  return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def compiling_for(platform):
+  """Within it, configs are validated and programs traced for `platform` (a compile-only device's
+  `.platform`, e.g. 'tpu' when a CPU host compiles for a pod): a kernel is checked against the
+  target's backend, not this host's."""
+  token = _TARGET.set(platform)
+  try:
+    yield
+  finally:
+    _TARGET.reset(token)
 
 
 def kernels_taking(term=None, *, dropout=False):
@@ -80,9 +112,10 @@ def check_kernel_call(impl, terms, dropout):
     raise ValueError('attention dropout is implemented by '
                      f'{", ".join(kernels_taking(dropout=True))}'
                      f', not {impl!r}')
-  if jax.default_backend() not in kernel.platforms:
+  if target_platform() not in kernel.platforms:
     raise ValueError(f'implementation={impl!r} runs on {", ".join(kernel.platforms)}, not '
-                     f'{jax.default_backend()}')
+                     f'{target_platform()}')
+
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                           local_window_size=None, alibi_slopes=None, segment_ids=None,

@@ -38,6 +38,7 @@ aot.quiet_libtpu()  # before jax starts: none of libtpu's start-up noise in the 
 from ml_collections import config_flags  # noqa: E402
 import tqdm  # noqa: E402
 
+from layers import attention  # noqa: E402
 from layers import options  # noqa: E402
 import models  # noqa: E402
 from layers import sharding  # noqa: E402
@@ -206,6 +207,14 @@ def main(argv):
     devices = aot.topology_devices(FLAGS.topology)
   except aot.AotError as e:
     cli_checks.fail('aot', e)
+  # The configs are validated, and the programs traced, for the target's backend: a kernel that
+  # declares TPU only (`Kernel.platforms`) passes on this CPU host when the target is a TPU.
+  with attention.compiling_for(devices[0].platform):
+    compile_all(devices)
+
+
+def compile_all(devices):
+  """Compiles the config or the sweep's cells for `devices`, prints the report, exits."""
   configs = load_configs()
   if FLAGS.mesh == 'search':
     if FLAGS.sweep:

@@ -242,7 +242,8 @@ def compile_config(config, devices, *, vocab_size, special_ids=None,
   out = {}
 
   def lower(fn, *args):
-    with jax.set_mesh(mesh), sharding.use_rules(mesh, rules):
+    with (jax.set_mesh(mesh), sharding.use_rules(mesh, rules),
+          attention.compiling_for(devices[0].platform)):
       return fn.trace(*args).lower(lowering_platforms=(lowering_platform(devices[0]),)).compile()
 
   ordered = list(mesh.devices.flat)  # the programs' partitions, for their collectives' groups

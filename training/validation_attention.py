@@ -137,7 +137,7 @@ def check_layer_terms(model_cfg, layers):
 
 def check_kernel(config):
   """`model.attention_impl` against the variants that run it, the position, dropout, the mesh's
-  sequence axis and this host's platform."""
+  sequence axis and the platform compiled for (this host's, or tools.aot's target)."""
   m = config.model
   impl = m.attention_impl
   kernel = attention.KERNELS[impl]
@@ -169,11 +169,11 @@ def check_kernel(config):
     raise ConfigError(f'model.attention_impl={impl!r} needs mesh.sequence > 1 (the devices the '
                       'length is split over); valid on one device: '
                       f'{", ".join(_kernels_with_sequence("any"))}')
-  import jax
-  if jax.default_backend() not in kernel.platforms:
-    valid = [k for k, v in attention.KERNELS.items() if jax.default_backend() in v.platforms]
+  platform = attention.target_platform()  # a TPU target's when tools.aot compiles for one
+  if platform not in kernel.platforms:
+    valid = [k for k, v in attention.KERNELS.items() if platform in v.platforms]
     raise ConfigError(f'model.attention_impl={impl!r} needs {" or ".join(kernel.platforms)}; '
-                      f'valid here ({jax.default_backend()}): {", ".join(valid)}')
+                      f'valid here ({platform}): {", ".join(valid)}')
 
 
 def _kernels_with_sequence(kind):
