@@ -34,7 +34,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   model.layer_pattern = ''  # hybrid stack: variants repeated over each stack's layers (layer i
   #                           takes entry i mod len), e.g. 'linear,linear,linear,dense'; '' = every
   #                           layer model.attention
-  model.attention_impl = 'xla'  # softmax kernel: xla | blockwise | pallas | cudnn (GPU) | ring
+  model.attention_impl = 'xla'  # softmax kernel: xla | blockwise | pallas | cudnn (GPU) | splash
+  #                                (TPU) | ring
   model.position = 'sinusoidal'  # sinusoidal | learned | rope | alibi | t5_bias | nope | fire |
   #                                kerple (log variant) | xpos
   model.norm = 'layernorm'  # layernorm | rmsnorm

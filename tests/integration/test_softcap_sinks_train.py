@@ -49,5 +49,5 @@ def test_cudnn_exits_2_with_one_line(data_dir, tmp_path):
   assert out.returncode == 2, out.stderr
   assert out.stderr.strip().splitlines()[-1].endswith(
       "model.attn_logit_softcap=5.0 is not taken by model.attention_impl='cudnn'; valid kernels: "
-      'blockwise, pallas, ring, xla'), out.stderr
+      'blockwise, pallas, ring, splash, xla'), out.stderr
   assert not (tmp_path / 'w').exists()

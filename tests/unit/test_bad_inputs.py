@@ -14,6 +14,7 @@ import pytest
 from configs import decoder_only
 from configs import default
 from tests.helpers import ROOT
+from layers import attention
 from layers import options
 from tools.sweep import processes
 from tools.sweep import runner as sweep_runner
@@ -176,6 +177,40 @@ def test_bad_config_values_are_one_line(field, value, message):
   section, name = field.split('.')
   config[section][name] = value
   with pytest.raises(options.ConfigError, match=f'^{message}') as e:
+    validation.validate(config)
+  assert '\n' not in str(e.value)
+
+
+# The splash kernel (TPU only) with what it does not take, validated for a TPU target (as
+# tools.aot validates on this host): each refused in one line, before anything compiles.
+SPLASH_REFUSALS = [
+    ({'model.position': 'alibi'}, r"model.position='alibi' adds ALiBi slopes, which "
+     r"model.attention_impl='splash' cannot take; valid values: blockwise, cudnn, pallas, ring, "
+     r'xla \(or model.position in: learned, nope, rope, sinusoidal, xpos\)$'),
+    ({'model.position': 't5_bias'}, r"model.position='t5_bias' adds a dense \[T, S\] bias, which "
+     r"model.attention_impl='splash' cannot take; valid values: blockwise, cudnn, pallas, xla "),
+    ({'model.position': 'fire'}, r"model.position='fire' adds a learned bias function .* which "
+     r"model.attention_impl='splash' cannot take; valid values: blockwise, xla "),
+    ({'model.position': 'kerple'}, r"model.position='kerple' adds a learned bias function .* "
+     r"which model.attention_impl='splash' cannot take; valid values: blockwise, xla "),
+    ({'model.attention_dropout': 0.1}, r"model.attention_dropout=0.1 is not implemented by "
+     r"model.attention_impl='splash'; valid values with attention dropout: blockwise, xla "),
+    ({'mesh.sequence': 2}, r"model.attention_impl='splash' holds the whole sequence on each "
+     r'device .* valid: mesh.sequence=1, or model.attention_impl in: ring'),
+]
+
+
+@pytest.mark.parametrize('fields,message', SPLASH_REFUSALS,
+                         ids=[next(iter(f)) for f, _ in SPLASH_REFUSALS])
+def test_splash_with_what_it_does_not_take_is_one_line(fields, message):
+  config = decoder_only.get_config()
+  config.model.attention_impl = 'splash'
+  for field, value in fields.items():
+    section, name = field.split('.')
+    config[section][name] = value
+  config = validation.resolve(config)
+  with attention.compiling_for('tpu'), pytest.raises(options.ConfigError,
+                                                     match=f'^{message}') as e:
     validation.validate(config)
   assert '\n' not in str(e.value)
 

@@ -241,10 +241,10 @@ REFUSALS = {
         'model.attn_logit_softcap=inf must be a finite number >= 0 (0 = off)',
     (('attention_impl', 'cudnn'),):
         "model.attn_logit_softcap=0.5 is not taken by model.attention_impl='cudnn'; valid "
-        'kernels: blockwise, pallas, ring, xla',
+        'kernels: blockwise, pallas, ring, splash, xla',
     (('attention_impl', 'cudnn'), ('attn_logit_softcap', 0.0)):
         "model.attention_sinks=True is not taken by model.attention_impl='cudnn'; valid "
-        'kernels: blockwise, pallas, ring, xla',
+        'kernels: blockwise, pallas, ring, splash, xla',
     (('attention', 'linear'),):
         "model.attn_logit_softcap=0.5 is not taken by model.attention='linear'; valid values: "
         'dense, differential',
