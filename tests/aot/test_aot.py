@@ -53,7 +53,8 @@ def _config(arch, mesh, **fields):
     section, name = field.split('.')
     config[section][name] = value
   config = validation.resolve(config)
-  validation.validate(config)
+  with attention.compiling_for('tpu'):  # validated for the target, as tools.aot does
+    validation.validate(config)
   return config
 
 
@@ -86,6 +87,21 @@ def test_pallas_steps_compile_for_a_tpu_pod(arch, mesh, devices):
   for r in report.values():
     assert 0 < r['bytes']['total'] < aot.hbm_bytes(devices[0])
     assert r['flops'] > 0
+
+
+@pytest.mark.parametrize('mesh', list(MESHES))
+def test_splash_steps_compile_for_a_tpu_pod(mesh, devices):
+  """jax's splash kernel per device under shard_map, GQA (4 heads, 2 KV heads: split over tensor 2
+  on the second mesh): a Mosaic forward, dK/dV and dQ kernel per layer in the train step, a
+  forward kernel in the eval step."""
+  config = _config('decoder_only', MESHES[mesh], **{'model.attention_impl': 'splash',
+                                                    'model.num_kv_heads': 2})
+  report = _compile(config, devices, programs=('train', 'eval'))
+  layers = ATTENTION_LAYERS['decoder_only']
+  assert _mosaic(report, 'train') == 3 * layers
+  assert _mosaic(report, 'eval') == layers
+  for r in report.values():
+    assert 0 < r['bytes']['total'] < aot.hbm_bytes(devices[0])
 
 
 def test_compiling_leaves_no_tpu_cluster_variables_behind(devices):
@@ -203,6 +219,9 @@ def test_cli_refuses_a_config_too_large_for_the_chip():
     (['--topology=v9z:2x2'], 'is not a TPU topology libtpu knows'),
     (['--topology=v5p:2x2x2', '--config.mesh.fsdp=4'], 'must equal the device count 8'),
     (['--topology=v5p:2x2x2', '--config.model.num_heads=7'], 'must divide model.d_model'),
+    # Validated for the TPU target (splash passes the platform check), refused for ALiBi.
+    (['--topology=v5p:2x2x2', '--config.mesh.fsdp=8', '--config.model.attention_impl=splash',
+      '--config.model.position=alibi'], "which model.attention_impl='splash' cannot take"),
 ])
 def test_cli_bad_input_is_one_line_with_exit_2(args, message):
   r = _aot('--config=configs/decoder_only.py:quick', *args)
