@@ -33,16 +33,22 @@ from layers import sharding
 TILE = 128
 
 
+def _tiling(m, k, n):
+  """Megablox's (rows, contraction, output) tiles for any of its calls, backward ones included:
+  128 where it divides, else the whole dimension (Mosaic's blocks are 128-multiples or whole)."""
+  whole_or_128 = lambda d: TILE if d % TILE == 0 else d  # noqa: E731
+  return min(TILE, m), whole_or_128(k), whole_or_128(n)
+
+
 def grouped_matmul(lhs, rhs, group_sizes):
   """Rows `[M, D]` sorted by group times each group's `rhs` `[G, D, F]` -> `[M, F]`; rows past
   sum(group_sizes) are 0. Megablox's kernel when lowered for TPU, `jax.lax.ragged_dot` elsewhere
   (chosen by the lowering platform, as `layers.attention_pallas`)."""
 
   def tpu(a, w, sizes):
-    m, k = a.shape
+    m = a.shape[0]
     padded = jnp.pad(a, ((0, -m % TILE), (0, 0)))  # gmm needs whole row tiles
-    out = megablox_gmm(padded, w, sizes, preferred_element_type=a.dtype,
-                       tiling=(TILE, min(TILE, k), min(TILE, w.shape[2])))[:m]
+    out = megablox_gmm(padded, w, sizes, preferred_element_type=a.dtype, tiling=_tiling)[:m]
     # The kernel leaves rows past the last group unwritten: zero them as ragged_dot does.
     return jnp.where((jnp.arange(m) < jnp.sum(sizes))[:, None], out, 0)
 
