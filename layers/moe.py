@@ -8,6 +8,7 @@ from flax import nnx
 
 from layers import feed_forward
 from layers import initializers
+from layers import moe_sharded
 from layers import options
 from layers import sharding
 
@@ -258,21 +259,31 @@ class MoE(nnx.Module, options.Configurable):
     """One cached decoding step `[B, 1, D]`: dropless token choice, nothing sown."""
     return self(x, sow=False)
 
-  def experts(self, h, group_sizes=None):
-    """The experts on their inputs: `[E, B, C, D]` -> `[E, B, C, D]` (einsum), or `[M, D]`
-    assignments sorted by expert with `group_sizes` `[E]` -> `[M, D]` (ragged_dot)."""
-    dt = h.dtype
-    wi, wo = self.wi[...].astype(dt), self.wo[...].astype(dt)
-    if group_sizes is None:
-      h = sharding.constrain(h, EXPERT_SLOTS)
-      mm = lambda a, w: jnp.einsum('EBCD,EDF->EBCF', a, w)
-    else:
-      mm = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes)
-    hidden = self.activation(mm(h, wi))  # [E, C, F] or [M, F]
+  def expert_params(self, dtype):
+    """The stacked experts' weights in `dtype`: {'wi', 'wo', and 'up' when gated}."""
+    params = {'wi': self.wi[...].astype(dtype), 'wo': self.wo[...].astype(dtype)}
     if self.gated:
-      hidden = hidden * mm(h, self.up[...].astype(dt))
-    out = mm(hidden, wo)
-    return out if group_sizes is not None else sharding.constrain(out, EXPERT_SLOTS)
+      params['up'] = self.up[...].astype(dtype)
+    return params
+
+  def grouped_experts(self, h, group_sizes, params):
+    """The experts on `[M, D]` rows sorted by expert, `group_sizes` `[G]` rows each, with
+    `params` of G experts (`expert_params`, or one device's share of them) -> `[M, D]`."""
+    mm = lambda a, w: moe_sharded.grouped_matmul(a, w, group_sizes)  # noqa: E731
+    hidden = self.activation(mm(h, params['wi']))  # [M, F]
+    if self.gated:
+      hidden = hidden * mm(h, params['up'])
+    return mm(hidden, params['wo'])
+
+  def experts(self, h):
+    """The experts on their inputs: `[E, B, C, D]` -> `[E, B, C, D]` (capacity, expert choice)."""
+    params = self.expert_params(h.dtype)
+    h = sharding.constrain(h, EXPERT_SLOTS)
+    mm = lambda a, w: jnp.einsum('EBCD,EDF->EBCF', a, w)  # noqa: E731
+    hidden = self.activation(mm(h, params['wi']))  # [E, B, C, F]
+    if self.gated:
+      hidden = hidden * mm(h, params['up'])
+    return sharding.constrain(mm(hidden, params['wo']), EXPERT_SLOTS)
 
   def token_choice(self, x, logits, capacity_factor=None):
     """Token choice of `x` `[B, T, D]` by `logits` `[B, T, E]`; `capacity_factor` None: dropless.
@@ -305,15 +316,20 @@ class MoE(nnx.Module, options.Configurable):
     return y, stats
 
   def _dropless(self, x, top_i, weights):
-    """Every assignment, sorted by expert and run through ragged_dot."""
+    """Every assignment, sorted by expert and run through grouped matmuls: per device under
+    expert parallelism (layers.moe_sharded), else on the whole batch."""
+    params = self.expert_params(x.dtype)
+    y = moe_sharded.dropless(x, top_i, weights, params, self.grouped_experts, self.num_experts)
+    if y is not None:
+      return y
     b, t, d = x.shape
     k = self.top_k
     flat = top_i.reshape(-1)  # [M = B·T·k]
     order = jnp.argsort(flat, stable=True)  # [M]
     sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)  # [E]
     rows = x.reshape(-1, d)[order // k]  # [M, D] token of each sorted assignment
-    out = jnp.zeros((flat.shape[0], d), x.dtype).at[order].set(self.experts(rows, sizes))
-    out = out.reshape(b, t, k, d)  # back in token order
+    out = self.grouped_experts(rows, sizes, params)  # [M, D]
+    out = jnp.zeros_like(out).at[order].set(out).reshape(b, t, k, d)  # back in token order
     return jnp.einsum('BTKD,BTK->BTD', out, weights.astype(x.dtype))
 
   def _with_capacity(self, x, chosen, weights, cap):

@@ -1,0 +1,111 @@
+"""Dropless MoE under expert parallelism (layers/moe_sharded.py) on 8 simulated CPU devices: the
+shard_map path gives the one-device output and gradients, and the static all-to-all moves rows
+where jax.lax.ragged_all_to_all would."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from layers import moe
+from layers import moe_sharded
+from layers import sharding
+from tests.helpers import quick_jit
+
+D, F = 8, 16
+B, T = 8, 6  # 8 rows: one per device under data 2 x fsdp 2 x expert 2
+
+
+def mesh_of(**sizes):
+  return sharding.make_mesh(ml_collections.ConfigDict(sizes))
+
+
+def loss_and_grads(m, x, mesh=None):
+  """Dropless token choice (C = 0: no capacity), a loss of its output and the gradients of the
+  experts, the router and the input, compiled once; under `mesh` with the default rules."""
+  graphdef, params = nnx.split(m, nnx.Param)
+
+  def loss(params, x):
+    y = nnx.merge(graphdef, params)(x, nnx.Rngs(dropout=0))  # training: rngs given
+    return jnp.sum(jnp.sin(y)), y
+
+  def run(params, x):
+    if mesh is None:
+      return jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
+    with sharding.use_rules(mesh, sharding.DEFAULT_RULES):
+      return jax.value_and_grad(loss, (0, 1), has_aux=True)(params, x)
+
+  if mesh is not None:
+    specs = sharding.param_specs(params, mesh, sharding.DEFAULT_RULES)
+    params = jax.device_put(params, sharding.named(specs, mesh))
+    x = jax.device_put(x, jax.sharding.NamedSharding(mesh, P(('data', 'fsdp', 'expert'))))
+  (value, y), grads = quick_jit(run)(params, x)
+  return value, y, grads
+
+
+@pytest.mark.parametrize('ffn,experts,top_k', [('relu', 4, 2), ('swiglu', 8, 3)])
+def test_expert_parallel_dropless_equals_one_device(ffn, experts, top_k):
+  """expert 2 x fsdp 2 x data 2: output, loss and every gradient are the one-device ones."""
+  m = moe.MoE(D, F, experts, ffn, top_k=top_k, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (B, T, D), jnp.float32)
+  one = loss_and_grads(m, x)
+  mesh = mesh_of(data=2, fsdp=2, expert=2)
+  sharded = loss_and_grads(m, x, mesh)
+  for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(one)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_the_sharded_path_is_the_one_that_runs():
+  """On the mesh the program holds the shard_map and its all-to-alls; without one, neither."""
+  m = moe.MoE(D, F, 4, 'relu', top_k=2, rngs=nnx.Rngs(0))
+  x = jnp.ones((B, T, D), jnp.float32)
+  graphdef, state = nnx.split(m)
+  fn = lambda state, x: nnx.merge(graphdef, state)(x, sow=False)  # noqa: E731
+  mesh = mesh_of(data=2, fsdp=2, expert=2)
+  with sharding.use_rules(mesh, sharding.DEFAULT_RULES):
+    text = str(jax.make_jaxpr(fn)(state, x))
+  assert 'shard_map' in text and 'all_to_all' in text
+  one = lambda state, x: fn(state, x)  # noqa: E731  a new function: make_jaxpr caches by function
+  assert 'shard_map' not in str(jax.make_jaxpr(one)(state, x))
+
+
+def test_layout_needs_the_expert_axis_on_the_tokens_and_the_experts():
+  mesh = mesh_of(data=2, fsdp=2, expert=2)
+  tokens, axes = moe_sharded.layout(mesh, sharding.DEFAULT_RULES, (B, T, D), 4)
+  assert axes == ('expert',) and tokens == P(('data', 'fsdp', 'expert'), None, None)
+  # Three experts: the expert axis cannot split them, GSPMD keeps the dropless path.
+  assert moe_sharded.layout(mesh, sharding.DEFAULT_RULES, (B, T, D), 3) is None
+  # Rows not split over the expert axis: every expert device holds the same tokens.
+  rules = dict(sharding.DEFAULT_RULES, batch=('data', 'fsdp'))
+  assert moe_sharded.layout(mesh, tuple(rules.items()), (B, T, D), 4) is None
+
+
+def test_static_all_to_all_moves_rows_where_the_ragged_one_would():
+  """jax.lax.ragged_all_to_all's documented semantics by hand on 4 devices: sender i's rows
+  operand_i[in_off_i[j] : + send_i[j]] land at output_j[out_off_i[j] : + send_i[j]]."""
+  p, n, cap = 4, 6, 3
+  rng = np.random.default_rng(0)
+  send = rng.integers(0, cap + 1, (p, p)).astype(np.int32)  # [sender, receiver]
+  operand = rng.normal(size=(p, n, 2)).astype(np.float32)
+  # Each run starts anywhere that keeps it in the sender's rows (they may overlap).
+  in_off = np.stack([[rng.integers(0, n - s + 1) for s in row] for row in send]).astype(np.int32)
+  out_off = (np.cumsum(send, 0) - send).astype(np.int32)  # receiver j: senders in order
+  want = np.zeros((p, p * cap, 2), np.float32)
+  for i in range(p):
+    for j in range(p):
+      rows = operand[i, in_off[i, j]:in_off[i, j] + send[i, j]]
+      want[j, out_off[i, j]:out_off[i, j] + send[i, j]] = rows
+  mesh = jax.make_mesh((p,), ('x',), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:p])
+
+  def per_device(operand, in_off, send, out_off, recv):
+    out = jnp.zeros((p * cap, 2), jnp.float32)
+    return moe_sharded.static_all_to_all(operand[0], out, in_off[0], send[0], out_off[0],
+                                         recv[0], axis_name='x', cap=cap)[None]
+
+  got = quick_jit(jax.shard_map(per_device, mesh=mesh, in_specs=P('x'), out_specs=P('x')))(
+      operand, in_off, send, out_off, send.T.copy())
+  np.testing.assert_array_equal(np.asarray(got), want)
