@@ -141,8 +141,8 @@ def describe(summary, name):
                'the tiles it visits)' + (f', {full:.4g} with full score matrices x3 (the MFU\'s '
                'count)' if full and abs(full / flops - 1) > 1e-3 else '') + '.')
   if summary.get('estimate'):
-    out.append(estimate_line(summary['estimate'], summary.get('programs', {}).get('train')
-                             and 'train step' or 'first program'))
+    what = 'train step' if 'train' in summary['programs'] else 'first program'
+    out.append(estimate_line(summary['estimate'], what))
   return '\n'.join(out)
 
 

@@ -31,6 +31,8 @@ FLOPs column beside it); latency, launch overheads and the compiler's own overla
 import math
 import re
 
+import numpy as np
+
 # Published figures per chip: peak dense bf16 FLOP/s, HBM bandwidth (bytes/s), bidirectional ICI
 # (or NVLink) bandwidth per chip (bytes/s), ICI ports per chip (None: a switch), HBM bytes (the
 # GB of the TPU pages read as GiB; libtpu lets a program use 15.75 of v5e's 16 GiB; the H100's
@@ -129,7 +131,6 @@ def group_of_first(line, num_partitions):
     return sorted(ids)
   m = re.search(r'replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', line)
   if m:
-    import numpy as np
     dims = [int(d) for d in m.group(3).split(',')]
     ids = np.arange(math.prod(dims)).reshape(dims)
     if m.group(4):
