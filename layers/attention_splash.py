@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
+from layers import attention_pallas_host as host
 from layers import flash_core
 
 # splash's default tiles (BlockSizes.get_default) for the forward, dK/dV and dQ kernels: multiples
@@ -23,10 +24,6 @@ from layers import flash_core
 BLOCK = 128
 # The segment id of padded keys (and queries): below every real id.
 _PAD_ID = jnp.iinfo(jnp.int32).min
-
-
-def _round_up(x, m):
-  return -(-x // m) * m
 
 
 def _mask(t, s, n, is_causal, window):
@@ -86,7 +83,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
     raise ValueError('splash attention takes no bias, mask or ALiBi slopes')
   b, t, n, _ = query.shape
   s = key.shape[1]
-  tp, sp = _round_up(t, BLOCK), _round_up(s, BLOCK)
+  tp, sp = host.round_up(t, BLOCK), host.round_up(s, BLOCK)
   segments = _segments(q_segment_ids, kv_segment_ids, b, t, s, tp, sp)
   # [B, N, Tp, H] and [B, K, Sp, H]: splash's head-major layout; its scores are q·k unscaled.
   q = flash_core.pad_axis((query * scale).astype(query.dtype), 1, tp).transpose(0, 2, 1, 3)
