@@ -290,7 +290,8 @@ def _restore(config, workdir, mngr, state, it):
   restored = checkpointing.restore_newest_good(mngr, state, workdir) if mngr.all_steps() else None
   if restored is not None:
     state, data_state, start, carried = restored
-    it.set_state(data_state)
+    if data_state:  # tools.hf import's step 0 holds none: the data starts from the beginning
+      it.set_state(data_state)
     print(f'train: resumed from step {start} in {workdir}', file=sys.stderr)
     return state, start, carried
   if t.get('init_from'):

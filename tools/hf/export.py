@@ -1,0 +1,143 @@
+"""An attnlab workdir's newest parameters as a Hugging Face folder, and its logits for one row."""
+
+import json
+import os
+import shutil
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from data import pipeline
+from layers import sharding
+from tools.hf import convert
+from tools.hf import families
+from tools.hf.families import HFError
+from training import checkpointing
+from training import state as state_lib
+
+SHARD_BYTES = 2 << 30  # export shards of at most 2 GiB each (an index file when there are several)
+
+
+def load(workdir):
+  """(config, model, step) of `workdir`'s newest checkpoint; the model is built on the config's
+  mesh and restored into its shardings."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(path):
+    raise HFError(f'--workdir={workdir} has no config.json; valid: an attnlab workdir (train.py '
+                  'or tools.hf import)')
+  config = ml_collections.ConfigDict(convert.read_json(path, 'config.json'))
+  if config.model.get('arch') != 'decoder_only':
+    raise HFError(f'model.arch={config.model.get("arch")!r} cannot be converted; valid: '
+                  'decoder_only')
+  vocab = vocab_size(config)
+  mesh = sharding.make_mesh(config.mesh)
+  graphdef, _, abstract = state_lib.abstract_state(config, vocab, mesh)
+  mngr = checkpointing.checkpoint_manager(workdir, config)
+  if mngr.latest_step() is None:
+    raise HFError(f'--workdir={workdir} holds no checkpoint')
+  restored = checkpointing.restore_newest_good(mngr, abstract, workdir, move_aside=False)
+  mngr.close()
+  state, _, step, _ = restored
+  model = nnx.merge(graphdef, *state_lib.model_variables(state))
+  return config, model, step
+
+
+def vocab_size(config):
+  """V: model.vocab_size, or the size of the run's tokenizer."""
+  return config.model.get('vocab_size', 0) or pipeline.get_tokenizer(config.data).vocab_size
+
+
+def logits(workdir, ids):
+  """`[T, V]` float32 logits of the newest parameters of `workdir` for one row of token ids."""
+  _, model, _ = load(workdir)
+  ids = np.asarray(ids, np.int32)[None]  # [1, T]
+  return np.asarray(model({'inputs': ids}), np.float32)[0]
+
+
+def _source(workdir):
+  path = os.path.join(workdir, convert.SOURCE_FILE)
+  return convert.read_json(path, convert.SOURCE_FILE) if os.path.isfile(path) else {}
+
+
+def _context_length(config, m):
+  """max_position_embeddings to write: GPT-2's table; the pretrained context L under no scaling
+  and dynamic NTK (which scales past it); L x factor (at least the run's length) under the
+  static scalings, whose L travels in rope_scaling."""
+  if m.position == 'learned':
+    return int(m.max_positions)
+  original = int(m.get('rope_original_length', 0) or config.data.max_length)
+  if m.rope_scaling in ('none', 'dynamic'):
+    return original
+  return max(int(config.data.max_length), round(original * m.rope_scaling_factor))
+
+
+def hf_tensors(model, tensors):
+  """Yields (name, float32 numpy array) in the checkpoint's layout, one tensor at a time."""
+  leaves, _ = convert.param_paths(nnx.state(model, nnx.Param))
+  by_path = dict(leaves)
+  for t in tensors:
+    parts = [np.asarray(jax.device_get(by_path[p]), np.float32) for p in t.paths]
+    yield t.name, np.ascontiguousarray(t.to_hf(parts))
+
+
+def write_shards(out, named_arrays):
+  """model.safetensors, or model-0000i-of-0000n.safetensors and an index past SHARD_BYTES."""
+  shards, current, size = [], {}, 0
+  for name, array in named_arrays:
+    if current and size + array.nbytes > SHARD_BYTES:
+      shards.append(current)
+      current, size = {}, 0
+    current[name] = array
+    size += array.nbytes
+    if size >= SHARD_BYTES:  # write as we go: at most one shard in memory
+      shards.append(current)
+      current, size = {}, 0
+  if current:
+    shards.append(current)
+  if len(shards) == 1:
+    save_file(shards[0], os.path.join(out, 'model.safetensors'), metadata={'format': 'pt'})
+    return
+  weight_map = {}
+  for i, shard in enumerate(shards):
+    name = f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors'
+    save_file(shard, os.path.join(out, name), metadata={'format': 'pt'})
+    weight_map.update({k: name for k in shard})
+  with open(os.path.join(out, convert.INDEX_FILE), 'w') as f:
+    json.dump({'metadata': {}, 'weight_map': weight_map}, f, indent=2)
+
+
+def export_checkpoint(workdir, out, *, model_type=None, log=print):
+  """`python -m tools.hf export`: the newest parameters of `workdir` as a Hugging Face folder."""
+  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    raise HFError(f'--out={out} exists and is not empty; valid: a new directory')
+  config = ml_collections.ConfigDict(convert.read_json(os.path.join(workdir, 'config.json'),
+                                                       'config.json')) if os.path.isfile(
+      os.path.join(workdir, 'config.json')) else None
+  if config is None:
+    raise HFError(f'--workdir={workdir} has no config.json; valid: an attnlab workdir')
+  m = convert.resolved_model(config)
+  kind = model_type or families.family_of(m)
+  source = _source(workdir)
+  vocab = vocab_size(config)
+  ids = {k: source.get(f'{k}_token_id') for k in ('bos', 'eos', 'pad')}
+  m.vocab_size = vocab
+  hf = families.to_hf(m, kind, _context_length(config, m), vocab, ids)  # checks first
+  config, model, step = load(workdir)
+  tmp = out.rstrip('/') + '.partial'
+  if os.path.exists(tmp):
+    shutil.rmtree(tmp)
+  os.makedirs(tmp)
+  write_shards(tmp, hf_tensors(model, convert.tensor_list(m)))
+  with open(os.path.join(tmp, 'config.json'), 'w') as f:
+    json.dump(hf, f, indent=2)
+  tokenizer = os.path.join(workdir, convert.TOKENIZER_DIR)
+  for name in os.listdir(tokenizer) if os.path.isdir(tokenizer) else ():
+    shutil.copyfile(os.path.join(tokenizer, name), os.path.join(tmp, name))
+  if os.path.isdir(out):
+    os.rmdir(out)
+  os.rename(tmp, out)
+  log(f'hf: exported step {step} of {workdir} as {kind} into {out}')
+  return hf

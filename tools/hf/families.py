@@ -1,0 +1,278 @@
+"""Hugging Face `config.json` <-> attnlab `config.model`, per model family.
+
+`to_model(hf)` maps every field attnlab understands and refuses, in one line naming the field, any
+it cannot reproduce (an unknown rope type, MoE layers, a sliding window on some layers only).
+`to_hf(model)` is the inverse for an attnlab config the family can express, and refuses the rest
+(ALiBi into Llama) the same way. Fields that change nothing the model computes (dropouts,
+`use_cache`, initializer ranges, token ids) are read where they matter and otherwise left alone.
+"""
+
+import math
+
+from layers import initializers
+
+
+class HFError(ValueError):
+  """A checkpoint or config attnlab cannot convert; the message is one line."""
+
+
+LLAMA_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3')
+MODEL_TYPES = LLAMA_TYPES + ('gpt2',)
+# Fields whose presence means layers attnlab does not build (mixtures of experts and the like).
+REFUSED_FIELDS = ('num_local_experts', 'num_experts', 'n_routed_experts', 'moe_intermediate_size',
+                  'layer_types_moe', 'kv_lora_rank')
+ROPE_TYPES = {'default': 'none', 'linear': 'pi', 'dynamic': 'dynamic', 'yarn': 'yarn',
+              'llama3': 'llama3'}
+GPT2_ACTIVATIONS = {'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'gelu_tanh', 'gelu': 'gelu',
+                    'relu': 'relu'}
+COMMON = dict(arch='decoder_only', attention='dense', attention_impl='xla', norm_position='pre',
+              scan_layers=False, dropout=0.0, attention_dropout=0.0, ffn_dropout=0.0,
+              embed_scale='plain', output_bias=False, unscaled=False, final_logit_softcap=0.0,
+              attn_logit_softcap=0.0, attention_gate='none', attention_sinks=False,
+              layer_pattern='', moe_experts=0, use_bias=False, random_positions_max=0)
+
+
+def model_type(hf):
+  """`hf['model_type']`, refused in one line unless it is a family attnlab converts."""
+  kind = hf.get('model_type')
+  if kind not in MODEL_TYPES:
+    raise HFError(f'config.json model_type={kind!r} is not a family attnlab converts; valid: '
+                  f'{list(MODEL_TYPES)}')
+  return kind
+
+
+def _refuse_unknown_structure(hf):
+  for field in REFUSED_FIELDS:
+    if hf.get(field):
+      raise HFError(f'config.json {field}={hf[field]!r}: attnlab imports dense models only '
+                    '(no mixture-of-experts or latent-attention layers)')
+
+
+def rope_parameters(hf):
+  """(rope_type, its parameters, theta) from either form transformers writes: `rope_theta` +
+  `rope_scaling` (checkpoints on the Hub) or `rope_parameters` (transformers 5)."""
+  params = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
+  theta = params.get('rope_theta', hf.get('rope_theta', 10000.0))
+  kind = params.get('rope_type', params.get('type', 'default'))
+  return kind, params, float(theta)
+
+
+def _rope_fields(hf, kind, params):
+  """The model.rope_* fields of a rope type (ROPE_TYPES) and its parameters."""
+  if kind not in ROPE_TYPES:
+    raise HFError(f'config.json rope type {kind!r} is not supported; valid: {list(ROPE_TYPES)}')
+  max_pos = int(hf['max_position_embeddings'])
+  # The pretrained context L, kept whatever the scaling: a fine-tune at a longer data.max_length
+  # that turns a scaling on refers to it (YaRN's ramp, llama3's bands, dynamic NTK's threshold).
+  fields = {'rope_scaling': ROPE_TYPES[kind], 'rope_original_length': max_pos}
+  if kind == 'default':
+    return fields
+  original = int(params.get('original_max_position_embeddings') or max_pos)
+  factor = params.get('factor')
+  if factor is None and kind == 'yarn':
+    factor = max_pos / original  # transformers' rule when only the two lengths are given
+  fields['rope_scaling_factor'] = float(factor)
+  if kind != 'dynamic':  # dynamic NTK scales past max_position_embeddings itself
+    fields['rope_original_length'] = original
+  if kind == 'llama3':
+    fields.update(rope_low_freq_factor=float(params['low_freq_factor']),
+                  rope_high_freq_factor=float(params['high_freq_factor']))
+  if kind == 'yarn':
+    if params.get('truncate') is False:
+      raise HFError('config.json rope yarn truncate=False is not supported; valid: true')
+    fields.update(rope_yarn_beta_fast=float(params.get('beta_fast') or 32.0),
+                  rope_yarn_beta_slow=float(params.get('beta_slow') or 1.0),
+                  rope_attention_factor=_yarn_attention_factor(params, float(factor)))
+  return fields
+
+
+def _yarn_mscale(scale, mscale=1.0):
+  return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_attention_factor(params, factor):
+  """transformers' yarn `attention_factor`: given, or from mscale/mscale_all_dim, else 0 (attnlab's
+  default, 0.1 ln(s) + 1)."""
+  if params.get('attention_factor') is not None:
+    return float(params['attention_factor'])
+  if params.get('mscale') and params.get('mscale_all_dim'):
+    return _yarn_mscale(factor, params['mscale']) / _yarn_mscale(factor, params['mscale_all_dim'])
+  return 0.0
+
+
+def _llama_model(hf, kind):
+  """Llama, Mistral, Qwen2, Qwen3 -> model fields."""
+  if hf.get('hidden_act', 'silu') != 'silu':
+    raise HFError(f'config.json hidden_act={hf["hidden_act"]!r} is not supported for {kind}; '
+                  'valid: silu')
+  if hf.get('pretraining_tp', 1) != 1:
+    raise HFError(f'config.json pretraining_tp={hf["pretraining_tp"]!r}; valid: 1')
+  heads = int(hf['num_attention_heads'])
+  fields = dict(COMMON, num_layers=int(hf['num_hidden_layers']), d_model=int(hf['hidden_size']),
+                num_heads=heads, num_kv_heads=int(hf.get('num_key_value_heads') or heads),
+                d_ff=int(hf['intermediate_size']),
+                head_dim=int(hf.get('head_dim') or hf['hidden_size'] // heads),
+                norm='rmsnorm', norm_eps=float(hf.get('rms_norm_eps', 1e-6)), ffn='swiglu',
+                position='rope', tie_output=bool(hf.get('tie_word_embeddings', False)),
+                qk_norm='rmsnorm' if kind == 'qwen3' else 'none',
+                attention_bias=bool(hf.get('attention_bias', False)) or kind == 'qwen2',
+                attention_out_bias=kind != 'qwen2', ffn_bias=bool(hf.get('mlp_bias', False)))
+  rope_kind, params, theta = rope_parameters(hf)
+  fraction = float(params.get('partial_rotary_factor', hf.get('partial_rotary_factor', 1.0)))
+  fields.update(rope_base=theta, rope_fraction=fraction, **_rope_fields(hf, rope_kind, params))
+  if kind in ('qwen2', 'qwen3') and hf.get('use_sliding_window'):
+    raise HFError(f'config.json use_sliding_window=true ({kind}: a window on some layers only) '
+                  'is not supported; valid: false')
+  window = hf.get('sliding_window') if kind == 'mistral' else None
+  if window:
+    # transformers' window of W keys (j > i - W) is attnlab's w = W - 1 (i - w <= j <= i).
+    fields.update(attention='sliding_window', window=int(window) - 1)
+  return fields
+
+
+def _gpt2_model(hf):
+  for field, valid in (('scale_attn_weights', True), ('scale_attn_by_inverse_layer_idx', False),
+                       ('add_cross_attention', False)):
+    if hf.get(field, valid) != valid:
+      raise HFError(f'config.json {field}={hf[field]!r} is not supported; valid: '
+                    f'{str(valid).lower()}')
+  act = hf.get('activation_function', 'gelu_new')
+  if act not in GPT2_ACTIVATIONS:
+    raise HFError(f'config.json activation_function={act!r} is not supported; valid: '
+                  f'{list(GPT2_ACTIVATIONS)}')
+  d = int(hf['n_embd'])
+  return dict(COMMON, num_layers=int(hf['n_layer']), d_model=d, num_heads=int(hf['n_head']),
+              num_kv_heads=int(hf['n_head']), d_ff=int(hf.get('n_inner') or 4 * d), head_dim=0,
+              norm='layernorm', norm_eps=float(hf.get('layer_norm_epsilon', 1e-5)),
+              ffn=GPT2_ACTIVATIONS[act], position='learned',
+              max_positions=int(hf['n_positions']), attention_bias=True,
+              attention_out_bias=True, ffn_bias=True,
+              tie_output=bool(hf.get('tie_word_embeddings', True)), qk_norm='none')
+
+
+def to_model(hf):
+  """The `config.model` fields (a dict) of the HF config dict `hf`, and the context length."""
+  kind = model_type(hf)
+  _refuse_unknown_structure(hf)
+  fields = _gpt2_model(hf) if kind == 'gpt2' else _llama_model(hf, kind)
+  fields['vocab_size'] = int(hf['vocab_size'])
+  length = int(hf['n_positions'] if kind == 'gpt2' else hf['max_position_embeddings'])
+  return fields, length
+
+
+ARCHITECTURES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
+                 'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM',
+                 'gpt2': 'GPT2LMHeadModel'}
+# What every exported model must be: (field, the value every family needs).
+EXPORT_REQUIRED = (('arch', 'decoder_only'), ('norm_position', 'pre'), ('layer_pattern', ''),
+                   ('moe_experts', 0), ('attention_gate', 'none'), ('attention_sinks', False),
+                   ('attn_logit_softcap', 0.0), ('final_logit_softcap', 0.0), ('unscaled', False),
+                   ('embed_scale', 'plain'), ('scan_layers', False), ('random_positions_max', 0),
+                   ('output_bias', False))
+# Per family: (field, the values it can express).
+EXPORT_FAMILY = {
+    'llama': (('position', ('rope',)), ('norm', ('rmsnorm',)), ('ffn', ('swiglu',)),
+              ('attention', ('dense',)), ('qk_norm', ('none',)),
+              ('rope_scaling', ('none', 'pi', 'dynamic', 'yarn', 'llama3'))),
+    'gpt2': (('position', ('learned',)), ('norm', ('layernorm',)),
+             ('ffn', tuple(GPT2_ACTIVATIONS.values())), ('attention', ('dense',)),
+             ('qk_norm', ('none',)), ('attention_bias', (True,)), ('attention_out_bias', (True,)),
+             ('ffn_bias', (True,))),
+}
+EXPORT_FAMILY['mistral'] = EXPORT_FAMILY['llama'][:3] + (
+    ('attention', ('dense', 'sliding_window')), ('qk_norm', ('none',)),
+    ('attention_bias', (False,)), ('ffn_bias', (False,))) + EXPORT_FAMILY['llama'][5:]
+EXPORT_FAMILY['qwen2'] = EXPORT_FAMILY['llama'] + (
+    ('attention_bias', (True,)), ('attention_out_bias', (False,)), ('ffn_bias', (False,)))
+EXPORT_FAMILY['qwen3'] = EXPORT_FAMILY['llama'][:4] + (('qk_norm', ('rmsnorm',)),) + (
+    EXPORT_FAMILY['llama'][5:] + (('ffn_bias', (False,)),))
+
+
+def _value(m, field):
+  if field in ('attention_bias', 'ffn_bias'):
+    return getattr(initializers, field)(m)
+  return m.get(field)
+
+
+def family_of(m):
+  """The family an attnlab `config.model` reads as: GPT-2 (learned positions), else Qwen3 (QK-norm),
+  Qwen2 (q/k/v biases only), Mistral (a sliding window), else Llama."""
+  if m.get('position') == 'learned':
+    return 'gpt2'
+  if m.get('qk_norm', 'none') != 'none':
+    return 'qwen3'
+  if initializers.attention_bias(m) and not m.get('attention_out_bias', True):
+    return 'qwen2'
+  return 'mistral' if m.get('attention') == 'sliding_window' else 'llama'
+
+
+def check_exportable(m, kind):
+  """Refuses, in one line naming the field, a `config.model` family `kind` cannot express."""
+  if kind not in MODEL_TYPES:
+    raise HFError(f'--model_type={kind!r} unknown; valid: {list(MODEL_TYPES)}')
+  for field, value in EXPORT_REQUIRED:
+    if m.get(field, value) != value:
+      raise HFError(f'cannot export model.{field}={m.get(field)!r}: no Hugging Face family '
+                    f'computes it; valid: {value!r}')
+  for field, valid in EXPORT_FAMILY[kind]:
+    if _value(m, field) not in valid:
+      raise HFError(f'cannot export model.{field}={_value(m, field)!r} as {kind}; valid: '
+                    f'{list(valid)}')
+  if kind != 'gpt2' and initializers.attention_bias(m) and not m.get('attention_out_bias', True):
+    if kind != 'qwen2':
+      raise HFError(f'cannot export model.attention_out_bias=False as {kind} (biases on q/k/v '
+                    'only); valid: qwen2, or attention_out_bias=True')
+  if kind == 'gpt2' and (m.num_kv_heads != m.num_heads
+                         or initializers.head_dim(m) * m.num_heads != m.d_model):
+    raise HFError('cannot export as gpt2: model.num_kv_heads and model.head_dim must be the '
+                  'defaults (num_heads, d_model / num_heads)')
+
+
+def _rope_scaling_hf(m):
+  """transformers' `rope_scaling` dict of `config.model`'s scaling, or None."""
+  kind = m.rope_scaling
+  if kind == 'none':
+    return None
+  back = {ours: theirs for theirs, ours in ROPE_TYPES.items()}
+  out = {'rope_type': back[kind], 'factor': float(m.rope_scaling_factor)}
+  if kind in ('yarn', 'llama3'):
+    out['original_max_position_embeddings'] = int(m.rope_original_length)
+  if kind == 'llama3':
+    out.update(low_freq_factor=float(m.rope_low_freq_factor),
+               high_freq_factor=float(m.rope_high_freq_factor))
+  if kind == 'yarn':
+    out.update(beta_fast=float(m.rope_yarn_beta_fast), beta_slow=float(m.rope_yarn_beta_slow))
+    if m.rope_attention_factor:
+      out['attention_factor'] = float(m.rope_attention_factor)
+  return out
+
+
+def to_hf(m, kind, length, vocab_size, token_ids=None):
+  """The `config.json` dict of family `kind` for the resolved `config.model` `m` (checked with
+  `check_exportable` first); `length` is max_position_embeddings (n_positions for GPT-2)."""
+  check_exportable(m, kind)
+  ids = {f'{k}_token_id': v for k, v in (token_ids or {}).items() if v is not None}
+  common = dict(architectures=[ARCHITECTURES[kind]], model_type=kind, vocab_size=vocab_size,
+                tie_word_embeddings=bool(m.tie_output), torch_dtype='float32', **ids)
+  if kind == 'gpt2':
+    act = {ours: theirs for theirs, ours in reversed(GPT2_ACTIVATIONS.items())}[m.ffn]
+    return dict(common, n_positions=int(m.max_positions), n_embd=m.d_model, n_layer=m.num_layers,
+                n_head=m.num_heads, n_inner=m.d_ff, activation_function=act,
+                layer_norm_epsilon=float(m.norm_eps), scale_attn_weights=True)
+  out = dict(common, hidden_size=m.d_model, intermediate_size=m.d_ff,
+             num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+             num_key_value_heads=m.num_kv_heads, head_dim=initializers.head_dim(m),
+             hidden_act='silu', max_position_embeddings=int(length),
+             rms_norm_eps=float(m.norm_eps), rope_theta=float(m.rope_base),
+             rope_scaling=_rope_scaling_hf(m))
+  if m.rope_fraction != 1.0:
+    out['partial_rotary_factor'] = float(m.rope_fraction)
+  if kind in ('llama', 'qwen3'):
+    out['attention_bias'] = initializers.attention_bias(m)
+  if kind == 'llama':
+    out['mlp_bias'] = initializers.ffn_bias(m)
+  if kind == 'mistral':
+    out['sliding_window'] = m.window + 1 if m.attention == 'sliding_window' else None
+  if kind in ('qwen2', 'qwen3'):
+    out['use_sliding_window'] = False
+  return out
