@@ -75,6 +75,14 @@ def validate(config):
   validation_attention.check_kernel(config)
 
 
+def validate_model(config):
+  """The model's part of `validate`: config.model, the mesh and the kernel (a checkpoint converter
+  checks a model whose data is not chosen yet)."""
+  _validate_model(config)
+  _validate_mesh(config)
+  validation_attention.check_kernel(config)
+
+
 def _validate_model(config):
   """config.model: the registries' keys and checks, the sizes and the architectures' fields."""
   m, d = config.model, config.data

@@ -54,9 +54,9 @@ def test_logits_equal_transformers(imported, case):
   _, model, _ = export.load(imported[case])
   batch = {'inputs': want['ids'][None].astype(np.int32)}
   logits = np.asarray(model(batch))[0]
-  np.testing.assert_allclose(logits, want['logits'], atol=1e-4, rtol=0)
+  np.testing.assert_allclose(logits, want['logits'], atol=1e-5, rtol=0)
   hidden = np.asarray(model.features(batch))[0]  # after the final norm, as transformers' last
-  np.testing.assert_allclose(hidden, want['hidden'], atol=1e-4, rtol=0)
+  np.testing.assert_allclose(hidden, want['hidden'], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize('case', CASES)
@@ -76,7 +76,7 @@ def test_logits_command_writes_the_rows_logits(imported, tmp_path):
   out = str(tmp_path / 'logits.npy')
   cli.main(['logits', f'--workdir={imported["llama"]}',
             '--ids=' + ','.join(str(int(i)) for i in want['ids']), f'--out={out}'])
-  np.testing.assert_allclose(np.load(out), want['logits'], atol=1e-4, rtol=0)
+  np.testing.assert_allclose(np.load(out), want['logits'], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize('case', ['llama3', 'qwen2', 'qwen3', 'gpt2', 'mistral'])
@@ -94,7 +94,11 @@ def test_export_then_import_is_bit_identical(imported, case, tmp_path):
     np.testing.assert_array_equal(first[path], second[path], err_msg=str(path))
   with open(os.path.join(imported[case], 'config.json')) as f1, open(
       os.path.join(again, 'config.json')) as f2:
-    assert json.load(f1)['model'] == json.load(f2)['model']
+    # linformer_length is resolved from data.max_length, which follows the exported context
+    first_model, second_model = json.load(f1)['model'], json.load(f2)['model']
+    for model in (first_model, second_model):
+      model.pop('linformer_length')
+    assert first_model == second_model
 
 
 def test_rope_layout_error_is_caught(imported, tmp_path):

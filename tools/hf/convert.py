@@ -102,7 +102,7 @@ def model_config(hf, vocab_size=None):
   config.data.max_length = min(length, MAX_CONTEXT)
   try:
     validation.resolve(config)
-    validation.validate(config)
+    validation.validate_model(config)
   except ConfigError as e:
     raise HFError(f'the imported config is not valid: {e}') from None
   return config
@@ -169,12 +169,10 @@ def check_tensors(tensors, found):
 
 
 def _norm_path(path):
-  out = []
-  for p in path:
-    key = getattr(p, 'key', getattr(p, 'idx', getattr(p, 'name', None)))
-    if key != 'value':
-      out.append(key)
-  return tuple(out)
+  """('decoder', 'blocks', 0, ...) of a key path: dict keys and indices; the Variable's `.value`
+  attribute (a GetAttrKey) left out."""
+  return tuple(getattr(p, 'key', getattr(p, 'idx', None)) for p in path
+               if not isinstance(p, jax.tree_util.GetAttrKey))
 
 
 def param_paths(tree):

@@ -100,6 +100,13 @@ def _yarn_attention_factor(params, factor):
   return 0.0
 
 
+def _head_dim(hf, heads):
+  """model.head_dim: the checkpoint's where it differs from D / N (Qwen3), else 0 (the default,
+  which every attention variant reads)."""
+  given = int(hf.get('head_dim') or 0)
+  return given if given and given != int(hf['hidden_size']) // heads else 0
+
+
 def _llama_model(hf, kind):
   """Llama, Mistral, Qwen2, Qwen3 -> model fields."""
   if hf.get('hidden_act', 'silu') != 'silu':
@@ -111,7 +118,7 @@ def _llama_model(hf, kind):
   fields = dict(COMMON, num_layers=int(hf['num_hidden_layers']), d_model=int(hf['hidden_size']),
                 num_heads=heads, num_kv_heads=int(hf.get('num_key_value_heads') or heads),
                 d_ff=int(hf['intermediate_size']),
-                head_dim=int(hf.get('head_dim') or hf['hidden_size'] // heads),
+                head_dim=_head_dim(hf, heads),
                 norm='rmsnorm', norm_eps=float(hf.get('rms_norm_eps', 1e-6)), ffn='swiglu',
                 position='rope', tie_output=bool(hf.get('tie_word_embeddings', False)),
                 qk_norm='rmsnorm' if kind == 'qwen3' else 'none',
