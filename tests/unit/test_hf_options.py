@@ -20,9 +20,11 @@ import models
 from configs import default
 from layers import attention_variants
 from layers import options
+from layers import positions as positions_lib
 from layers import rope
 from models import accounting
 from tests.helpers import quick_jit
+from training import eval_checks
 from training import state as state_lib
 from training import validation
 
@@ -52,9 +54,9 @@ FAMILIES = {
 
 def family_config(name, **overrides):
   config = validation.resolve(default.get_config())
-  config.model.update(arch='decoder_only', num_layers=2, d_model=D, num_heads=N, num_kv_heads=K,
+  config.model.update(arch='decoder_only', num_layers=1, d_model=D, num_heads=N, num_kv_heads=K,
                       d_ff=F, norm_position='pre', embed_scale='plain', vocab_size=V,
-                      **FAMILIES[name], **overrides)
+                      **{**FAMILIES[name], **overrides})
   config.data.max_length = LENGTH
   validation.validate(config)
   return config
@@ -167,8 +169,15 @@ def rotate(x, freqs, scale, xp):
   return xp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1) * scale
 
 
-def attend(x, p, cfg, angles, xp):
-  """Causal GQA attention of `[B, T, D]` with biases where the parameters hold them."""
+def visible(window):
+  """`[T, T]` causal visibility; with Mistral's `sliding_window` W, keys j > i - W only."""
+  i, j = np.arange(T)[:, None], np.arange(T)[None]
+  return (j <= i) & (True if window is None else j > i - window)
+
+
+def attend(x, p, cfg, angles, xp, window=None):
+  """Causal GQA attention of `[B, T, D]` with biases where the parameters hold them (and
+  Mistral's sliding window W)."""
   q = linear(x, p['query'], 'BTD,DNH->BTNH', xp)
   k = linear(x, p['key'], 'BTD,DKH->BTKH', xp)
   v = linear(x, p['value'], 'BTD,DKH->BTKH', xp)
@@ -180,7 +189,7 @@ def attend(x, p, cfg, angles, xp):
     q, k = rotate(q, angles, scale, xp), rotate(k, angles, scale, xp)
   k, v = xp.repeat(k, N // K, 2), xp.repeat(v, N // K, 2)  # [B, T, N, H]
   s = xp.einsum('BTNH,BSNH->BNTS', q, k) / math.sqrt(H)
-  s = xp.where(np.tril(np.ones((T, T), bool)), s, -1e30)
+  s = xp.where(visible(window), s, -1e30)
   e = xp.exp(s - xp.max(s, -1, keepdims=True))
   y = xp.einsum('BNTS,BSNH->BTNH', e / xp.sum(e, -1, keepdims=True), v)
   return linear(y, p['out'], 'BTNH,NHD->BTD', xp)
@@ -197,10 +206,10 @@ def feed_forward(x, p, ffn, xp):
   return linear(h, p['wo'], 'BTF,FD->BTD', xp)
 
 
-def reference(params, tokens, cfg, angles, xp=np):
+def reference(params, tokens, cfg, angles, xp=np, window=None):
   """Logits `[B, T, V]` of a Pre-LN decoder: plain embedding (+ the learned table), blocks,
-  final norm, tied h·E^T or an untied layer (+ its bias, if any). `angles` `[T, H/2]`: the RoPE
-  frequency of each position's rotation (None without RoPE)."""
+  final norm, tied h·E^T or an untied layer (+ its bias, if any). `angles` `[T, H/2]`: each
+  position's RoPE angles (None without RoPE); `window`: Mistral's sliding_window W."""
   p = params['decoder']
   x = p['embed']['embedding'][tokens]  # [B, T, D], x 1
   if 'position' in p and 'table' in p['position']:
@@ -208,7 +217,7 @@ def reference(params, tokens, cfg, angles, xp=np):
   for i in range(cfg.num_layers):
     b = p['blocks'][i]
     x = x + attend(norm(x, b['self_norm'], cfg.norm, cfg.norm_eps, xp), b['self_attention'],
-                   cfg, angles, xp)
+                   cfg, angles, xp, window)
     x = x + feed_forward(norm(x, b['ffn_norm'], cfg.norm, cfg.norm_eps, xp), b['ffn'], cfg.ffn, xp)
   x = norm(x, p['final_norm'], cfg.norm, cfg.norm_eps, xp)
   if 'output' in p:
@@ -225,8 +234,10 @@ def frequencies(cfg, seq_lens):
       theta = hf_llama3(H, base, s, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, length)
     elif cfg.rope_scaling == 'yarn':
       theta = hf_yarn(H, base, s, length, cfg.rope_yarn_beta_fast, cfg.rope_yarn_beta_slow)
-    else:
+    elif cfg.rope_scaling == 'dynamic':
       theta = hf_dynamic(H, base, s, length, n)
+    else:
+      theta = base ** (-np.arange(0, H, 2) / H)
     rows.append(j * theta)
   return np.array(rows)
 
@@ -275,3 +286,164 @@ def test_family_matches_the_float64_reference_forward_and_gradient(family):
   # And the parameters are those the accounting counts.
   counted = accounting.counted_params(accounting.abstract_model(cfg, V, LENGTH))
   assert counted == accounting.formula_params(cfg, V, LENGTH)
+
+
+def decoded_logits(model, tokens):
+  """`[B, T, V]`: the logits of `tokens` fed one step at a time through the KV cache."""
+  graphdef, state = nnx.split(model)
+
+  @quick_jit
+  def run(state, tokens):
+    model = nnx.merge(graphdef, state)
+    cache = model.init_cache({'inputs': tokens}, tokens.shape[1])
+
+    def step(cache, t):
+      logits, cache = model.decode_step(cache, tokens[:, t], t)
+      return cache, logits
+
+    return jax.lax.scan(step, cache, jnp.arange(tokens.shape[1]))[1].swapaxes(0, 1)
+
+  return run(state, tokens)
+
+
+def test_dynamic_ntk_cached_decoding_is_transformers_generation():
+  """Beyond L (T = 12 > 8), the full forward rotates every position at the call's length T, and a
+  cached step at position t rotates its query and new key at length t + 1, the keys before it as
+  they were stored: the reference with position j's angles at length max(j + 1, L)."""
+  config = family_config('qwen3')
+  cfg, model, tokens = config.model, build(config), tokens_of()
+  params = f64_tree(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  step = decoded_logits(model, tokens)
+  want = reference(params, np.asarray(tokens), cfg, frequencies(cfg, [j + 1 for j in range(T)]))
+  np.testing.assert_allclose(step, want, atol=2e-5, rtol=1e-4)
+  # Within L the scaling is off; beyond it the call's length changes the logits.
+  plain = reference(params, np.asarray(tokens), cfg, frequencies(cfg, [1] * T))
+  np.testing.assert_allclose(want[:, :cfg.rope_original_length],
+                             plain[:, :cfg.rope_original_length], atol=1e-12)
+  full = reference(params, np.asarray(tokens), cfg, frequencies(cfg, [T] * T))
+  assert np.abs(full - want).max() > 1e-3
+
+
+def test_sliding_window_is_mistrals_window_minus_one():
+  """attnlab's decoder window w sees i - w <= j <= i (w + 1 keys); Mistral's sliding_window W sees
+  j > i - W (W keys): W = 4 is model.window = 3, in the full forward and in cached decoding past
+  the window (T = 12)."""
+  window = 4
+  config = family_config('llama3', rope_scaling='none', rope_scaling_factor=1.0,
+                         attention='sliding_window', window=window - 1)
+  cfg, model, tokens = config.model, build(config), tokens_of()
+  params = f64_tree(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  angles = frequencies(cfg, [T] * T)
+  want = reference(params, np.asarray(tokens), cfg, angles, window=window)
+  np.testing.assert_allclose(quick_jit(lambda: model({'inputs': tokens}))(), want, atol=2e-5,
+                             rtol=1e-4)
+  np.testing.assert_allclose(decoded_logits(model, tokens), want, atol=2e-5, rtol=1e-4)
+  wider = reference(params, np.asarray(tokens), cfg, angles, window=window + 1)
+  assert np.abs(wider - want).max() > 1e-3  # one key more is another model
+
+
+# eval.py's flags at their defaults, but --rope_scaling.
+EVAL_FLAGS = dict(split=['validation'], max_examples=0, lengths=[], modes=['non_overlapping'],
+                  stride=0.5, num_beams=1, length_penalty=0.6, temperature=1.0, top_k=0, top_p=1.0,
+                  plot_attention=0)
+
+
+def test_eval_time_scaling_applies_llama3_and_dynamic_to_a_built_model():
+  """eval.py's --rope_scaling on a model trained without one: the frequencies of the scaling at
+  the model's `rope_original_length`, as if it had been built with it."""
+  config = family_config('qwen3', rope_scaling='none', rope_scaling_factor=1.0)
+  model, tokens = build(config), tokens_of()
+  params = f64_tree(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  want_cfg = family_config('qwen3').model  # dynamic, s = 3, L = 8
+  positions_lib.with_rope_scaling(model, 'dynamic', 3.0)
+  got = quick_jit(lambda: model({'inputs': tokens}))()
+  want = reference(params, np.asarray(tokens), want_cfg, frequencies(want_cfg, [T] * T))
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+  lines = []
+  for flag in ('llama3:4', 'dynamic:2', 'longrope:2'):
+    try:
+      eval_checks.check_eval_flags(**EVAL_FLAGS, rope_scaling=flag)
+    except options.ConfigError as e:
+      lines.append(str(e))
+  assert lines == ['--rope_scaling=longrope:2 is not valid; valid: none, or pi:F, ntk:F, yarn:F, '
+                   'llama3:F, dynamic:F with a factor F >= 1']
+
+
+def variant_config(variant, out_bias):
+  """A one-layer decoder (encoder for a variant with no causal form) with every attention bias
+  on (use_bias) and the output projection's as `out_bias`."""
+  config = validation.resolve(default.get_config('quick'))
+  cls = attention_variants.VARIANTS[variant]
+  config.model.update(arch='decoder_only' if cls.supports_causal else 'encoder_only',
+                      attention=variant, position='rope', num_layers=1, d_model=16,
+                      num_heads=2 * cls.head_multiple, num_kv_heads=cls.head_multiple, d_ff=32,
+                      window=2, bigbird_block=4, bigbird_random_blocks=1, linformer_k=4,
+                      performer_features=8, use_bias=True, attention_out_bias=out_bias)
+  config.data.max_length = LENGTH
+  return config
+
+
+@pytest.mark.parametrize('variant', sorted(attention_variants.VARIANTS))
+def test_attention_out_bias_is_honoured_or_refused_by_every_variant(variant):
+  """q/k/v biases without the output's (Qwen2): a variant that has projection biases drops the
+  output's D of them, in the built model and in the accounting; one without (MLA) refuses
+  use_bias in one line."""
+  counts = {}
+  for out_bias in (True, False):
+    config = variant_config(variant, out_bias)
+    try:
+      validation.validate(config)
+    except options.ConfigError as e:
+      assert '\n' not in str(e) and str(e).startswith('model.use_bias='), str(e)
+      return
+    model = accounting.abstract_model(config.model, V, LENGTH)
+    counts[out_bias] = accounting.counted_params(model)
+    assert counts[out_bias] == accounting.formula_params(config.model, V, LENGTH)
+    layer = model.decoder if hasattr(model, 'decoder') else model.encoder
+    attn = layer.blocks[0].self_attention
+    assert (attn.out.bias is not None) == out_bias and attn.query.bias is not None
+  assert counts[True]['attention'] - counts[False]['attention'] == 16  # D
+
+
+def test_model_vocab_size_pads_the_tokenizers_rows():
+  config = family_config('qwen2')
+  assert state_lib.model_vocab_size(config, V_TOKENIZER) == V
+  assert build(config).decoder.embed.embedding.shape == (V, D)
+  config.model.vocab_size = 0
+  assert state_lib.model_vocab_size(config, V_TOKENIZER) == V_TOKENIZER
+  config.model.vocab_size = V_TOKENIZER - 1
+  with pytest.raises(options.ConfigError, match=r"^model.vocab_size=22 must be 0 \(the "
+                     r"tokenizer's\) or >= the tokenizer's 23 tokens$"):
+    state_lib.model_vocab_size(config, V_TOKENIZER)
+
+
+def test_learned_table_rows_follow_max_positions():
+  config = family_config('gpt2')
+  model = accounting.abstract_model(config.model, V, LENGTH)
+  assert model.decoder.position.table.embedding.shape == (20, D)  # not data.max_length's 16
+  parts = accounting.counted_params(model)
+  assert parts['positions'] == 20 * D
+  assert parts == accounting.formula_params(config.model, V, LENGTH)
+  for rows, extra, message in (
+      (8, {}, r'^model.max_positions=8 must be 0 or >= 16 \(data.max_length'),
+      (20, {'random_positions_max': 32}, '^model.max_positions=20 must be 0 or >= 32 ')):
+    bad = family_config('gpt2')
+    bad.model.update(max_positions=rows, **extra)
+    with pytest.raises(options.ConfigError, match=message):
+      validation.validate(bad)
+
+
+def test_plain_embedding_and_untied_output_without_bias():
+  """embed_scale='plain': rows of std 0.02 (GPT-2's initializer_range), entering x 1, tied logits
+  h·E^T (the families' references above); output_bias=False: the untied layer has no bias, V
+  parameters fewer."""
+  model = models.build(family_config('llama3').model, 4000, LENGTH, rngs=nnx.Rngs(0))
+  table = np.asarray(model.decoder.embed.embedding[...])
+  assert abs(table.std() - 0.02) < 0.001
+  assert model.decoder.embed_scale == 1.0 and model.decoder.logit_scale == 1.0
+  assert model.decoder.output.bias is None
+  cfg = family_config('llama3').model
+  with_bias = cfg.copy_and_resolve_references()
+  with_bias.output_bias = True
+  assert (accounting.formula_params(with_bias, V, LENGTH)['output']
+          - accounting.formula_params(cfg, V, LENGTH)['output']) == V
