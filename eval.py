@@ -62,7 +62,8 @@ _RETRIEVAL_EXAMPLES = flags.DEFINE_integer('retrieval_examples', retrieval.DEFAU
                                           'A passkey run: examples per length and depth of the '
                                           'retrieval report.')
 _ROPE_SCALING = flags.DEFINE_string('rope_scaling', None, 'Override RoPE scaling at evaluation '
-                                    'only: none, pi:F, ntk:F or yarn:F (F the factor).')
+                                    'only: none, pi:F, ntk:F, yarn:F, llama3:F or dynamic:F (F the '
+                                    'factor).')
 _POSITION_IDS = flags.DEFINE_enum('position_ids', 'sequential', list(extrapolation.POSITION_IDS),
                                   '--lengths windows (or a passkey run\'s retrieval rows) at '
                                   'ids 0..T-1 (sequential), or, for a model.random_positions_max=N '

@@ -26,6 +26,7 @@ from training import distributed  # noqa: E402
 from training import loop  # noqa: E402
 from training import memory  # noqa: E402
 from training import paths  # noqa: E402
+from training import state as state_lib  # noqa: E402
 from training import train_checks  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -75,7 +76,7 @@ def main(argv):
     distributed.init_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                  FLAGS.process_id, FLAGS.multihost)
     config = train_checks.check_train_run(FLAGS.config.unlock(), FLAGS.workdir)
-    vocab_size = pipeline.get_tokenizer(config.data).vocab_size
+    vocab_size = state_lib.model_vocab_size(config, pipeline.get_tokenizer(config.data).vocab_size)
     limit = memory.device_limit()  # before the run takes any of it
     if FLAGS.memory_check:
       memory.check_training_memory(config, vocab_size, limit)

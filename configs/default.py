@@ -39,6 +39,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   model.position = 'sinusoidal'  # sinusoidal | learned | rope | alibi | t5_bias | nope | fire |
   #                                kerple (log variant) | xpos
   model.norm = 'layernorm'  # layernorm | rmsnorm
+  model.norm_eps = 1e-6  # epsilon of every LayerNorm/RMSNorm in the stacks and of QK-norm (HF:
+  #                        Llama rms_norm_eps 1e-5 or 1e-6, GPT-2 layer_norm_epsilon 1e-5)
   # Where the norms sit (layers/block.py), and whether the stack ends with a final norm:
   #   pre       Pre-LN, x + f(norm(x)); final norm
   #   post      Post-LN (the original), norm(x + f(x)); no final norm
@@ -50,7 +52,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   model.norm_position = 'pre'
   model.deepnorm_scales = 'alpha_beta'  # deepnorm: alpha_beta (the paper) | alpha (beta 1, the
   #                                       standard init) | beta (alpha 1): one scaling alone
-  model.ffn = 'relu'  # relu | gelu | swiglu | geglu
+  model.ffn = 'relu'  # relu | gelu | gelu_tanh (tanh approximation: GPT-2's gelu_new) | swiglu |
+  #                    geglu
   num_layers, d_model, num_heads, d_ff = SIZES[args.get('size', 'small')]
   model.num_layers = num_layers  # Transformer blocks (per stack)
   model.d_model = d_model  # D, model width
@@ -65,6 +68,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   model.use_bias = False  # biases in the attention and feed-forward projections (shorthand for
   #                         attention_bias=True and ffn_bias=True; either True turns its biases on)
   model.attention_bias = False  # biases in the q/k/v/o projections (also on with use_bias)
+  model.attention_out_bias = True  # with attention biases on: the output projection has one too;
+  #                                  False = biases on q/k/v only (Qwen2)
   model.ffn_bias = False  # biases in the feed-forward projections (also on with use_bias)
   model.head_dim = 0  # H, each head's width; 0 means d_model / num_heads. q/k/v project
   #                     D -> N·H and the output N·H -> D (the Flax examples' qkv_dim = N·H)
@@ -72,9 +77,13 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   #                                      Flax lm1b/wmt examples'); embeddings are unaffected
   model.embed_scale = 'sqrt_d'  # token embedding on the way in: sqrt_d (x sqrt(D), init std
   #                               1/sqrt(D)) | none (x 1, init std 1, and tied logits / sqrt(D),
-  #                               as the Flax examples)
+  #                               as the Flax examples) | plain (x 1, init std 0.02, tied logits
+  #                               h·E^T: HF GPT-2, Llama, Qwen)
   model.tie_output = True  # logits from the token embedding; False: an untied Linear(D, V) with
   #                          a bias (the Flax examples' logits_via_embedding=False)
+  model.output_bias = True  # tie_output=False: the untied output layer has a bias (HF: none)
+  model.vocab_size = 0  # V, the model's vocabulary; 0 = the tokenizer's. Larger pads the rows
+  #                       beyond the tokenizer (HF checkpoints: Qwen2.5's 151936 for 151665)
   model.final_logit_softcap = 0.0  # c > 0: logits c·tanh(logits / c), each in (-c, c) (Gemma 2:
   #                                  30); 0 = off
   model.attention_dropout = 0.0  # dropout on the attention probabilities (xla, blockwise only)
@@ -111,8 +120,16 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   # weight that reads or writes the residual stream (ours 2i = theirs i, 2i+1 = theirs D/2 + i).
   model.rope_base = 10000.0  # RoPE base: theta_i = base^(-2i/d) (position=rope)
   model.rope_fraction = 1.0  # share of each head's dims RoPE rotates (1.0 = all; rest unrotated)
-  model.rope_scaling = 'none'  # RoPE context scaling: none | pi | ntk | yarn (eval.py can override)
+  model.rope_scaling = 'none'  # RoPE context scaling: none | pi | ntk | yarn | llama3 | dynamic
+  #                              (NTK by each call's length) (eval.py can override)
   model.rope_scaling_factor = 1.0  # its factor s = L_eval / L_train (1.0 = no scaling)
+  model.rope_original_length = 0  # L, the pretrained context yarn/llama3/dynamic refer to;
+  #                                 0 = data.max_length
+  model.rope_low_freq_factor = 1.0  # llama3: wavelengths above L / this are interpolated by s
+  model.rope_high_freq_factor = 4.0  # llama3: wavelengths below L / this are kept
+  model.rope_yarn_beta_fast = 32.0  # yarn: frequencies turning more than this often over L kept
+  model.rope_yarn_beta_slow = 1.0  # yarn: frequencies turning less than this often interpolated
+  model.rope_attention_factor = 0.0  # yarn: q and k times this; 0 = the paper's 0.1·ln(s) + 1
   model.t5_num_buckets = 32  # T5 relative-position buckets (position=t5_bias), shared by the layers
   model.t5_max_distance = 128  # T5: distances beyond this share the last bucket
   model.fire_mlp_width = 32  # FIRE: hidden width of the MLP on the interpolated log distance
@@ -120,6 +137,8 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   model.xpos_scale_base = 512.0  # xPos: gamma in q * zeta^(n/gamma), k * zeta^(-m/gamma)
   model.xpos_block = 0  # xPos: w > 0 = blockwise causal attention (a query sees its block of w
   #                       and the previous one; w = data.max_length: plain causal in training)
+  model.max_positions = 0  # learned: rows of the position table (>= data.max_length); 0 =
+  #                          max(data.max_length, random_positions_max) (GPT-2: 1024)
   model.random_positions_max = 0  # N > 0: training draws sorted position ids from [0, N)
   #                                 (Ruoss et al. 2023; rope | learned | sinusoidal); evaluation
   #                                 uses 0..T-1; 0 = off

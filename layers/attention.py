@@ -33,8 +33,10 @@ LAYER_TERMS = {'softcap': 'attn_logit_softcap', 'sinks': 'attention_sinks'}
 PROJECTION_OPTIONS = ('head_dim', 'attention_bias', 'attention_dropout', 'kernel_init')
 
 
-def projection_params(d_model, num_heads, num_kv_heads=None, *, use_bias=False, head_dim=None):
-  """q, k, v, o projections: D·N·H + 2·D·K·H + N·H·D (+ N·H + 2·K·H + D biases).
+def projection_params(d_model, num_heads, num_kv_heads=None, *, use_bias=False, head_dim=None,
+                      out_bias=True):
+  """q, k, v, o projections: D·N·H + 2·D·K·H + N·H·D (+ N·H + 2·K·H + D biases; the output's D
+  only with `out_bias`, model.attention_out_bias).
 
   With N·H = D that is 4·D² for MHA (K = N) and 2·D² + 2·D·K·H for GQA/MQA: how the D columns are
   split into heads does not change the count, only K does. `head_dim` None is H = D / N.
@@ -42,7 +44,7 @@ def projection_params(d_model, num_heads, num_kv_heads=None, *, use_bias=False, 
   k = num_heads if num_kv_heads is None else num_kv_heads
   h = d_model // num_heads if head_dim is None else head_dim
   weights = 2 * d_model * num_heads * h + 2 * d_model * k * h
-  return weights + (num_heads * h + 2 * k * h + d_model if use_bias else 0)
+  return weights + (num_heads * h + 2 * k * h + (d_model if out_bias else 0) if use_bias else 0)
 
 
 class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
@@ -105,7 +107,7 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
   layer_terms = ('softcap', 'sinks')
   takes_layer, head_multiple = False, 1
   options = ('use_bias', 'attention_impl', 'unscaled', 'attention_gate', 'qk_norm',
-             'attn_logit_softcap', 'attention_sinks')
+             'attn_logit_softcap', 'attention_sinks', 'attention_out_bias', 'norm_eps')
   dropout_rate = 0.0  # attention dropout (set by __init__); a variant built otherwise has none
   cache_form = '2·K·H'  # `cache_per_token` in words (tools.accounting's cache rows)
   param_form = None  # `param_count` in words where it is not the q/k/v/o projections' (MLA's)
@@ -113,13 +115,14 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, head_dim=None, use_bias=False,
                implementation='xla', local_window_size=None, scale=None, kernel_init=None,
-               dropout_rate=0.0, gate='none', qk_norm='none', softcap=0.0, sinks=False, rngs):
+               dropout_rate=0.0, gate='none', qk_norm='none', softcap=0.0, sinks=False, rngs,
+               qk_norm_eps=attention_heads.EPSILON, out_bias=True):
     """Args:
       d_model: D, the input and output width.
       num_heads, num_kv_heads: N query heads, K key/value heads (None: K = N).
       head_dim: H (None: D / N); q/k/v project D -> N·H (K·H) and the output N·H -> D, so
         N·H need not equal D (the Flax examples' `qkv_dim`).
-      use_bias: biases in the four projections.
+      use_bias: biases in the four projections (the output's only with `out_bias`).
       implementation: the kernel, a key of `IMPLEMENTATIONS`.
       local_window_size: see `dot_product_attention`.
       scale: the score scale (None: 1/sqrt(H)).
@@ -130,6 +133,8 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
       sinks: a learned sink logit per query head, `sink_logits` `[N]`, initialised to 0 (an empty
         key's weight: at init a row's sink takes 1 / (1 + sum_j exp(s_ij)) of the mass).
       rngs: parameter initialisation.
+      qk_norm_eps: QK-norm's epsilon (model.norm_eps).
+      out_bias: with `use_bias`, the output projection has a bias too (False: q/k/v only, Qwen2).
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     head_dim = d_model // num_heads if head_dim is None else head_dim
@@ -144,8 +149,8 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
     init = nnx.initializers.lecun_normal() if kernel_init is None else kernel_init
     zeros = nnx.initializers.zeros
 
-    def proj(d_in, d_out, names, **kwargs):  # kernel and bias carry logical axis names
-      return nnx.LinearGeneral(d_in, d_out, use_bias=use_bias, rngs=rngs, **kwargs,
+    def proj(d_in, d_out, names, bias=use_bias, **kwargs):  # kernel, bias: logical axis names
+      return nnx.LinearGeneral(d_in, d_out, use_bias=bias, rngs=rngs, **kwargs,
                                kernel_init=sharding.partitioned(init, *names),
                                bias_init=sharding.partitioned(zeros, *names[-len(
                                    (d_out,) if isinstance(d_out, int) else d_out):]))
@@ -153,9 +158,11 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
     self.query = proj(d_model, (num_heads, head_dim), ('embed', 'heads', 'head_dim'))
     self.key = proj(d_model, (num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
     self.value = proj(d_model, (num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
-    self.out = proj((num_heads, head_dim), d_model, ('heads', 'head_dim', 'embed'), axis=(-2, -1))
+    self.out = proj((num_heads, head_dim), d_model, ('heads', 'head_dim', 'embed'),
+                    bias=use_bias and out_bias, axis=(-2, -1))
     self.output_gate, self.qk_norm = attention_heads.make(
-        gate, qk_norm, d_model, num_heads, head_dim, use_bias=use_bias, kernel_init=init, rngs=rngs)
+        gate, qk_norm, d_model, num_heads, head_dim, use_bias=use_bias, kernel_init=init, rngs=rngs,
+        eps=qk_norm_eps)
 
   @classmethod
   def from_config(cls, cfg, *, rngs, **extra):
@@ -180,7 +187,8 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
     on = 'sinks' in cls.layer_terms and cfg.get('attention_sinks', False)
     sinks = cfg.num_heads if on else 0  # a logit per head
     return (projection_params(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, use_bias=bias,
-                              head_dim=head_dim) + sinks
+                              head_dim=head_dim, out_bias=cfg.get('attention_out_bias', True))
+            + sinks
             + attention_heads.param_count(cfg, cfg.d_model, cfg.num_heads, head_dim, use_bias=bias))
 
   @classmethod
@@ -195,7 +203,8 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
   def check_options(cls, model_cfg):
     """`model.head_dim` (0 or a positive integer), `model.attention_bias` (a bool),
     `model.attention_dropout` (a rate in [0, 1)), `model.attention_gate`, `model.qk_norm`,
-    `model.attn_logit_softcap` (a number >= 0), `model.attention_sinks` (a bool)."""
+    `model.attn_logit_softcap` (a number >= 0), `model.attention_sinks` and
+    `model.attention_out_bias` (bools)."""
     m = model_cfg
     attention_heads.check_options(m)
     head_dim = m.get('head_dim', 0)
@@ -213,6 +222,7 @@ class Attention(attention_cache.CachedSteps, nnx.Module, options.Configurable):
       raise options.ConfigError(f'model.attn_logit_softcap={cap!r} must be a finite number >= 0 '
                                 '(0 = off)')
     options.boolean('model.attention_sinks', m.get('attention_sinks', False))
+    options.boolean('model.attention_out_bias', m.get('attention_out_bias', True))
 
   @classmethod
   def check_heads(cls, model_cfg):

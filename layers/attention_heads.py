@@ -14,13 +14,16 @@ GATES = ('none', 'headwise', 'elementwise')
 # `config.model.qk_norm`: RMSNorm of each head's query and key over H, with a learned scale of H
 # shared by the heads (Qwen3, Gemma 3), applied after the projections and before RoPE rotates them.
 QK_NORMS = ('none', 'rmsnorm')
-EPSILON = 1e-6  # as the residual stream's RMSNorm (layers/norms.py) and Qwen3's rms_norm_eps
+EPSILON = 1e-6  # QK-norm's default epsilon: `model.norm_eps`'s, as the residual stream's norms
 
 
 def layer_options(cfg):
-  """The keyword arguments of `layers.attention.Attention` for these options, from `config.model`:
-  a variant with its own `from_config` passes them on."""
-  return {'gate': cfg.get('attention_gate', 'none'), 'qk_norm': cfg.get('qk_norm', 'none')}
+  """The keyword arguments of `layers.attention.Attention` for these options and for the output
+  projection's bias (`model.attention_out_bias`), from `config.model`: a variant with its own
+  `from_config` passes them on. QK-norm's epsilon is `model.norm_eps`."""
+  return {'gate': cfg.get('attention_gate', 'none'), 'qk_norm': cfg.get('qk_norm', 'none'),
+          'qk_norm_eps': float(cfg.get('norm_eps', EPSILON)),
+          'out_bias': bool(cfg.get('attention_out_bias', True))}
 
 
 def check_options(model_cfg):
@@ -77,18 +80,18 @@ class OutputGate(nnx.Module):
 
 class QKNorm(nnx.Module):
   """RMSNorm over H of each head's query and key, `t / sqrt(mean(t²) + eps) · scale`, one learned
-  scale `[H]` for the queries and one for the keys, shared by the heads."""
+  scale `[H]` for the queries and one for the keys, shared by the heads; eps is `model.norm_eps`."""
 
-  def __init__(self, head_dim, kind='rmsnorm', *, rngs):
+  def __init__(self, head_dim, kind='rmsnorm', *, eps=EPSILON, rngs):
     options.choice('model.qk_norm', kind, QK_NORMS[1:])
     del rngs  # initialised to ones
+    self.eps = float(eps)
     self.query_scale = nnx.Param(jnp.ones((head_dim,), jnp.float32), logical_axes=('head_dim',))
     self.key_scale = nnx.Param(jnp.ones((head_dim,), jnp.float32), logical_axes=('head_dim',))
 
-  @staticmethod
-  def _rms_norm(t, scale):
+  def _rms_norm(self, t, scale):
     t32 = t.astype(jnp.float32)  # the mean square in float32 whatever the activations' dtype
-    inv = jax.lax.rsqrt(jnp.mean(jnp.square(t32), -1, keepdims=True) + EPSILON)  # [B, T, N, 1]
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(t32), -1, keepdims=True) + self.eps)  # [B, T, N, 1]
     return (t32 * inv * scale[...].astype(jnp.float32)).astype(t.dtype)
 
   def __call__(self, q, k):
@@ -97,11 +100,13 @@ class QKNorm(nnx.Module):
             None if k is None else self._rms_norm(k, self.key_scale))
 
 
-def make(cfg_gate, cfg_qk_norm, d_model, num_heads, head_dim, *, use_bias, kernel_init, rngs):
+def make(cfg_gate, cfg_qk_norm, d_model, num_heads, head_dim, *, use_bias, kernel_init, rngs,
+         eps=EPSILON):
   """(OutputGate or None, QKNorm or None) for the choices `cfg_gate`, `cfg_qk_norm` ('none': None,
-  so a layer without them holds exactly the parameters it held before they existed)."""
+  so a layer without them holds exactly the parameters it held before they existed); `eps` is
+  QK-norm's epsilon."""
   gate = (None if cfg_gate == 'none' else OutputGate(
       d_model, num_heads, head_dim, cfg_gate, use_bias=use_bias, kernel_init=kernel_init,
       rngs=rngs))
-  norm = None if cfg_qk_norm == 'none' else QKNorm(head_dim, cfg_qk_norm, rngs=rngs)
+  norm = None if cfg_qk_norm == 'none' else QKNorm(head_dim, cfg_qk_norm, eps=eps, rngs=rngs)
   return gate, norm

@@ -1,6 +1,8 @@
 """The Transformer block: self-attention, optional cross-attention, feed-forward, and where the
 norms sit (Pre-LN, Post-LN, DeepNorm, Sandwich-LN, ReZero)."""
 
+import functools
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -115,7 +117,7 @@ class Block(nnx.Module):
     options.choice('model.norm_position', cfg.norm_position, NORM_POSITIONS)
     self.norm_position = position = cfg.norm_position
     self.pre = position in ('pre', 'sandwich')  # the sublayer reads norm(x)
-    make_norm = options.lookup('model.norm', norms.NORMS, cfg.norm)
+    make_norm = functools.partial(norms.make, cfg)
     variant = options.lookup('model.attention', attention_variants.VARIANTS, cfg.attention)
     sublayers = ('self', 'cross', 'ffn') if cross_attention else ('self', 'ffn')
 

@@ -79,15 +79,15 @@ class GatedDeltaNetAttention(attention_lib.Attention):
   gates_output = False  # it has its own output gate, RMSNorm(o)·SiLU(W_g x): no second one
   norms_qk = False  # q and k are L2-normalised already
   layer_terms = ()  # no softmax: no logit soft cap, no sinks
-  options = ('use_bias', 'unscaled', 'head_dim', 'attention_bias', 'kernel_init', 'deltanet_conv',
-             'deltanet_chunk')
+  options = ('use_bias', 'unscaled', 'head_dim', 'attention_bias', 'attention_out_bias',
+             'kernel_init', 'deltanet_conv', 'deltanet_chunk')
 
   def __init__(self, d_model, num_heads, num_kv_heads=None, *, conv=4, chunk=64, head_dim=None,
-               use_bias=False, scale=None, kernel_init=None, rngs):
+               use_bias=False, scale=None, kernel_init=None, out_bias=True, rngs):
     """Args: as `Attention`, plus `conv` (W, the convolutions' width) and `chunk` (the training
     form's chunk length)."""
     super().__init__(d_model, num_heads, num_kv_heads, head_dim=head_dim, use_bias=use_bias,
-                     scale=scale, kernel_init=kernel_init, rngs=rngs)
+                     scale=scale, kernel_init=kernel_init, out_bias=out_bias, rngs=rngs)
     n, kh, h = self.num_heads, self.num_kv_heads, self.head_dim
     self.conv, self.chunk = int(conv), int(chunk)
     init = nnx.initializers.lecun_normal() if kernel_init is None else kernel_init
@@ -122,7 +122,8 @@ class GatedDeltaNetAttention(attention_lib.Attention):
                chunk=cfg.deltanet_chunk, head_dim=initializers.head_dim(cfg),
                use_bias=initializers.attention_bias(cfg),
                scale=1.0 if cfg.get('unscaled', False) else None,
-               kernel_init=initializers.kernel_init(cfg), rngs=rngs)
+               kernel_init=initializers.kernel_init(cfg),
+               out_bias=cfg.get('attention_out_bias', True), rngs=rngs)
 
   @classmethod
   def param_count(cls, cfg):

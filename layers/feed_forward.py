@@ -75,6 +75,12 @@ def _gelu(x):
   return jax.nn.gelu(x, approximate=False)
 
 
+def _gelu_tanh(x):
+  """GELU's tanh approximation, 0.5·x·(1 + tanh(sqrt(2/pi)·(x + 0.044715·x³))): GPT-2's
+  "gelu_new" (transformers' NewGELUActivation)."""
+  return jax.nn.gelu(x, approximate=True)
+
+
 class FFN(NamedTuple):
   """A registered feed-forward network: its module class and activation, whose options and checks
   (layers.options.Configurable) are the module class's."""
@@ -99,6 +105,7 @@ class FFN(NamedTuple):
 FFNS = {
     'relu': FFN(FeedForward, jax.nn.relu),
     'gelu': FFN(FeedForward, _gelu),
+    'gelu_tanh': FFN(FeedForward, _gelu_tanh),
     'swiglu': FFN(GatedFeedForward, jax.nn.silu),
     'geglu': FFN(GatedFeedForward, _gelu),
 }

@@ -91,10 +91,16 @@ class Sinusoidal(Position):
 
 
 class Learned(Position):
-  """A learned table of `max_length` rows added to the embeddings; longer inputs are an error."""
+  """A learned table of `max_length` rows added to the embeddings; longer inputs are an error.
+
+  The rows are `model.max_positions` when set (GPT-2's 1024, whatever the training length), else
+  the training length (or `model.random_positions_max`, whose ids reach that far).
+  """
 
   random_ids = True
   param_form = 'T_max·D per stack'
+  exclusive_options = {'max_positions': (0, "sets the learned table's rows")}
+  options = ('max_positions',)
 
   def __init__(self, d_model, max_length, *, rngs):
     self.max_length = max_length
@@ -107,9 +113,27 @@ class Learned(Position):
 
   @classmethod
   def max_positions(cls, model_cfg, max_length):
-    """The table's rows: randomized positions (random_positions_max = N) train every row of an
-    N-row table."""
-    return max(max_length, model_cfg.get('random_positions_max', 0) or 0)
+    """The table's rows: `model.max_positions`, or (0) the training length, and randomized
+    positions (random_positions_max = N) train every row of an N-row table."""
+    rows = model_cfg.get('max_positions', 0) or 0
+    return rows or max(max_length, model_cfg.get('random_positions_max', 0) or 0)
+
+  @classmethod
+  def check_options(cls, model_cfg):
+    """`model.max_positions` an integer >= 0."""
+    rows = model_cfg.get('max_positions', 0)
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+      raise options.ConfigError(f'model.max_positions={rows!r} must be an integer >= 0 (0 = '
+                                'data.max_length)')
+
+  @classmethod
+  def check_config(cls, model_cfg, data_cfg):
+    """A set `model.max_positions` holds data.max_length and random_positions_max positions."""
+    rows, need = model_cfg.get('max_positions', 0), data_cfg.max_length
+    need = max(need, model_cfg.get('random_positions_max', 0) or 0)
+    if rows and rows < need:
+      raise options.ConfigError(f'model.max_positions={rows} must be 0 or >= {need} (data.'
+                                'max_length, and model.random_positions_max when set)')
 
   @classmethod
   def param_count(cls, model_cfg, max_length):

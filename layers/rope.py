@@ -1,6 +1,6 @@
-"""Rotary position embedding (RoPE, Su et al. 2021) with PI, NTK and YaRN context scaling."""
+"""Rotary position embedding (RoPE, Su et al. 2021) and xPos, under a context scaling."""
 
-import math
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,83 +8,20 @@ from flax import nnx
 
 from layers import contract
 from layers import options
+from layers import rope_scaling
 
-# Context-window scalings, keyed by `config.model.rope_scaling` (and eval.py's `--rope_scaling`).
-SCALINGS = ('none', 'pi', 'ntk', 'yarn')
-
-# YaRN's ramp bounds (Peng et al. 2023, sec. 3.2: alpha = 1, beta = 32 rotations over the original
-# context), named as in transformers' `_compute_yarn_parameters` (beta_slow, beta_fast).
-YARN_BETA_SLOW = 1.0
-YARN_BETA_FAST = 32.0
+# Re-exported: the scalings and their frequencies live in rope_scaling.
+SCALINGS = rope_scaling.SCALINGS
+YARN_BETA_SLOW = rope_scaling.YARN_BETA_SLOW
+YARN_BETA_FAST = rope_scaling.YARN_BETA_FAST
+ScalingParams = rope_scaling.ScalingParams
+rope_inv_freq = rope_scaling.rope_inv_freq
+attention_factor = rope_scaling.attention_factor
 
 
 def rotary_dims(head_dim, fraction):
   """Rotated dimensions of a head: `fraction` of H rounded down to an even number (pairs rotate)."""
   return 2 * int(head_dim * fraction // 2)
-
-
-def _yarn_correction_dim(num_rotations, dim, base, original_max_length):
-  """The frequency index i whose wavelength 2*pi*base^(2i/d) fits `num_rotations` times into L."""
-  return dim * math.log(original_max_length / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
-
-
-def rope_inv_freq(head_dim_rotary, base=10000.0, scaling='none', factor=1.0,
-                  original_max_length=None):
-  """Inverse frequencies theta_i = base^(-2i/d), i < d/2, after a context scaling.
-
-  Args:
-    head_dim_rotary: d, the rotated dimensions (even).
-    base: RoPE base (10000 in Su et al.).
-    scaling: 'none' | 'pi' (Chen et al. 2023: positions x 1/factor, i.e. theta_i / factor) |
-      'ntk' (bloc97's NTK-aware rule: base x factor^(d/(d-2)), so the lowest frequency is
-      interpolated by `factor` and the highest is kept) | 'yarn' (Peng et al. 2023, below).
-    factor: s = L_eval / L_train (1.0 = no scaling).
-    original_max_length: L, the training context (used by 'yarn' only).
-
-  Returns:
-    float64 numpy array `[d/2]`.
-  """
-  d = head_dim_rotary
-  if d < 2 or d % 2:
-    raise ValueError(f'rotary dimensions must be even and >= 2, got {d}')
-  if scaling not in SCALINGS:
-    raise ValueError(f'rope_scaling {scaling!r} unknown; valid: {list(SCALINGS)}')
-  if factor <= 0:
-    raise ValueError(f'rope_scaling_factor must be positive, got {factor}')
-  if scaling == 'ntk':
-    base = base * factor ** (d / (d - 2))
-  inv_freq = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)  # [d/2]
-  if scaling == 'pi':
-    return inv_freq / factor
-  if scaling == 'yarn':
-    if original_max_length is None:
-      raise ValueError("rope_scaling='yarn' needs the original training length")
-    # "NTK-by-parts" as in transformers' `_compute_yarn_parameters` (modeling_rope_utils.py,
-    # truncate=True) and the paper's reference code (jquesnelle/yarn): frequencies that turn fewer
-    # than beta_slow times over L are interpolated (theta / s), those turning more than beta_fast
-    # times are kept (extrapolated), and between them a ramp blends the two. The ramp is linear in
-    # the index i between the rounded bounds (the code's rule; eq. 18 writes it linear in r).
-    low = math.floor(_yarn_correction_dim(YARN_BETA_FAST, d, base, original_max_length))
-    high = math.ceil(_yarn_correction_dim(YARN_BETA_SLOW, d, base, original_max_length))
-    low, high = max(low, 0), min(high, d - 1)
-    if low == high:
-      high += 0.001  # as transformers: avoid a zero-width ramp
-    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)  # [d/2]
-    extrapolate = 1.0 - ramp  # 1 for high frequencies (i < low), 0 for low ones (i > high)
-    return inv_freq / factor * (1.0 - extrapolate) + inv_freq * extrapolate
-  return inv_freq
-
-
-def attention_factor(scaling, factor):
-  """YaRN's temperature: q and k are each multiplied by 0.1 ln(s) + 1 (1 for other scalings).
-
-  Peng et al. 2023 eq. 22 write softmax(q.k / (t sqrt(d))) with sqrt(1/t) = 0.1 ln(s) + 1, so the
-  logits are scaled by (0.1 ln s + 1)^2, i.e. q and k by 0.1 ln s + 1 each; transformers'
-  `_compute_yarn_parameters` returns that `attention_factor` and multiplies cos and sin by it.
-  """
-  if scaling != 'yarn' or factor <= 1.0:
-    return 1.0
-  return 0.1 * math.log(factor) + 1.0
 
 
 def apply_rope(x, positions, inv_freq, scale=1.0):
@@ -130,21 +67,29 @@ class RoPE(nnx.Module, options.Configurable, contract.PositionDeclarations):
   random_ids = True  # absolute ids: model.random_positions_max applies
   exclusive_options = {'rope_scaling': ('none', 'scales RoPE')}
   eval_options = ('rope_scaling', 'rope_scaling_factor')  # eval.py's --rope_scaling
-  options = ('rope_base', 'rope_fraction', 'rope_scaling', 'rope_scaling_factor')
+  options = ('rope_base', 'rope_fraction', 'rope_scaling', 'rope_scaling_factor',
+             'rope_original_length', 'rope_low_freq_factor', 'rope_high_freq_factor',
+             'rope_yarn_beta_fast', 'rope_yarn_beta_slow', 'rope_attention_factor')
 
   def __init__(self, head_dim, *, fraction=1.0, base=10000.0, scaling='none', factor=1.0,
-               original_max_length=None):
+               original_max_length=None, params=None):
     """Args:
       head_dim: H.
       fraction: part of H that is rotated (1.0 = all; the rest carries no position).
       base: RoPE base.
       scaling, factor: see `rope_inv_freq`.
-      original_max_length: the training length L (YaRN's ramp).
+      original_max_length: L, the context yarn, llama3 and dynamic refer to (the training length,
+        or `model.rope_original_length`); overrides `params`' when given.
+      params: a `ScalingParams` (llama3's and YaRN's knobs; None: the defaults).
     """
     self.head_dim = head_dim
     self.rotary_dims = rotary_dims(head_dim, fraction)
     self.base = float(base)
-    self.original_max_length = original_max_length
+    params = params or ScalingParams()
+    if original_max_length is not None:
+      params = dataclasses.replace(params, original_length=original_max_length)
+    self.params = params
+    self.original_max_length = params.original_length
     self.set_scaling(scaling, factor)
 
   @classmethod
@@ -154,7 +99,7 @@ class RoPE(nnx.Module, options.Configurable, contract.PositionDeclarations):
     head_dim = cfg.get('head_dim', 0) or cfg.d_model // cfg.num_heads  # model.head_dim, 0 = D / N
     return cls(head_dim, fraction=cfg.rope_fraction, base=cfg.rope_base,
                scaling=cfg.rope_scaling, factor=cfg.rope_scaling_factor,
-               original_max_length=max_length)
+               params=ScalingParams.from_config(cfg, max_length))
 
   def set_eval_options(self, model_cfg):
     """The scaling of `config.model` (eval.py's --rope_scaling), on the built method."""
@@ -174,6 +119,29 @@ class RoPE(nnx.Module, options.Configurable, contract.PositionDeclarations):
     if m.rope_scaling != 'none' and m.rope_scaling_factor < 1:
       raise options.ConfigError(f'model.rope_scaling_factor={m.rope_scaling_factor!r} must be >= '
                                 '1 (it is L_eval / L_train)')
+    cls.check_scaling_params(m)
+
+  @classmethod
+  def check_scaling_params(cls, model_cfg):
+    """`model.rope_original_length` (an integer >= 0), the llama3 and YaRN knobs."""
+    m = model_cfg
+    length = m.get('rope_original_length', 0)
+    if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+      raise options.ConfigError(f'model.rope_original_length={length!r} must be an integer >= 0 '
+                                '(0 = data.max_length)')
+    for name in ('rope_low_freq_factor', 'rope_high_freq_factor', 'rope_yarn_beta_fast',
+                 'rope_yarn_beta_slow'):
+      options.positive(f'model.{name}', m.get(name, 1.0))
+    options.positive('model.rope_attention_factor', m.get('rope_attention_factor', 0.0),
+                     zero_ok=True)
+    low, high = m.get('rope_low_freq_factor', 1.0), m.get('rope_high_freq_factor', 4.0)
+    if high <= low:
+      raise options.ConfigError(f'model.rope_high_freq_factor={high!r} must be > '
+                                f'model.rope_low_freq_factor={low!r}')
+    fast, slow = m.get('rope_yarn_beta_fast', 32.0), m.get('rope_yarn_beta_slow', 1.0)
+    if fast <= slow:
+      raise options.ConfigError(f'model.rope_yarn_beta_fast={fast!r} must be > '
+                                f'model.rope_yarn_beta_slow={slow!r}')
 
   @classmethod
   def check_config(cls, model_cfg, data_cfg):
@@ -186,14 +154,25 @@ class RoPE(nnx.Module, options.Configurable, contract.PositionDeclarations):
                                 f'{head_dim} head dimensions; raise it')
 
   def set_scaling(self, scaling, factor):
-    """Sets the context scaling ('none' | 'pi' | 'ntk' | 'yarn') and its factor."""
-    rope_inv_freq(self.rotary_dims, self.base, scaling, factor, self.original_max_length)  # checks
+    """Sets the context scaling (a key of `SCALINGS`) and its factor."""
+    rope_inv_freq(self.rotary_dims, self.base, scaling, factor, params=self.params)  # checks
     self.scaling, self.factor = scaling, float(factor)
 
   def inv_freq(self):
-    """`[d/2]` float64 numpy inverse frequencies under the current scaling."""
+    """`[d/2]` float64 numpy inverse frequencies under the current scaling (under 'dynamic',
+    those of a call within L: `frequencies` gives a call's own)."""
     return rope_inv_freq(self.rotary_dims, self.base, self.scaling, self.factor,
-                         self.original_max_length)
+                         params=self.params)
+
+  def frequencies(self, width, *positions):
+    """`[width/2]` float32 inverse frequencies for a call at `positions` (int arrays): static,
+    except under 'dynamic' (with s > 1), whose base follows the call's largest position."""
+    if self.scaling == 'dynamic' and self.factor > 1.0:
+      every = jnp.concatenate([jnp.ravel(p) for p in positions])  # all of this call's positions
+      return rope_scaling.dynamic_inv_freq(width, self.base, self.factor,
+                                           self.params.original_length, every)
+    return jnp.asarray(rope_inv_freq(width, self.base, self.scaling, self.factor,
+                                     params=self.params), jnp.float32)
 
   def embed(self, x, positions):
     del positions
@@ -213,10 +192,9 @@ class RoPE(nnx.Module, options.Configurable, contract.PositionDeclarations):
     """
     if positions is None:
       positions = jnp.arange(x.shape[1])[None]  # [1, T]
-    inv_freq = rope_inv_freq(x.shape[-1], self.base, self.scaling, self.factor,
-                             self.original_max_length)  # [d/2]
-    return apply_rope(x, positions, jnp.asarray(inv_freq, jnp.float32),
-                      attention_factor(self.scaling, self.factor))
+    inv_freq = self.frequencies(x.shape[-1], positions)  # [d/2]
+    return apply_rope(x, positions, inv_freq,
+                      attention_factor(self.scaling, self.factor, self.params))
 
   def in_attention(self, q, k, q_pos, k_pos, *, is_causal):
     del is_causal
@@ -224,8 +202,8 @@ class RoPE(nnx.Module, options.Configurable, contract.PositionDeclarations):
       q_pos = jnp.arange(q.shape[1])[None]  # [1, T]
     if k_pos is None:
       k_pos = jnp.arange(k.shape[1])[None]  # [1, S]
-    inv_freq = jnp.asarray(self.inv_freq(), jnp.float32)  # [d/2]
-    scale = attention_factor(self.scaling, self.factor)
+    inv_freq = self.frequencies(self.rotary_dims, q_pos, k_pos)  # [d/2]
+    scale = attention_factor(self.scaling, self.factor, self.params)
     return (apply_rope(q, q_pos, inv_freq, scale), apply_rope(k, k_pos, inv_freq, scale),
             contract.NONE)
 
@@ -300,7 +278,7 @@ class XPos(RoPE):
     return cls(head_dim, scale_base=cfg.xpos_scale_base, block=cfg.get('xpos_block', 0),
                centre=max_length // 2, fraction=cfg.rope_fraction, base=cfg.rope_base,
                scaling=cfg.rope_scaling, factor=cfg.rope_scaling_factor,
-               original_max_length=max_length)
+               params=ScalingParams.from_config(cfg, max_length))
 
   @classmethod
   def check_options(cls, model_cfg):
@@ -350,7 +328,7 @@ def with_rope_scaling(model, scaling, factor):
 
   Args:
     model: an NNX module.
-    scaling: 'none' | 'pi' | 'ntk' | 'yarn'.
+    scaling: a key of `SCALINGS`.
     factor: the scaling factor.
 
   Returns:

@@ -139,9 +139,10 @@ def formula_params(cfg, vocab_size, max_length):
 
   Returns:
     {component: count} over `COMPONENTS`; 'output' is 0 when the output projection is tied to
-    the (decoder's) token embedding (model.tie_output), else D·V + V. 'norms' holds every
-    parameter on the residual path: one norm per sublayer (two under sandwich, none under
-    rezero, whose scalar gates it counts instead) and the final norms (layers.block.FINAL_NORM).
+    the (decoder's) token embedding (model.tie_output), else D·V (+ V with model.output_bias).
+    'norms' holds every parameter on the residual path: one norm per sublayer (two under
+    sandwich, none under rezero, whose scalar gates it counts instead) and the final norms
+    (layers.block.FINAL_NORM).
   """
   stacks, _ = stack_layout(cfg.arch)
   d, layers = cfg.d_model, cfg.num_layers * stacks
@@ -159,7 +160,8 @@ def formula_params(cfg, vocab_size, max_length):
       'cross_attention': attention.Attention.param_count(cfg) * cross_layers,
       'ffn': ffn_layers_params(cfg) * stacks,  # MoE blocks: router, experts, shared experts
       'norms': norm_params(d, cfg.norm) * (sublayers * per_sublayer + final_norms) + gates,
-      'output': 0 if cfg.get('tie_output', True) else d * vocab_size + vocab_size,
+      'output': 0 if cfg.get('tie_output', True) else (
+          d * vocab_size + (vocab_size if cfg.get('output_bias', True) else 0)),
   }
 
 

@@ -23,8 +23,18 @@ REMAT_POLICIES = {
     'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 LAYERS_AXIS = 'layers'  # logical name of a scanned stack's leading axis (no rule: replicated)
-# `config.model.embed_scale`: what the token embedding is multiplied by on the way in.
-EMBED_SCALES = ('sqrt_d', 'none')
+# `config.model.embed_scale`: what the token embedding is multiplied by on the way in, its
+# initial standard deviation and what tied logits h·E^T are multiplied by (D = d_model).
+EMBED_SCALES = ('sqrt_d', 'none', 'plain')
+
+
+def embed_scales(cfg):
+  """(input multiplier, init std, tied logit multiplier) of `model.embed_scale`: sqrt_d
+  (sqrt(D), 1/sqrt(D), 1), none (1, 1, 1/sqrt(D): the Flax examples) or plain (1, 0.02, 1: HF
+  GPT-2, Llama, Qwen; 0.02 is GPT-2's initializer_range)."""
+  root = math.sqrt(cfg.d_model)
+  return {'sqrt_d': (root, 1.0 / root, 1.0), 'none': (1.0, 1.0, 1.0 / root),
+          'plain': (1.0, 0.02, 1.0)}[cfg.get('embed_scale', 'sqrt_d')]
 
 
 def softcap(logits, cap):
@@ -93,11 +103,12 @@ class Stack(nnx.Module):
 
   The token embedding enters scaled by sqrt(D) (`embed_scale='sqrt_d'`, initialised with std
   1/sqrt(D)) or unscaled (`'none'`, initialised with std 1, as the Flax lm1b/wmt examples): either
-  way its rows start at unit variance. A stack built with `output=True` also owns the logits
-  (`logits`): tied to the embedding (`tie_output`, the default; divided by sqrt(D) under
-  `embed_scale='none'`, as the Flax examples' shared-embedding logits) or an untied
-  `nnx.Linear(D, V)` with a bias (the Flax examples' `logits_via_embedding=False`), then
-  soft-capped (`final_logit_softcap` c > 0: c·tanh(logits / c), `softcap`).
+  way its rows start at unit variance; `'plain'` is unscaled with std 0.02 (HF GPT-2, Llama, Qwen).
+  A stack built with `output=True` also owns the logits (`logits`): tied to the embedding
+  (`tie_output`, the default; divided by sqrt(D) under `embed_scale='none'`, as the Flax
+  examples' shared-embedding logits) or an untied `nnx.Linear(D, V)`, with a bias unless
+  `output_bias` is False (the Flax examples' `logits_via_embedding=False`), then soft-capped
+  (`final_logit_softcap` c > 0: c·tanh(logits / c), `softcap`).
   """
 
   def __init__(self, cfg, vocab_size, max_length, *, cross_attention=False, embed=None, stream=0,
@@ -114,16 +125,13 @@ class Stack(nnx.Module):
       rngs: parameter initialisation.
     """
     self.d_model = cfg.d_model
-    scaled = cfg.get('embed_scale', 'sqrt_d') == 'sqrt_d'
-    self.embed_scale = math.sqrt(cfg.d_model) if scaled else 1.0
-    # Unit-variance rows after the scale, so token and position signals are comparable.
+    # sqrt_d and none: unit-variance rows after the scale, so token and position signals are
+    # comparable; tied logits h·E^T with unit-variance rows (none) divided by sqrt(D), so that
+    # they start at the scale of the sqrt_d model's (whose rows have variance 1/D).
+    self.embed_scale, std, self.logit_scale = embed_scales(cfg)
     self.embed = embed if embed is not None else nnx.Embed(
         vocab_size, cfg.d_model, rngs=rngs,
-        embedding_init=sharding.partitioned(
-            nnx.initializers.normal(stddev=1.0 / self.embed_scale), 'vocab', 'embed'))
-    # Tied logits h·E^T; with unit-variance rows (embed_scale 'none') divided by sqrt(D), so that
-    # they start at the scale of the sqrt_d model's (whose rows have variance 1/D).
-    self.logit_scale = 1.0 if scaled else 1.0 / math.sqrt(cfg.d_model)
+        embedding_init=sharding.partitioned(nnx.initializers.normal(stddev=std), 'vocab', 'embed'))
     self.final_logit_softcap = float(cfg.get('final_logit_softcap', 0.0))  # 0 = none
     self.position = positions_lib.make(cfg, max_length, rngs=rngs)
     self.random_positions_max = cfg.get('random_positions_max', 0)  # Ruoss et al.; 0 = off
@@ -146,12 +154,12 @@ class Stack(nnx.Module):
           block.Block(layer_config(cfg, stream, i), cross_attention=cross_attention,
                       deepnorm=deepnorm, layer=i, rngs=rngs)
           for i in range(cfg.num_layers)])
-    self.final_norm = (norms.NORMS[cfg.norm](cfg.d_model, rngs=rngs)
+    self.final_norm = (norms.make(cfg, cfg.d_model, rngs=rngs)
                        if block.FINAL_NORM[cfg.norm_position] else None)
     self.dropout = nnx.Dropout(cfg.dropout)
     # Built last, so the other parameters draw the same values as the tied model's.
     self.output = nnx.Linear(
-        cfg.d_model, vocab_size, use_bias=True, rngs=rngs,
+        cfg.d_model, vocab_size, use_bias=cfg.get('output_bias', True), rngs=rngs,
         kernel_init=sharding.partitioned(initializers.kernel_init(cfg), 'embed', 'vocab'),
         bias_init=sharding.partitioned(nnx.initializers.zeros, 'vocab'),
     ) if output and not cfg.get('tie_output', True) else None

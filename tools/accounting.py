@@ -28,6 +28,7 @@ from layers import positions as positions_lib
 from layers import sharding
 import models
 from models import accounting
+from training import state as state_lib
 from training import validation
 
 
@@ -376,7 +377,8 @@ def main(argv):
   config = validation.resolve(FLAGS.config.unlock())
   try:
     validation.validate(config)
-    text = report(config, FLAGS.vocab_size or task_vocab_size(config.data))
+    text = report(config, state_lib.model_vocab_size(
+        config, FLAGS.vocab_size or task_vocab_size(config.data)))
   except ValueError as e:  # options.ConfigError, or an arch the closed forms do not cover
     print(f'config error: {e}', file=sys.stderr)
     sys.exit(2)

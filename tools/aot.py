@@ -46,6 +46,7 @@ from tools import accounting  # noqa: E402
 from tools.sweep import spec as sweep_spec  # noqa: E402
 from training import cli_checks  # noqa: E402
 from training import config_file  # noqa: E402
+from training import state as state_lib  # noqa: E402
 from training import validation  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -76,7 +77,7 @@ def gib(x):
 
 def compile_one(config, devices):
   """(summary dict, seconds) of one config; DoesNotFit when the compiler refuses for lack of HBM."""
-  vocab_size = accounting.task_vocab_size(config.data)
+  vocab_size = state_lib.model_vocab_size(config, accounting.task_vocab_size(config.data))
   start = time.perf_counter()
   try:
     # The special ids are constants of the program: the toy tokenizer's serve for any task.

@@ -87,8 +87,9 @@ def check_eval_flags(*, split, max_examples, lengths, modes, stride, num_beams, 
       value = None
     if name not in rope.SCALINGS or value is None or not _finite(value) or value < 1 or (
         name != 'none' and not colon):
-      raise ConfigError(f'--rope_scaling={rope_scaling} is not valid; valid: none, or pi:F, ntk:F, '
-                        'yarn:F with a factor F >= 1')
+      scalings = ', '.join(f'{name}:F' for name in rope.SCALINGS if name != 'none')
+      raise ConfigError(f'--rope_scaling={rope_scaling} is not valid; valid: none, or {scalings} '
+                        'with a factor F >= 1')
   return lengths
 
 

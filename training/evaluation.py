@@ -82,7 +82,8 @@ def load_run(workdir):
     raise FileNotFoundError(f'eval: no checkpoint in {paths.join(workdir, "checkpoints")}')
   tokenizer = pipeline.get_tokenizer(config.data)
   graphdef, _, state = state_lib.create_state(
-      config, tokenizer.vocab_size, special_ids=models.SpecialIds.from_tokenizer(tokenizer))
+      config, state_lib.model_vocab_size(config, tokenizer.vocab_size),
+      special_ids=models.SpecialIds.from_tokenizer(tokenizer))
   # A run may be training here: its newest checkpoint may vanish (rotation) between the listing
   # and the restore, or be damaged. Take the newest that restores; eval never moves one aside.
   for attempt in range(3):

@@ -224,7 +224,8 @@ def _setup(config, workdir, lead):
   mesh = distributed.make_mesh(config)
   rules = sharding.rules_of(config.get('mesh', {}))
   graphdef, tx, state = state_lib.create_state(
-      config, tokenizer.vocab_size, mesh, special_ids=models.SpecialIds.from_tokenizer(tokenizer))
+      config, state_lib.model_vocab_size(config, tokenizer.vocab_size), mesh,
+      special_ids=models.SpecialIds.from_tokenizer(tokenizer))
   # Rows first_row, ... of every global batch: all of it, or with data.shards and several
   # processes the shards of the rows this process's devices hold.
   it = pipeline.ShardedIterator(config.data, 'train', t.batch_size, config.data.get('shards', 1),

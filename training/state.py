@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from layers import options
 from layers import sharding
 import models
 from training import checkpointing
@@ -40,6 +41,23 @@ def make_optimizer(t):
   chain = [optax.clip_by_global_norm(t.grad_clip_norm)] if t.grad_clip_norm > 0 else []
   chain.append(optax.adamw(make_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay))
   return optax.chain(*chain)
+
+
+def model_vocab_size(config, tokenizer_size):
+  """V, the model's vocabulary: `model.vocab_size`, or the tokenizer's `tokenizer_size` when that
+  is 0. Every place that builds or counts a model from a tokenizer (train.py, eval.py, the loop,
+  tools.accounting, tools.aot) takes V from here.
+
+  Raises:
+    ConfigError: `model.vocab_size` > 0 is smaller than the tokenizer's vocabulary.
+  """
+  size = config.model.get('vocab_size', 0) or 0
+  if not size:
+    return tokenizer_size
+  if size < tokenizer_size:
+    raise options.ConfigError(f'model.vocab_size={size} must be 0 (the tokenizer\'s) or >= the '
+                              f'tokenizer\'s {tokenizer_size} tokens')
+  return size
 
 
 def _builder(config, vocab_size, special_ids):

@@ -338,6 +338,10 @@ def _validate_model_options(config):
   _choice('model.kernel_init', m.get('kernel_init', 'lecun_normal'), initializers.KERNEL_INITS)
   _choice('model.embed_scale', m.get('embed_scale', 'sqrt_d'), stack.EMBED_SCALES)
   options.boolean('model.tie_output', m.get('tie_output', True))
+  options.boolean('model.output_bias', m.get('output_bias', True))
+  size = m.get('vocab_size', 0)  # against the tokenizer's in training.state.model_vocab_size
+  if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+    raise ConfigError(f'model.vocab_size={size!r} must be an integer >= 0 (0 = the tokenizer\'s)')
   _off_or_nonnegative('model.final_logit_softcap', m.get('final_logit_softcap', 0.0))
   if not m.get('tie_output', True) and config.train.get('loss_chunk', 0):
     raise ConfigError('train.loss_chunk > 0 needs model.tie_output=True (the tiled loss reads '

@@ -167,6 +167,35 @@ BAD_VALUES = [
     ('model.attn_logit_softcap', float('nan'), 'model.attn_logit_softcap=nan must be'),
     ('model.attn_logit_softcap', None, 'model.attn_logit_softcap=None must be'),
     ('model.attention_sinks', None, 'model.attention_sinks=None must be True or False$'),
+    # The options Hugging Face families need (tests/unit/test_hf_options.py).
+    ('model.norm_eps', 0.0, r'model.norm_eps=0.0 must be a positive finite number$'),
+    ('model.norm_eps', float('nan'), 'model.norm_eps=nan must be a positive'),
+    ('model.embed_scale', 'scaled', r"model.embed_scale='scaled' is not valid; valid values: none, "
+                                    'plain, sqrt_d$'),
+    ('model.output_bias', None, 'model.output_bias=None must be True or False$'),
+    ('model.attention_out_bias', None, 'model.attention_out_bias=None must be True or False$'),
+    ('model.ffn', 'gelu_new', "model.ffn='gelu_new' is not valid; valid values: geglu, gelu, "
+                              'gelu_tanh, relu, swiglu$'),
+    ('model.rope_scaling', 'longrope', "model.rope_scaling='longrope' is not valid; valid values: "
+                                       'dynamic, llama3, none, ntk, pi, yarn$'),
+    ('model.rope_original_length', -1, r'model.rope_original_length=-1 must be an integer >= 0 '
+                                       r'\(0 = data.max_length\)$'),
+    ('model.rope_low_freq_factor', 0.0, 'model.rope_low_freq_factor=0.0 must be a positive'),
+    ('model.rope_high_freq_factor', 0.5, 'model.rope_high_freq_factor=0.5 must be > '
+                                         'model.rope_low_freq_factor=1.0$'),
+    ('model.rope_yarn_beta_fast', 1.0, 'model.rope_yarn_beta_fast=1.0 must be > '
+                                       'model.rope_yarn_beta_slow=1.0$'),
+    ('model.rope_yarn_beta_slow', float('inf'), 'model.rope_yarn_beta_slow=inf must be a positive'),
+    ('model.rope_attention_factor', -1.0, 'model.rope_attention_factor=-1.0 must be a '
+                                          'non-negative finite number$'),
+    ('model.max_positions', -1, r'model.max_positions=-1 must be an integer >= 0 \(0 = '
+                                r'data.max_length\)$'),
+    ('model.max_positions', 1024, r"model.max_positions=1024 sets the learned table's rows, which "
+                                  r"model.position='\w+' does not use; valid here: 0 \(or "
+                                  r"model.position='learned'\)$"),
+    ('model.vocab_size', -5, r"model.vocab_size=-5 must be an integer >= 0 \(0 = the "
+                             r"tokenizer's\)$"),
+    ('model.vocab_size', None, 'model.vocab_size=None must be an integer >= 0'),
 ]
 
 

@@ -139,7 +139,7 @@ def test_a_variant_check_names_its_field_and_valid_values():
   with pytest.raises(options.ConfigError, match=r'^model\.window=-2 must be an integer >= 0$'):
     attention_variants.VARIANTS['longformer'].check_config(cfg, data)
   with pytest.raises(options.ConfigError, match=r"^model\.rope_scaling='x' is not valid; "
-                     'valid values: none, ntk, pi, yarn$'):
+                     'valid values: dynamic, llama3, none, ntk, pi, yarn$'):
     positions.POSITIONS['rope'].check_options(model_config(rope_scaling='x'))
 
 
