@@ -12,7 +12,7 @@ and `greedy`: the prompt `ids[:P]` continued by `generate` (greedy, its KV cache
 tokens, ending at an eos).
 versions.json records the transformers and torch versions. The weights are rounded to bfloat16
 and saved so (half the bytes); the model computes in float32 on exactly those values. One case
-carries a word-level tokenizer.json (the `tokenizers` package), the others none.
+carries a character-level BPE tokenizer.json (the `tokenizers` package), the others none.
 """
 
 import argparse
@@ -58,12 +58,19 @@ def _config(model_type, extra):
 
 
 def _tokenizer(out):
-  """A word-level tokenizer of VOCAB words with <s> = 1 and </s> = 2, saved into `out`."""
+  """A character-level BPE of at most VOCAB ids (<pad> 0, <s> 1, </s> 2, <unk> 3; letters,
+  digits and punctuation, so any English text and a digit pass key encode), saved into `out`."""
+  import string
   import tokenizers
-  words = ['<pad>', '<s>', '</s>', '<unk>'] + [f'w{i}' for i in range(VOCAB - 4)]
-  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
-      {w: i for i, w in enumerate(words)}, unk_token='<unk>'))
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token='<unk>'))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+  tok.decoder = tokenizers.decoders.Metaspace()
+  trainer = tokenizers.trainers.BpeTrainer(
+      vocab_size=VOCAB, special_tokens=['<pad>', '<s>', '</s>', '<unk>'], show_progress=False,
+      initial_alphabet=list(string.ascii_letters + string.digits + '.,:;?!\'"-()'))
+  text = ['the pass key is 71432. remember it. what is the pass key? the pass key is',
+          'the grass is green and the sky is blue. here we go, there and back again.']
+  tok.train_from_iterator(text * 4, trainer)
   tok.save(os.path.join(out, 'tokenizer.json'))
   with open(os.path.join(out, 'tokenizer_config.json'), 'w') as f:
     json.dump({'bos_token': '<s>', 'eos_token': '</s>', 'pad_token': '<pad>',
@@ -113,8 +120,8 @@ def main():
   parser.add_argument('--cases', default=','.join(CASES))
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
-  for seed, name in enumerate(args.cases.split(',')):
-    write_case(name, args.out, seed)
+  for name in args.cases.split(','):
+    write_case(name, args.out, list(CASES).index(name))
     print(f'wrote {os.path.join(args.out, name)}')
   with open(os.path.join(args.out, 'versions.json'), 'w') as f:
     json.dump({'transformers': transformers.__version__, 'torch': torch.__version__,
