@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out of attnlab workdirs.
 
-    python -m tools.hf import --hf_dir=DIR --workdir=WD
+    python -m tools.hf import --hf_dir=DIR --workdir=WD [--mesh=fsdp=4,tensor=2]
     python -m tools.hf logits --workdir=WD --ids=I1,I2,... --out=FILE.npy
     python -m tools.hf export --workdir=WD --out=DIR [--model_type=llama|mistral|qwen2|qwen3|gpt2]
 
@@ -24,6 +24,8 @@ def parse(argv):
   imp = commands.add_parser('import', help='a Hugging Face folder into a new workdir')
   imp.add_argument('--hf_dir', required=True)
   imp.add_argument('--workdir', required=True)
+  imp.add_argument('--mesh', default='', help='config.mesh axes the parameters are placed on as '
+                   'they are read, e.g. fsdp=4,tensor=2 (default: one device)')
   lg = commands.add_parser('logits', help="a workdir's float32 logits [T, V] for one row of ids")
   lg.add_argument('--workdir', required=True)
   lg.add_argument('--ids', required=True, help='comma-separated token ids')
@@ -49,7 +51,7 @@ def main(argv=None):
   args = parse(sys.argv[1:] if argv is None else argv)
   try:
     if args.command == 'import':
-      convert.import_checkpoint(args.hf_dir, args.workdir)
+      convert.import_checkpoint(args.hf_dir, args.workdir, mesh=convert.parse_mesh(args.mesh))
     elif args.command == 'logits':
       out = export.logits(args.workdir, _ids(args.ids))
       np.save(args.out, out)

@@ -91,10 +91,12 @@ def check_paths(hf_dir, workdir):
       raise HFError(f'--workdir={workdir} exists and is not empty; valid: a new directory')
 
 
-def model_config(hf, vocab_size=None):
-  """The attnlab config (text_lm, the model fields of `hf`), resolved and validated."""
+def model_config(hf, mesh=None):
+  """The attnlab config (text_lm, the model fields of `hf`, `mesh` in config.mesh), resolved and
+  validated."""
   fields, length = families.to_model(hf)
   config = text_lm.get_config()
+  config.mesh.update(mesh or {})
   for name, value in fields.items():
     if name not in config.model:
       raise HFError(f'this attnlab has no model.{name} (needed for {hf["model_type"]})')
@@ -103,7 +105,8 @@ def model_config(hf, vocab_size=None):
   try:
     validation.resolve(config)
     validation.validate_model(config)
-  except ConfigError as e:
+    sharding.make_mesh(config.mesh)  # the device count fits the mesh
+  except (ConfigError, ValueError) as e:
     raise HFError(f'the imported config is not valid: {e}') from None
   return config
 
@@ -253,16 +256,30 @@ def write_workdir(tmp, config, hf, state, hf_dir):
   mngr.close()
 
 
-def import_checkpoint(hf_dir, workdir, *, log=print):
+def parse_mesh(text):
+  """'fsdp=4,tensor=2' -> {'fsdp': 4, 'tensor': 2}, each a config.mesh axis; one line if not."""
+  out = {}
+  for item in filter(None, (text or '').split(',')):
+    axis, _, size = item.partition('=')
+    if axis.strip() not in sharding.MESH_AXES or not size.strip().isdigit() or int(size) < 1:
+      raise HFError(f'--mesh={text!r}: valid: comma-separated AXIS=SIZE with AXIS one of '
+                    f'{list(sharding.MESH_AXES)} and SIZE a positive integer, e.g. fsdp=4,tensor=2')
+    out[axis.strip()] = int(size)
+  return out
+
+
+def import_checkpoint(hf_dir, workdir, *, mesh=None, log=print):
   """`python -m tools.hf import`: HF folder `hf_dir` -> a new attnlab `workdir`.
 
-  Every check (paths, config fields, shard files, tensor names and shapes, the abstract model)
-  runs before anything is written. Returns the workdir's config.
+  `mesh` ({axis: size}, config.mesh) is the mesh the parameters are placed on as they are read
+  (and the imported config's); default one device. Every check (paths, config fields, the mesh,
+  shard files, tensor names and shapes, the abstract model) runs before anything is written.
+  Returns the workdir's config.
   """
   check_paths(hf_dir, workdir)
   hf = read_json(os.path.join(hf_dir, 'config.json'), 'config.json')
   has_tokenizer = os.path.isfile(os.path.join(hf_dir, 'tokenizer.json'))
-  config = model_config(hf)
+  config = model_config(hf, mesh)
   if has_tokenizer and 'tokenizer' in config.data:
     config.data.tokenizer = os.path.join(os.path.abspath(workdir), TOKENIZER_DIR)
   m = resolved_model(config)
