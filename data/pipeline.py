@@ -174,9 +174,12 @@ def _encoded_split(source, split: str) -> tuple[dict[str, np.ndarray], ...]:
   if is_synthetic(source):
     return tuple(synthetic.encode(tokenizer, words, scored)
                  for words, scored in _read_split(source, split))
+  # A Hugging Face tokenizer knows newlines and indentation: code reaches it as written.
+  real_code = is_text(source) and source.code and bool(source.tokenizer)
   out = []
   for src, tgt in _read_split(source, split):
-    src_ids, tgt_ids = _encode(tokenizer, src, tgt)
+    src_ids, tgt_ids = _encode(tokenizer, src, python_code.decode_document(tgt) if real_code
+                               else tgt)
     out.append({'source': np.asarray(src_ids, np.int32), 'target': np.asarray(tgt_ids, np.int32)})
   return tuple(out)
 

@@ -150,4 +150,4 @@ def spec_from_config(data_config) -> text_corpus.CorpusSpec:
   files = tuple(os.path.join(corpus.folder, f'{split}.txt') for split in text_corpus.SPLITS)
   return text_corpus.CorpusSpec(task='text_lm', data_dir=os.path.dirname(os.path.dirname(
       corpus.folder)), files=files, vocab_size=data_config.get('vocab_size', 1000),
-      **text_corpus.tokenizer_fields(data_config))
+      code=True, **text_corpus.tokenizer_fields(data_config))

@@ -47,6 +47,8 @@ class CorpusSpec:
     tokenizer: a folder holding a Hugging Face tokenizer.json (data.tokenizer, resolved), used
       instead of training SentencePiece; '' for SentencePiece.
     tokenizer_hash: the content hash of that tokenizer's files ('' without one).
+    code: the documents are source files with python_code's marks (`␊`, `·`), which a Hugging
+      Face tokenizer reads as the newlines and spaces they stand for.
   """
   task: str
   data_dir: str
@@ -55,6 +57,7 @@ class CorpusSpec:
   shared_vocab: bool = True
   tokenizer: str = ''
   tokenizer_hash: str = ''
+  code: bool = False
 
   @property
   def pairs(self) -> bool:

@@ -287,3 +287,21 @@ def test_toy_ids_are_the_constants():
   from data import tokenizer as tokenizer_lib
   toy = tokenizer_lib.Tokenizer.from_words(['a', 'b'])
   assert pipeline.layout_ids(toy) == pipeline.TOY_IDS == pipeline.LayoutIds(1, 2, 3, 0)
+
+
+def test_python_code_reaches_it_as_written(hf_dir, tmp_path):
+  """The stdlib corpus's `␊`/`·` marks are SentencePiece's; a Hugging Face tokenizer reads the
+  newlines and indentation themselves."""
+  from data import python_code
+  config = data_config(hf_dir, tmp_path / 'data', task='python_code', code_max_files=2,
+                       packing='stream')
+  config.files.update(train='', validation='', test='')
+  tok = pipeline.get_tokenizer(config)
+  tokens, _ = pipeline.stream_tokens(config, 'validation')
+  corpus = python_code.corpus_of(config)
+  with open(os.path.join(corpus.folder, 'validation.txt'), encoding='utf-8') as f:
+    first = f.readline().rstrip('\n')
+  end = int(np.flatnonzero(tokens == tok.eos_id)[0])
+  assert tokens[0] == tok.bos_id
+  assert tok.decode(tokens[1:end]) == python_code.decode_document(first)
+  assert '\n' in python_code.decode_document(first) and python_code.NEWLINE in first
