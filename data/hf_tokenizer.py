@@ -18,7 +18,7 @@ import tokenizers
 
 TOKENIZER_FILE = 'tokenizer.json'
 CONFIG_FILES = ('tokenizer_config.json', 'special_tokens_map.json')  # read in this order
-IMPORT_SUBDIR = 'tokenizer'  # where `python -m tools.hf import` copies them in its workdir
+IMPORT_SUBDIR = 'tokenizer'  # where python -m tools.hf import copies them in its workdir
 SPECIALS = ('pad', 'bos', 'eos', 'sep', 'mask', 'unk')
 
 
@@ -28,7 +28,7 @@ class TokenizerError(ValueError):
 
 def resolve(folder: str) -> str:
   """The folder that holds tokenizer.json: `folder` itself, or `folder/tokenizer` (a workdir of
-  `python -m tools.hf import`).
+  python -m tools.hf import).
 
   Raises:
     TokenizerError: neither holds tokenizer.json.

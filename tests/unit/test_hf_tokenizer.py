@@ -305,3 +305,16 @@ def test_python_code_reaches_it_as_written(hf_dir, tmp_path):
   assert tokens[0] == tok.bos_id
   assert tok.decode(tokens[1:end]) == python_code.decode_document(first)
   assert '\n' in python_code.decode_document(first) and python_code.NEWLINE in first
+
+
+def test_a_changed_tokenizer_is_refused_against_the_run(hf_dir, qwen_dir, tmp_path):
+  """What a run recorded of its corpus names the tokenizer's files: another tokenizer on the same
+  files is refused in one line (eval.py and a resume check it)."""
+  spec = text_corpus.spec_from_config(data_config(hf_dir, tmp_path / 'data'))
+  recorded = text_corpus.fingerprint(spec)
+  text_corpus.check_fingerprint(recorded, spec)
+  files = {s: os.path.join(hf_dir, f'{s}.txt') for s in text_corpus.SPLITS}
+  other = text_corpus.spec_from_config(data_config(qwen_dir, tmp_path / 'data', files=files))
+  with pytest.raises(text_corpus.DataError, match='with the same files: .*data.tokenizer') as e:
+    text_corpus.check_fingerprint(recorded, other)
+  assert '\n' not in str(e.value)
