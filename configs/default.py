@@ -231,6 +231,9 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   # python_code: the local Python stdlib's .py files (tests left out), one document each, as a
   # text_lm corpus (data/python_code.py); nothing is downloaded.
   data.code_max_files = 0  # python_code: keep the first N files of each split (0 = all)
+  data.tokenizer = ''  # text_lm, python_code, passkey: a folder with a Hugging Face tokenizer.json
+  #                      (or a workdir of python -m tools.hf import: its tokenizer/), used instead
+  #                      of the task's own; '' = the toy / SentencePiece tokenizer of the task
   data.vocab_size = 1000  # text tasks: pieces per SentencePiece model, the 6 special ones included
   data.shared_vocab = True  # text_pairs: one model for source and target (else one per side, their
   #                           ids side by side: V = 2 * vocab_size - 6)
@@ -242,6 +245,9 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   data.passkey_depths = (0.0, 1.0)  # passkey: (low, high) of the training depths, drawn uniformly:
   #                                   the share of the filler before the key, 0 (right after <bos>)
   #                                   to 1 (right before the query)
+  # passkey with data.tokenizer: "The pass key is 71432. Remember it. 71432 is the pass key." in
+  # filler of data.files.train's documents, then "What is the pass key? The pass key is" -> 71432.
+  data.passkey_digits = 5  # passkey with data.tokenizer: digits of the pass key (1 to 18)
   # mqar | induction | selective_copy | memorize (data/synthetic.py): generated rows of
   # data.max_length tokens, decoder_only, loss and accuracy on the scored tokens alone.
   data.synthetic = ml_collections.ConfigDict()

@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from data import generated
+from data import text_corpus
 from data import tokenizer as tokenizer_lib
 from data import toy_translation
 
@@ -39,7 +40,8 @@ EVAL_DEPTHS = tuple(i / 10 for i in range(11))  # the retrieval grid's depths: 0
 POOL_SIZE = 4096  # toy sentences the filler is drawn from
 CACHE = os.path.join(tempfile.gettempdir(), 'attnlab_data')  # local copies of gs:// data_dirs
 # The data.passkey_* fields' defaults (configs/default.py holds the same values).
-DEFAULTS = {'passkey_values': 32, 'passkey_value_tokens': 1, 'passkey_depths': (0.0, 1.0)}
+DEFAULTS = {'passkey_values': 32, 'passkey_value_tokens': 1, 'passkey_depths': (0.0, 1.0),
+            'passkey_digits': 5}
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,12 +81,21 @@ class PasskeySpec:
     values: size of the value vocabulary (data.passkey_values).
     value_tokens: words per value (data.passkey_value_tokens).
     depths: (low, high) of the uniform training depths (data.passkey_depths).
+    tokenizer: a resolved data.tokenizer folder (a Hugging Face tokenizer.json): the pass key in
+      filler of your text (data/passkey_text.py); '' for the toy task.
+    tokenizer_hash: the content hash of that tokenizer's files.
+    filler: the file whose documents are the filler (data.files.train), with a tokenizer.
+    digits: digits of the pass key (data.passkey_digits), with a tokenizer.
   """
   data_dir: str
   length: int
   values: int
   value_tokens: int
   depths: tuple[float, float]
+  tokenizer: str = ''
+  tokenizer_hash: str = ''
+  filler: str = ''
+  digits: int = 5
 
   @property
   def name(self) -> str:
@@ -101,11 +112,15 @@ def spec_from_config(data_config) -> PasskeySpec:
     data_dir = os.path.join(os.environ.get('ATTNLAB_DATA_CACHE', CACHE),
                             data_dir.rstrip('/').replace('://', '/'))
   fields = {name: data_config.get(name, value) for name, value in DEFAULTS.items()}
+  text = text_corpus.tokenizer_fields(data_config)
+  if text['tokenizer']:
+    files = data_config.get('files', None) or {}
+    text.update(filler=str(files.get('train', '') or ''), digits=int(fields['passkey_digits']))
   return PasskeySpec(data_dir=os.path.abspath(os.path.expanduser(data_dir)),
                      length=int(data_config.get('max_length', 64)),
                      values=int(fields['passkey_values']),
                      value_tokens=int(fields['passkey_value_tokens']),
-                     depths=tuple(float(d) for d in fields['passkey_depths']))
+                     depths=tuple(float(d) for d in fields['passkey_depths']), **text)
 
 
 # --- Examples --------------------------------------------------------------------------------
@@ -178,18 +193,21 @@ def retrieval_examples(spec: PasskeySpec, length: int, depth: float,
           for _ in range(count)]
 
 
-def row(prompt, value, length: int) -> dict[str, np.ndarray]:
+def row(prompt, value, length: int, bos: int | None = tokenizer_lib.BOS,
+        pad: int = tokenizer_lib.PAD) -> dict[str, np.ndarray]:
   """The decoder-only features of one example (token ids), right-padded to `length`.
 
-  inputs `<bos> prompt value[:-1]`, targets the same shifted by one, weights 1 on the value
-  tokens only; segment_ids 1 and positions 0.. on the real tokens.
+  inputs `<bos> prompt value[:-1]` (no `<bos>` where `bos` is None: a tokenizer without one),
+  targets the same shifted by one, both padded with `pad`; weights 1 on the value tokens only;
+  segment_ids 1 and positions 0.. on the real tokens.
   """
-  tokens = np.concatenate([[tokenizer_lib.BOS], prompt, value]).astype(np.int32)
+  head = [] if bos is None else [bos]
+  tokens = np.concatenate([head, prompt, value]).astype(np.int32)
   n = len(tokens) - 1
   if n > length:
     raise ValueError(f'passkey: an example of {n} tokens does not fit a row of {length}')
-  out = {name: np.zeros(length, np.int32) for name in ('inputs', 'targets', 'segment_ids',
-                                                       'positions')}
+  out = {name: np.full(length, pad if name in ('inputs', 'targets') else 0, np.int32)
+         for name in ('inputs', 'targets', 'segment_ids', 'positions')}
   out['inputs'][:n], out['targets'][:n] = tokens[:-1], tokens[1:]
   out['segment_ids'][:n], out['positions'][:n] = 1, np.arange(n)
   out['weights'] = np.zeros(length, np.float32)
@@ -245,8 +263,11 @@ def prepare(spec) -> str:
                            builder, vocabulary())
 
 
-def load_tokenizer(spec) -> tokenizer_lib.Tokenizer:
-  """Prepares the dataset if needed and loads its tokenizer."""
+def load_tokenizer(spec):
+  """Prepares the dataset if needed and loads its tokenizer (`data.tokenizer.Tokenizer`); with
+  data.tokenizer, that Hugging Face tokenizer (nothing to prepare)."""
+  if spec.tokenizer:
+    return text_corpus.load_hf_tokenizer(spec.tokenizer)
   return generated.load_tokenizer(prepare(spec))
 
 

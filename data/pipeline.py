@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from data import passkey
+from data import passkey_text
 from data import python_code
 from data import remote_dir
 from data import synthetic
@@ -112,7 +113,8 @@ def get_tokenizer(data_config):
 
   Returns:
     The tokenizer saved next to the prepared dataset: `data.tokenizer.Tokenizer` for the toy task,
-    `data.sentencepiece_tokenizer.SentencePieceTokenizer` for your own data (same interface).
+    `data.sentencepiece_tokenizer.SentencePieceTokenizer` for your own data,
+    `data.hf_tokenizer.HFTokenizer` with data.tokenizer (same interface; its own special ids).
 
   Raises:
     DataError: a bad input file or vocab_size (text tasks), in one line.
@@ -167,12 +169,17 @@ def _encoded_split(source, split: str) -> tuple[dict[str, np.ndarray], ...]:
   """The split as {'source', 'target'} int32 id arrays (no specials), cached per process; a
   synthetic task's as {'ids', 'scored'} (`data.synthetic.encode`)."""
   tokenizer = _tokenizer(source)
+  if is_passkey(source) and source.tokenizer:  # generated as token ids (data.passkey_text)
+    return passkey_text.encoded_split(source, split, passkey.SPLITS[split])
   if is_synthetic(source):
     return tuple(synthetic.encode(tokenizer, words, scored)
                  for words, scored in _read_split(source, split))
+  # A Hugging Face tokenizer knows newlines and indentation: code reaches it as written.
+  real_code = is_text(source) and source.code and bool(source.tokenizer)
   out = []
   for src, tgt in _read_split(source, split):
-    src_ids, tgt_ids = _encode(tokenizer, src, tgt)
+    src_ids, tgt_ids = _encode(tokenizer, src, python_code.decode_document(tgt) if real_code
+                               else tgt)
     out.append({'source': np.asarray(src_ids, np.int32), 'target': np.asarray(tgt_ids, np.int32)})
   return tuple(out)
 
@@ -206,7 +213,8 @@ def load_examples(data_config, split: str) -> list[dict]:
 
 
 from data.rows import (  # noqa: E402, F401  (re-exported)
-    BATCH_FORMATS, PACKINGS, STREAM_SHIFTS, _check, _fits, _row_length, _sequence, batch_shapes)
+    BATCH_FORMATS, PACKINGS, STREAM_SHIFTS, TOY_IDS, LayoutIds, _check, _fits, _row_length,
+    _sequence, batch_shapes, layout_ids)
 
 
 
@@ -289,10 +297,11 @@ def make_iterator(data_config, split: str, batch_size: int, *, batch_format: str
     raise ValueError(f"Unsupported packing 'stream' for batch format {batch_format!r}; "
                      "valid values: none, segments")
   shard = _encoded_split(source, split)[shard_index::shard_count]
+  ids = layout_ids(_tokenizer(source))  # the tokenizer's bos, eos, sep and pad
   # Passkey and synthetic rows are generated to fit: a stream's fit (all) for them.
   whole_rows = is_passkey(source) or is_synthetic(source)
   fits = functools.partial(_fits, length=length, batch_format=batch_format,
-                           packing='stream' if whole_rows else packing)
+                           packing='stream' if whole_rows else packing, ids=ids)
   num_dropped = sum(not fits(pair) for pair in shard)
   if num_dropped:
     logging.warning('%s/%s: %d of %d pairs longer than %d tokens are dropped (packing %s).',
@@ -306,14 +315,16 @@ def make_iterator(data_config, split: str, batch_size: int, *, batch_format: str
   # saves (its depth bookkeeping dominated: ~60 ms per batch of 64, ~25 without it).
   pairs = pairs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   if is_passkey(source):  # next_token rows, loss on the value only (validation checks both)
-    rows = pairs.map(lambda pair: passkey.row(pair['source'], pair['target'], length))
+    rows = pairs.map(lambda pair: passkey.row(pair['source'], pair['target'], length,
+                                              bos=ids.bos, pad=ids.pad))
   elif is_synthetic(source):  # next_token rows of data.max_length, loss on the scored tokens
     if length != source.length:
       raise ValueError(f'data.task={source.task!r} rows hold data.max_length={source.length} '
                        f'tokens; a length of {length} was asked for')
     rows = pairs.map(lambda ex: synthetic.row(ex['ids'], ex['scored'], length))
   else:
-    rows = PACKINGS[packing](pairs, length, batch_format, loss_on, batch_size, seed, shuffle)
+    rows = PACKINGS[packing](pairs, length, batch_format, loss_on, batch_size, seed, shuffle,
+                             ids=ids)
   batches = rows.batch(batch_size, drop_remainder=drop_remainder)
   # A background thread builds the next batches while the (GIL-releasing) train step runs.
   batches = grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=2)
@@ -390,6 +401,8 @@ def stream_tokens(data_config, split: str) -> tuple[np.ndarray, np.ndarray]:
     target-side tokens (target words and their eos).
   """
   _check_split(data_config, split)
-  parts = [_sequence(p['source'], p['target']) for p in _encoded_split(_source(data_config), split)]
+  source = _source(data_config)
+  ids = layout_ids(_tokenizer(source))
+  parts = [_sequence(p['source'], p['target'], ids) for p in _encoded_split(source, split)]
   return (np.concatenate([t for t, _ in parts]).astype(np.int32),
           np.concatenate([m for _, m in parts]).astype(np.float32))

@@ -149,4 +149,5 @@ def spec_from_config(data_config) -> text_corpus.CorpusSpec:
   corpus = corpus_of(data_config)
   files = tuple(os.path.join(corpus.folder, f'{split}.txt') for split in text_corpus.SPLITS)
   return text_corpus.CorpusSpec(task='text_lm', data_dir=os.path.dirname(os.path.dirname(
-      corpus.folder)), files=files, vocab_size=data_config.get('vocab_size', 1000))
+      corpus.folder)), files=files, vocab_size=data_config.get('vocab_size', 1000),
+      code=True, **text_corpus.tokenizer_fields(data_config))

@@ -20,6 +20,7 @@ import tempfile
 from etils import epath
 import tensorflow_datasets as tfds
 
+from data import hf_tokenizer
 from data import sentencepiece_tokenizer as spt
 
 TASKS = ('text_pairs', 'text_lm')
@@ -43,12 +44,20 @@ class CorpusSpec:
     files: (train, validation, test) paths, local or gs://.
     vocab_size: pieces of each SentencePiece model, specials included.
     shared_vocab: text_pairs: one model for both sides (else one per side).
+    tokenizer: a folder holding a Hugging Face tokenizer.json (data.tokenizer, resolved), used
+      instead of training SentencePiece; '' for SentencePiece.
+    tokenizer_hash: the content hash of that tokenizer's files ('' without one).
+    code: the documents are source files with python_code's marks (`␊`, `·`), which a Hugging
+      Face tokenizer reads as the newlines and spaces they stand for.
   """
   task: str
   data_dir: str
   files: tuple[str, str, str]
   vocab_size: int
   shared_vocab: bool = True
+  tokenizer: str = ''
+  tokenizer_hash: str = ''
+  code: bool = False
 
   @property
   def pairs(self) -> bool:
@@ -76,7 +85,33 @@ def spec_from_config(data_config) -> CorpusSpec:
     data_dir = os.path.abspath(os.path.expanduser(data_dir))
   return CorpusSpec(task=data_config.task, data_dir=data_dir, files=paths,
                     vocab_size=data_config.get('vocab_size', 1000),
-                    shared_vocab=bool(data_config.get('shared_vocab', True)))
+                    shared_vocab=bool(data_config.get('shared_vocab', True)),
+                    **tokenizer_fields(data_config))
+
+
+def tokenizer_fields(data_config) -> dict:
+  """{'tokenizer': resolved folder, 'tokenizer_hash': its content hash} of data.tokenizer (both ''
+  when unset: the task's own tokenizer).
+
+  Raises:
+    DataError: data.tokenizer names a folder without tokenizer.json.
+  """
+  folder = str(data_config.get('tokenizer', '') or '')
+  if not folder:
+    return {'tokenizer': '', 'tokenizer_hash': ''}
+  try:
+    folder = hf_tokenizer.resolve(folder)
+  except hf_tokenizer.TokenizerError as e:
+    raise DataError(str(e)) from None
+  return {'tokenizer': folder, 'tokenizer_hash': hf_tokenizer.content_hash(folder)}
+
+
+def load_hf_tokenizer(folder: str) -> hf_tokenizer.HFTokenizer:
+  """The Hugging Face tokenizer of a resolved data.tokenizer folder; DataError for a bad one."""
+  try:
+    return hf_tokenizer.HFTokenizer.load(folder)
+  except (hf_tokenizer.TokenizerError, ValueError) as e:
+    raise DataError(str(e).splitlines()[0]) from None
 
 
 # --- Reading and checking the user's files ----------------------------------------------------
@@ -151,8 +186,10 @@ def read_corpus(spec: CorpusSpec) -> tuple[dict[str, list], str]:
 
   An example is a (source, target) pair for text_pairs, a document (str) for text_lm.
   """
-  digest = hashlib.sha256(json.dumps(
-      [FORMAT_VERSION, spec.task, spec.vocab_size, spec.shared]).encode())
+  settings = [FORMAT_VERSION, spec.task, spec.vocab_size, spec.shared]
+  if spec.tokenizer:  # the tokenizer's files, not vocab_size, say what the ids are
+    settings = [FORMAT_VERSION, spec.task, 'hf', spec.tokenizer_hash]
+  digest = hashlib.sha256(json.dumps(settings).encode())
   splits = {}
   for split, path in zip(SPLITS, spec.files):
     name = f'data.files.{split}'
@@ -162,7 +199,10 @@ def read_corpus(spec: CorpusSpec) -> tuple[dict[str, list], str]:
 
 
 def folder_name(spec: CorpusSpec, digest: str) -> str:
-  """`vocab<V>-<shared|separate>-<hash>`: the settings readable, the hash telling inputs apart."""
+  """`vocab<V>-<shared|separate>-<hash>`: the settings readable, the hash telling inputs apart;
+  `hf-<hash>` with a Hugging Face tokenizer (the hash covers its files)."""
+  if spec.tokenizer:
+    return f'hf-{digest}'
   return f'vocab{spec.vocab_size}-{"shared" if spec.shared else "separate"}-{digest}'
 
 
@@ -171,7 +211,10 @@ def tokenizer_vocab_size(spec: CorpusSpec) -> int:
 
   SentencePiece's trainer gives each model exactly spec.vocab_size pieces (or fails), and two
   models share only the special ids (`spt.SentencePieceTokenizer`: V_source + V_target - 6).
+  A Hugging Face tokenizer's V is its own.
   """
+  if spec.tokenizer:
+    return load_hf_tokenizer(spec.tokenizer).vocab_size
   return spec.vocab_size if spec.shared else 2 * spec.vocab_size - spt.NUM_SPECIAL
 
 
@@ -225,9 +268,10 @@ def check_fingerprint(recorded: dict, spec: CorpusSpec) -> None:
                       f'examples hash {was.get(split)}, now {now[split]}; the model and tokenizer '
                       f'belong to {folder}); valid: the file as it was, or a new workdir')
   raise DataError(f'the corpus hash changed since the run started training ({recorded.get("hash")}'
-                  f', now {digest}) with the same files: data.vocab_size, data.shared_vocab or the '
-                  f'preparation format (text_corpus.FORMAT_VERSION) differ; the model belongs to '
-                  f'{folder}; valid: the settings it was trained with')
+                  f', now {digest}) with the same files: data.vocab_size, data.shared_vocab, '
+                  f'data.tokenizer (or its files) or the preparation format '
+                  f'(text_corpus.FORMAT_VERSION) differ; the model belongs to {folder}; valid: the '
+                  'settings it was trained with')
 
 
 # --- The TFDS builder -------------------------------------------------------------------------
@@ -278,8 +322,31 @@ def _lock_path(final_dir: str) -> str:
 
 
 def _build(spec: CorpusSpec, splits: dict[str, list], digest: str, tmp: str) -> str:
-  """Trains the tokenizer and writes the dataset under tmp; returns the folder to rename."""
-  train = splits['train']
+  """Trains the tokenizer (or copies data.tokenizer's) and writes the dataset under tmp; returns
+  the folder to rename."""
+  tokenizer = (load_hf_tokenizer(spec.tokenizer) if spec.tokenizer
+               else spt.SentencePieceTokenizer(*_train_models(spec, splits['train'])))
+  builder = TextCorpus(config=TextCorpusConfig(name=f'c{digest}', pairs=spec.pairs,
+                                               splits=splits),
+                       data_dir=os.path.join(tmp, 'tfds'))
+  tfds.disable_progress_bar()
+  builder.download_and_prepare(file_format='array_record')
+  dataset_dir = os.fspath(builder.data_dir)
+  tokenizer.save(dataset_dir)
+  record = {'format_version': FORMAT_VERSION, 'hash': digest, 'task': spec.task,
+            'vocab_size': spec.vocab_size,
+            'shared_vocab': spec.shared, 'tokenizer_vocab_size': tokenizer.vocab_size,
+            'files': dict(zip(SPLITS, spec.files)),
+            'examples': {split: len(examples) for split, examples in splits.items()}}
+  if spec.tokenizer:
+    record.update(tokenizer=spec.tokenizer, tokenizer_hash=spec.tokenizer_hash)
+  with open(os.path.join(dataset_dir, CORPUS_FILE), 'w') as f:
+    json.dump(record, f, indent=2)
+  return dataset_dir
+
+
+def _train_models(spec: CorpusSpec, train: list) -> list[bytes]:
+  """The SentencePiece model(s) of the train split: one shared, or source and target."""
   models = []
   sides = [None] if spec.shared else [0, 1]
   for side in sides:
@@ -295,22 +362,7 @@ def _build(spec: CorpusSpec, splits: dict[str, list], digest: str, tmp: str) -> 
       which = '' if side is None else f' ({("source", "target")[side]} side)'
       raise DataError(f'data.vocab_size={spec.vocab_size} does not fit data.files.train='
                       f'{spec.files[0]}{which}: SentencePiece: {e}') from None
-  tokenizer = spt.SentencePieceTokenizer(*models)
-  builder = TextCorpus(config=TextCorpusConfig(name=f'c{digest}', pairs=spec.pairs,
-                                               splits=splits),
-                       data_dir=os.path.join(tmp, 'tfds'))
-  tfds.disable_progress_bar()
-  builder.download_and_prepare(file_format='array_record')
-  dataset_dir = os.fspath(builder.data_dir)
-  tokenizer.save(dataset_dir)
-  record = {'format_version': FORMAT_VERSION, 'hash': digest, 'task': spec.task,
-            'vocab_size': spec.vocab_size,
-            'shared_vocab': spec.shared, 'tokenizer_vocab_size': tokenizer.vocab_size,
-            'files': dict(zip(SPLITS, spec.files)),
-            'examples': {split: len(examples) for split, examples in splits.items()}}
-  with open(os.path.join(dataset_dir, CORPUS_FILE), 'w') as f:
-    json.dump(record, f, indent=2)
-  return dataset_dir
+  return models
 
 
 def prepare(spec: CorpusSpec) -> str:
@@ -393,8 +445,11 @@ def _prepare_remote(spec, splits, digest):
   return local
 
 
-def load_tokenizer(dataset_dir: str) -> spt.SentencePieceTokenizer:
-  """The tokenizer saved beside a prepared corpus."""
+def load_tokenizer(dataset_dir: str):
+  """The tokenizer saved beside a prepared corpus: `spt.SentencePieceTokenizer`, or
+  `hf_tokenizer.HFTokenizer` for a corpus prepared with data.tokenizer."""
+  if hf_tokenizer.is_saved(dataset_dir):
+    return load_hf_tokenizer(dataset_dir)
   return spt.SentencePieceTokenizer.load(dataset_dir)
 
 

@@ -37,11 +37,22 @@ class SpecialIds:
   @classmethod
   def from_tokenizer(cls, tokenizer):
     """The ids of a tokenizer with `pad_id`, `bos_id`, `eos_id`, `sep_id`, `mask_id` and `unk_id`
-    whose words follow its special ids (`data.tokenizer.Tokenizer`)."""
-    specials = (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, tokenizer.sep_id,
-                tokenizer.mask_id, tokenizer.unk_id)
-    return cls(pad=tokenizer.pad_id, bos=tokenizer.bos_id, eos=tokenizer.eos_id,
-               sep=tokenizer.sep_id, mask=tokenizer.mask_id, first_word=max(specials) + 1)
+    whose words follow its special ids (`data.tokenizer.Tokenizer`), or which says where its words
+    start (`first_word_id`: a Hugging Face tokenizer's specials lie anywhere).
+
+    A tokenizer may lack some ids (None: a Hugging Face tokenizer without a bos, sep or mask): a
+    missing bos or sep stands for its eos (a layout id either way); a missing mask is the eos too,
+    and validation refuses a masking model with such a tokenizer.
+    """
+    eos = tokenizer.eos_id
+    ids = {name: eos if value is None else value for name, value in (
+        ('pad', tokenizer.pad_id), ('bos', tokenizer.bos_id), ('eos', eos),
+        ('sep', tokenizer.sep_id), ('mask', tokenizer.mask_id))}
+    first_word = getattr(tokenizer, 'first_word_id', None)
+    if first_word is None:
+      specials = list(ids.values()) + [tokenizer.unk_id]
+      first_word = max(i for i in specials if i is not None) + 1
+    return cls(**ids, first_word=first_word)
 
 
 def mlm_mask(rng, inputs, weights, vocab_size, *, special_ids, rate=0.15, mask_prob=0.8,

@@ -45,8 +45,11 @@ def toy_vocab_size():
 def task_vocab_size(data_config):
   """V of the configured task's tokenizer, without preparing data: the toy vocabulary, the
   passkey or synthetic task's words, or for text_pairs / text_lm / python_code the SentencePiece
-  vocabulary data.vocab_size and data.shared_vocab give."""
+  vocabulary data.vocab_size and data.shared_vocab give; with data.tokenizer that tokenizer's."""
   task = data_config.get('task', 'base')
+  fields = text_corpus.tokenizer_fields(data_config)
+  if fields['tokenizer']:  # a Hugging Face tokenizer: read, nothing prepared
+    return text_corpus.load_hf_tokenizer(fields['tokenizer']).vocab_size
   if task == 'python_code':  # one SentencePiece model
     return data_config.get('vocab_size', 1000)
   if task in synthetic.TASKS:

@@ -30,6 +30,7 @@ from training import validation_attention
 from training import validation_passkey
 from training import validation_positions
 from training import validation_synthetic
+from training import validation_tokenizer
 
 # The valid values live where they are used; validation only names them.
 SCHEDULES = state_lib.SCHEDULES
@@ -197,6 +198,7 @@ def _validate_data(config):
   if not isinstance(d.max_length, int) or d.max_length < 8:
     raise ConfigError(f'data.max_length={d.max_length!r} must be an integer >= 8')
   _choice('data.task', d.task, pipeline.TASKS)
+  validation_tokenizer.check_config(config)  # before the tasks' checks, which may read it
   validation_passkey.check_config(config)  # its fields, or that no other task sets them
   validation_synthetic.check_config(config)  # the same for the synthetic tasks' knobs
   _validate_code_data(config)
@@ -204,7 +206,7 @@ def _validate_data(config):
     _validate_text_data(config)
   else:
     given = sorted(k for k, v in (d.get('files', None) or {}).items() if v)
-    if given:
+    if given and not validation_tokenizer.reads_files(d):
       raise ConfigError(f'data.files.{given[0]}={d.files[given[0]]!r} is read only by '
                         f"data.task='text_pairs' or 'text_lm' (data.task={d.task!r} brings its "
                         "own data); valid here: '' (or set data.task)")

@@ -5,6 +5,7 @@ import math
 
 import models
 from data import passkey
+from data import passkey_text
 from layers.options import ConfigError
 from training import validation_positions
 
@@ -52,6 +53,10 @@ def check_config(config):
   if t.loss_on != 'target':
     raise ConfigError(f"train.loss_on={t.loss_on!r} is not valid for data.task='passkey' (its rows "
                       "weight the value tokens only); valid: target")
+  if d.get('tokenizer', ''):  # the pass key in your text (data.passkey_text)
+    _check_depths(d.passkey_depths)
+    _check_text_length(d)
+    return
   values, words = d.passkey_values, passkey.max_values()
   if not _integer(values) or not 2 <= values <= words:
     raise ConfigError(f'data.passkey_values={values!r} must be an integer from 2 to {words}: the '
@@ -68,13 +73,30 @@ def check_config(config):
                       f'tokens besides the filler); valid: data.max_length >= {shortest}')
 
 
+def _shortest(data_config):
+  """The shortest row of a passkey example: the toy task's, or the pass key sentences' tokens with
+  data.tokenizer."""
+  if data_config.get('tokenizer', ''):
+    return passkey_text.min_length(passkey.spec_from_config(data_config))
+  return passkey.min_length(data_config.get('passkey_value_tokens', 1))
+
+
+def _check_text_length(d):
+  """passkey with data.tokenizer: data.max_length holds the pass key sentences and some filler."""
+  shortest = _shortest(d)
+  if d.max_length < shortest:
+    raise ConfigError(f'data.max_length={d.max_length} cannot hold the pass key sentences and a '
+                      f'filler token ({shortest} tokens with data.tokenizer={d.tokenizer!r}); '
+                      f'valid: data.max_length >= {shortest}')
+
+
 def retrieval_lengths(config, multiples, flag='--lengths'):
   """The lengths in tokens of a retrieval report at `multiples` x data.max_length (empty: the
   default 1, 2, 4, 8); ConfigError for a length under an example's minimum or beyond the run's
   learned position table, with the multiples that are valid."""
   multiples = list(multiples) or list(DEFAULT_MULTIPLES)
   train_length = config.data.max_length
-  shortest = passkey.min_length(config.data.get('passkey_value_tokens', 1))
+  shortest = _shortest(config.data)
   rows = validation_positions.max_positions(config)
   named = f'{flag}={",".join(f"{x:g}" for x in multiples)}'
   if flag == '--lengths' and multiples == list(DEFAULT_MULTIPLES):
