@@ -53,10 +53,14 @@ def get_config(arg=None):
     config.data.tokenizer = source_data['tokenizer']
   config.data.max_length = source_data.get('max_length', config.data.max_length)
   config.data.task = task
+  if task == 'passkey':  # one row per example, the loss on the value alone (configs/passkey.py)
+    base = default.get_config()
+    config.data.packing = base.data.packing
+    config.train.loss_on = base.train.loss_on
   config.train.init_from = source
   config.train.update(steps=STEPS, learning_rate=LEARNING_RATE, warmup_steps=WARMUP,
                       schedule='constant')
   if 'quick' in args:
-    config.train.update(steps=2, batch_size=2, eval_every=2, checkpoint_every=2, log_every=1,
-                        eval_batches=1)
+    config.train.update(steps=2, warmup_steps=0, batch_size=2, eval_every=2, checkpoint_every=2,
+                        log_every=1, eval_batches=1)
   return config
