@@ -123,7 +123,7 @@ def train_and_evaluate(config, workdir, hooks=()):
   paths.makedirs(workdir)  # local or gs:// (training.paths)
   lead = jax.process_index() == 0  # multi-process: only process 0 writes logs and reports
   with lock.WorkdirLock(workdir) if lead else contextlib.nullcontext():
-    with checkpointing.quiet_background_errors():
+    with checkpointing.quiet_background_errors(workdir):
       return _train(config, workdir, hooks, lead)
 
 
