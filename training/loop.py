@@ -81,7 +81,8 @@ def store_lost(error, good, workdir):
       f'train: the object store {host}:{port} of {workdir} stopped answering '
       f'({type(error).__name__}'
       f': {reason}); the last good checkpoint is step {good if good is not None else "none"}; '
-      'rerun the same command once it is back')
+      'rerun the same command once it is back (its threads\' traces, if any: '
+      f'{checkpointing.background_log(workdir)})')
 
 
 def jit_train_step(config, graphdef, tx, state, mesh, leaf_groups):
