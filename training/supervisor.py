@@ -34,6 +34,8 @@ CLUSTER_ENV = ('SLURM_STEP_NUM_TASKS', 'TPU_WORKER_HOSTNAMES', 'MEGASCALE_COORDI
                'OMPI_COMM_WORLD_SIZE')
 _LOG, _STATUS = 'ATTNLAB_PROCESS_LOG', 'ATTNLAB_PROCESS_STATUS'  # set in the child only
 _PR_SET_PDEATHSIG = 1
+# What the coordination service's client logs as it ends a process (XLA's client.h).
+_FATAL = 'Terminating process because the JAX distributed service detected fatal errors'
 
 
 def flag_value(argv, name, default=None):
@@ -97,11 +99,12 @@ def supervise(program):
   code = child.wait()
   ended, state = time.time(), _read_status(status, sys.argv)
   os.remove(status)
-  if code in (0, 1, 2, 128 + signal.SIGTERM, 128 + signal.SIGINT):
-    os._exit(code)  # the child said what happened
   with open(log, errors='replace') as f:
     f.seek(start)
     text = f.read()
+  if code in (0, 1, 2, 128 + signal.SIGTERM, 128 + signal.SIGINT) and not (
+      code == 1 and _FATAL in text):  # the child said what happened (a fatal log may exit 1)
+    os._exit(code)
   line, code = report(program, sys.argv, text, state, code, log)
   print('\n' + line, file=sys.stderr, flush=True)  # a progress bar may have the line's start
   with open(log, 'a') as f:

@@ -33,16 +33,20 @@ def assert_one_line(out, workdir, reason):
   assert line.endswith(f"(its threads' traces, if any: {workdir}/logs/save-threads.log)"), line
 
 
-def assert_rerun_is_uninterrupted(data_dir, tmp_path):
-  for name in ('cut', 'full'):
-    out = subprocess.run(command(data_dir, tmp_path / name), cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-  rows = lambda w: [tuple(r.get(k) for k in KEYS) for r in metric_rows(tmp_path / w)]  # noqa: E731
-  assert rows('cut') == rows('full')
+def rows(data_dir, workdir):
+  """The metrics rows after running the command (to its end) in `workdir`."""
+  out = subprocess.run(command(data_dir, workdir), cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return [tuple(r.get(k) for k in KEYS) for r in metric_rows(workdir)]
 
 
-def test_a_nearly_full_disk_fails_the_save_in_one_line(data_dir, tmp_path):
+@pytest.fixture(scope='module')
+def uninterrupted(data_dir, tmp_path_factory):
+  return rows(data_dir, tmp_path_factory.mktemp('full'))
+
+
+def test_a_nearly_full_disk_fails_the_save_in_one_line(data_dir, tmp_path, uninterrupted):
   """RLIMIT_FSIZE at 50 KB: the checkpoint's first data file cannot be written (as a full disk)."""
   pipeline.get_tokenizer(quick_config(data_dir).data)  # the dataset is written before the limit
 
@@ -52,10 +56,11 @@ def test_a_nearly_full_disk_fails_the_save_in_one_line(data_dir, tmp_path):
   out = subprocess.run(command(data_dir, tmp_path / 'cut'), cwd=ROOT, capture_output=True,
                        text=True, preexec_fn=limit, timeout=300)
   assert_one_line(out, tmp_path / 'cut', 'File too large')
-  assert_rerun_is_uninterrupted(data_dir, tmp_path)
+  assert rows(data_dir, tmp_path / 'cut') == uninterrupted  # the rerun, with room
 
 
-def test_a_read_only_checkpoints_directory_fails_the_save_in_one_line(data_dir, tmp_path):
+def test_a_read_only_checkpoints_directory_fails_the_save_in_one_line(data_dir, tmp_path,
+                                                                      uninterrupted):
   """A read-only bind mount over WORKDIR/checkpoints (root only: skipped elsewhere)."""
   checkpoints = tmp_path / 'cut' / 'checkpoints'
   checkpoints.mkdir(parents=True)
@@ -69,4 +74,4 @@ def test_a_read_only_checkpoints_directory_fails_the_save_in_one_line(data_dir, 
   finally:
     subprocess.run(['umount', str(checkpoints)], check=True)
   assert_one_line(out, tmp_path / 'cut', 'Read-only file system')
-  assert_rerun_is_uninterrupted(data_dir, tmp_path)
+  assert rows(data_dir, tmp_path / 'cut') == uninterrupted  # the rerun, with room
