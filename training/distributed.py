@@ -28,9 +28,9 @@ def define_distributed_flags():
                     '(TPU pod slices, SLURM, Open MPI) even if no cluster variable is seen.')
   flags.DEFINE_integer('heartbeat_timeout', supervisor.HEARTBEAT_TIMEOUT, 'Multi-process: '
                        'seconds without a heartbeat after which a process counts as lost and the '
-                       'others stop (JAX\'s heartbeat_timeout_seconds).')
+                       'others stop (JAX\'s heartbeat_timeout_seconds).', lower_bound=1)
   flags.DEFINE_integer('init_timeout', supervisor.INIT_TIMEOUT, 'Multi-process: seconds to wait '
-                       'for every process to join (JAX\'s initialization_timeout).')
+                       'for every process to join (JAX\'s initialization_timeout).', lower_bound=1)
 
 CLUSTER_ENV = supervisor.CLUSTER_ENV
 
