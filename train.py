@@ -8,9 +8,12 @@ by the `training` library (`training.loop.train_and_evaluate`); this file holds 
 import sys
 
 from training import host
+from training import supervisor
 
 host.exit_at_once_on_signals('train')  # before the slow imports: a Ctrl-C now is one line
 host.cpu_when_no_accelerator()  # before JAX starts
+supervisor.supervise('train')  # several processes: a lost one is reported in one line
+supervisor.route_native_output()  # ... and C++ traces go to WORKDIR/logs, not the terminal
 
 
 from absl import app  # noqa: E402
@@ -62,6 +65,7 @@ def main(argv):
     cli_checks.fail('train', f'unexpected arguments {argv[1:]}; valid: flags only (--config, '
                     '--workdir, --config.FIELD=VALUE, ...)')
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
+  supervisor.quiet_fault_dumps()
   if FLAGS.sweep:
     print(f'train: sweeps moved to their own tool; run: {moved_to_sweep_tool(sys.argv)}',
           file=sys.stderr)
@@ -74,7 +78,8 @@ def main(argv):
   try:
     cli_checks.check_workdir(FLAGS.workdir)
     distributed.init_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
-                                 FLAGS.process_id, FLAGS.multihost)
+                                 FLAGS.process_id, FLAGS.multihost, FLAGS.heartbeat_timeout,
+                                 FLAGS.init_timeout)
     config = train_checks.check_train_run(FLAGS.config.unlock(), FLAGS.workdir)
     vocab_size = state_lib.model_vocab_size(config, pipeline.get_tokenizer(config.data).vocab_size)
     limit = memory.device_limit()  # before the run takes any of it
@@ -98,12 +103,16 @@ def main(argv):
   except options.ConfigError as e:  # raised where the loop first meets the devices or data
     cli_checks.fail('config error', e)
   except checkpointing.RunFailed as e:  # non-finite loss, a failed save, no readable checkpoint
+    if distributed.lost_peer(e):  # a save's barrier failed: a process is gone
+      supervisor.await_abort(e)
     print(str(e), file=sys.stderr)
     cli_checks.exit_now(1)  # a failed save leaves threads that would hold the exit for ever
   except loop.Stopped as e:
     print(str(e), file=sys.stderr)
     sys.exit(128 + e.signum)  # the shell's convention for "ended by this signal"
   except Exception as e:
+    if distributed.lost_peer(e):  # a collective failed: the coordination service names the lost
+      supervisor.await_abort(e)  # process and ends this one; the parent says it in one line
     if not memory.is_out_of_memory(e):
       raise
     print(memory.out_of_memory_line(e, config, vocab_size, limit), file=sys.stderr)

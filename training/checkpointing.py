@@ -7,7 +7,9 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
+import traceback
 
 import jax
 import numpy as np
@@ -230,17 +232,52 @@ class _DropOrbaxErrors(logging.Filter):
     return not (record.name == 'asyncio' and 'never retrieved' in str(record.msg))
 
 
+def background_log(workdir):
+  """The local file that takes the traces of a failed save's background threads:
+  WORKDIR/logs/save-threads.log (a gs:// workdir: under the system's temporary directory)."""
+  base = (os.path.join(tempfile.gettempdir(), f'attnlab-{os.getpid()}')
+          if paths.is_remote(workdir) else workdir)
+  return os.path.join(base, 'logs', 'save-threads.log')
+
+
+class _BackgroundTraces:
+  """A `sys.unraisablehook` that appends the closed-event-loop traces to a log file: after a
+  failed save, tensorstore's pending futures each report a `RuntimeError: Event loop is closed` as
+  they find Orbax's event loop gone (71 of them on a nearly full disk, interleaved); the run reports
+  the failure in one line that names this file. Other unraisable exceptions go to the previous
+  hook."""
+
+  def __init__(self, path):
+    self.path, self.previous = path, sys.unraisablehook
+
+  def __call__(self, unraisable):
+    value = unraisable.exc_value
+    if not (isinstance(value, RuntimeError) and 'Event loop is closed' in str(value)):
+      self.previous(unraisable)
+      return
+    try:  # the disk may be the full one: then the trace is dropped, never shown
+      os.makedirs(os.path.dirname(self.path), exist_ok=True)
+      with open(self.path, 'a') as f:
+        f.write(''.join(traceback.format_exception(
+            unraisable.exc_type, value, unraisable.exc_traceback)))
+    except OSError:
+      pass
+
+
 @contextlib.contextmanager
-def quiet_background_errors():
-  """While active, Orbax's own error records are dropped (see `confirm_saved`). After a failure the
-  filter stays: the failed write's futures are collected later, up to interpreter exit."""
+def quiet_background_errors(workdir):
+  """While active, Orbax's own error records are dropped (see `confirm_saved`) and other threads'
+  traces go to `background_log(workdir)`. After a failure both stay: the failed write's futures are
+  collected later, up to interpreter exit."""
   drop = _DropOrbaxErrors()
   loggers = [logging.getLogger('absl'), logging.getLogger('asyncio')]
   for logger in loggers:
     logger.addFilter(drop)
+  hook = sys.unraisablehook = _BackgroundTraces(background_log(workdir))
   yield
   for logger in loggers:  # reached only when the run ended without an exception
     logger.removeFilter(drop)
+  sys.unraisablehook = hook.previous
 
 
 def restore_newest_good(mngr, state, workdir, move_aside=True):
@@ -331,4 +368,5 @@ def save_failed(mngr, workdir, error):
   good = mngr.latest_step()
   return SaveFailed(f'train: saving a checkpoint in {directory} failed ({error_reason(error)}; '
                     f'{free}); ' + (f'the last good checkpoint is step {good}' if good is not None
-                                    else 'no checkpoint was saved') + '; stopping')
+                                    else 'no checkpoint was saved') +
+                    f'; stopping (its threads\' traces, if any: {background_log(workdir)})')

@@ -6,6 +6,7 @@ no-op that returns its input.
 
 import json
 import os
+import re
 
 from absl import flags
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 
 from layers import options
 from layers import sharding
+from training import supervisor
 
 def define_distributed_flags():
   """Multi-host flags of train.py and eval.py: the arguments of `jax.distributed.initialize`."""
@@ -24,26 +26,45 @@ def define_distributed_flags():
   flags.DEFINE_integer('process_id', None, 'Multi-process: this process\'s index.')
   flags.DEFINE_bool('multihost', False, 'Join a multi-process run found by JAX\'s auto-detection '
                     '(TPU pod slices, SLURM, Open MPI) even if no cluster variable is seen.')
+  flags.DEFINE_integer('heartbeat_timeout', supervisor.HEARTBEAT_TIMEOUT, 'Multi-process: '
+                       'seconds without a heartbeat after which a process counts as lost and the '
+                       'others stop (JAX\'s heartbeat_timeout_seconds).', lower_bound=1)
+  flags.DEFINE_integer('init_timeout', supervisor.INIT_TIMEOUT, 'Multi-process: seconds to wait '
+                       'for every process to join (JAX\'s initialization_timeout).', lower_bound=1)
 
-CLUSTER_ENV = ('SLURM_STEP_NUM_TASKS', 'TPU_WORKER_HOSTNAMES', 'MEGASCALE_COORDINATOR_ADDRESS',
-               'OMPI_COMM_WORLD_SIZE')
+CLUSTER_ENV = supervisor.CLUSTER_ENV
 
 def init_distributed(coordinator_address=None, num_processes=None, process_id=None,
-                     multihost=False):
+                     multihost=False, heartbeat_timeout=None, init_timeout=None):
   """Joins a multi-process run before any other JAX call; returns the process count.
 
   Explicit arguments join that run (on CPU over gloo collectives, e.g. local processes on
   loopback); with none, a cluster JAX can detect (SLURM, Open MPI, GKE TPU variables in
   `CLUSTER_ENV`, or any with `multihost`, e.g. a Cloud TPU VM slice) is joined with
-  auto-detection, and anything else is a single process.
+  auto-detection, and anything else is a single process. `heartbeat_timeout` and `init_timeout`
+  (seconds; None: JAX's defaults, 100 and 300) bound the wait for a lost process and for the
+  others to join (training.supervisor reports either in one line).
   """
   explicit = any(v is not None for v in (coordinator_address, num_processes, process_id))
   multi = explicit or multihost or any(os.environ.get(k, '1') not in ('', '1') for k in CLUSTER_ENV)
   if multi:
     # CPU devices need a collectives backend to talk across processes (ignored on GPU/TPU).
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    timeouts = {k: v for k, v in (('heartbeat_timeout_seconds', heartbeat_timeout),
+                                  ('initialization_timeout', init_timeout)) if v is not None}
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, **timeouts)
+    supervisor.note_joined()
   return jax.process_count()
+
+# What a failed collective or save says when another process went away (gloo's broken connection,
+# a barrier or key of the coordination service that failed).
+_LOST_PEER = re.compile(r'Gloo|gloo|Connection reset|Connection closed|coordination service|'
+                        r'CoordinationService|heartbeat|[Bb]arrier|UNAVAILABLE|DEADLINE_EXCEEDED')
+
+
+def lost_peer(error):
+  """Whether `error` of a multi-process run says that another process went away."""
+  return jax.process_count() > 1 and bool(_LOST_PEER.search(str(error)))
 
 def make_mesh(config):
   """The device mesh of `config.mesh` (all sizes 1: the first device), or a ConfigError."""

@@ -81,7 +81,8 @@ def store_lost(error, good, workdir):
       f'train: the object store {host}:{port} of {workdir} stopped answering '
       f'({type(error).__name__}'
       f': {reason}); the last good checkpoint is step {good if good is not None else "none"}; '
-      'rerun the same command once it is back')
+      'rerun the same command once it is back (its threads\' traces, if any: '
+      f'{checkpointing.background_log(workdir)})')
 
 
 def jit_train_step(config, graphdef, tx, state, mesh, leaf_groups):
@@ -123,7 +124,7 @@ def train_and_evaluate(config, workdir, hooks=()):
   paths.makedirs(workdir)  # local or gs:// (training.paths)
   lead = jax.process_index() == 0  # multi-process: only process 0 writes logs and reports
   with lock.WorkdirLock(workdir) if lead else contextlib.nullcontext():
-    with checkpointing.quiet_background_errors():
+    with checkpointing.quiet_background_errors(workdir):
       return _train(config, workdir, hooks, lead)
 
 

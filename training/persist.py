@@ -14,6 +14,7 @@ from training import callbacks
 from training import checkpointing
 from training import distributed
 from training import steps
+from training import supervisor
 
 
 class StopSignals:
@@ -65,6 +66,7 @@ class Checkpointer(callbacks.Callback):
     self.every = config.train.checkpoint_every
     self.signals = signals  # a StopSignals
     self.good, self.pending = start or None, None  # the newest confirmed step, the one in flight
+    supervisor.note_checkpoint(self.good)  # named if a process of the run is lost
 
   def after_step(self, step, record):
     # Asked every step: with several processes it is the preemption service's sync point.
@@ -92,6 +94,7 @@ class Checkpointer(callbacks.Callback):
     except checkpointing.RunFailed as e:
       return callbacks.Action(fail=e)
     self.good = self.pending or self.good
+    supervisor.note_checkpoint(self.pending)
     # Process 0 writes the data position: every shard's, gathered from the processes reading them.
     data_state = pipeline.ShardedIterator.merge_states(
         distributed.allgather_json(record.data_position))
