@@ -15,7 +15,6 @@ import os
 
 from configs import default
 from configs import text_lm
-from layers.options import ConfigError
 
 TASKS = ('text_lm', 'passkey')
 # Fine-tuning settings: PI's (LLaMA 7B: 1,000 steps at 2e-5 after 20 warmup steps, constant).
@@ -25,7 +24,7 @@ STEPS, LEARNING_RATE, WARMUP = 1000, 2e-5, 20
 def _source_config(source):
   path = os.path.join(source, 'config.json')
   if not os.path.isfile(path):
-    raise ConfigError(f'configs/pretrained.py: from={source!r} has no config.json; valid: the '
+    raise ValueError(f'from={source!r} has no config.json; valid: the '
                       'workdir of tools.hf import or of a decoder_only train.py run')
   with open(path) as f:
     return json.load(f)
@@ -36,14 +35,14 @@ def get_config(arg=None):
   args = default.parse_arg(arg)
   source = args.get('from')
   if not source or source is True:
-    raise ConfigError('configs/pretrained.py needs from=WORKDIR (the run to fine-tune), e.g. '
+    raise ValueError('it needs from=WORKDIR (the run to fine-tune), e.g. '
                       '--config=configs/pretrained.py:from=imported,dir=corpus')
   task = args.get('task', 'text_lm')
   if task not in TASKS:
-    raise ConfigError(f'configs/pretrained.py: task={task!r} unknown; valid: {list(TASKS)}')
+    raise ValueError(f'task={task!r} unknown; valid: {list(TASKS)}')
   saved = _source_config(source)
   if saved.get('model', {}).get('arch') != 'decoder_only':
-    raise ConfigError(f'configs/pretrained.py: from={source!r} is not a decoder_only run')
+    raise ValueError(f'from={source!r} is not a decoder_only run')
   config = text_lm.get_config(arg)
   for name, value in saved['model'].items():
     if name in config.model:

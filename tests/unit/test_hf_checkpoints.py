@@ -1,8 +1,8 @@
 """Hugging Face checkpoints: logits equal to transformers', cached greedy decoding, round trips.
 
-The fixtures (tests/fixtures/hf/, written by tools/hf/make_fixtures.py with transformers) hold tiny
-random models of each family with transformers' float32 logits, last hidden states and greedy
-continuation of one row.
+The fixtures (tests/fixtures/hf/, written by tests/fixtures/make_hf_fixtures.py with transformers)
+hold tiny random models of each family with transformers' float32 logits, last hidden states and
+greedy continuation of one row.
 """
 
 import json
@@ -18,7 +18,8 @@ from models import decoding
 from tools.hf import __main__ as cli
 from tools.hf import convert
 from tools.hf import export
-from tools.hf import weights
+from models.hf import families
+from models.hf import weights
 from training import state as state_lib
 from layers import sharding
 
@@ -157,7 +158,7 @@ def test_a_7b_mapping_checks_on_an_abstract_model():
   """Every tensor name and shape of Llama 2 7B against `jax.eval_shape` of the model: a shape or
   name error shows before a user downloads 13 GB. 291 tensors, 6,738,415,616 parameters."""
   config = convert.model_config(LLAMA2_7B)
-  tensors = convert.tensor_list(convert.resolved_model(config))
+  tensors = families.tensor_list(families.resolved_model(config))
   mesh = sharding.make_mesh(config.mesh)
   _, _, abstract = state_lib.abstract_state(config, config.model.vocab_size, mesh)
   convert.check_against_model(tensors, abstract['params'])

@@ -15,7 +15,7 @@ import numpy as np
 
 from tools.hf import convert
 from tools.hf import export
-from tools.hf.families import HFError
+from models.hf.families import HFError
 
 
 def parse(argv):

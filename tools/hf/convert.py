@@ -19,13 +19,10 @@ import orbax.checkpoint as ocp
 from safetensors import safe_open
 
 from configs import text_lm
-from layers import initializers
-from layers import positions as positions_lib
 from layers import sharding
 from layers.options import ConfigError
-from tools.hf import families
-from tools.hf import weights
-from tools.hf.families import HFError
+from models.hf import families
+from models.hf.families import HFError
 from training import checkpointing
 from training import state as state_lib
 from training import validation
@@ -111,19 +108,6 @@ def model_config(hf, mesh=None):
   return config
 
 
-def resolved_model(config):
-  """`config.model` with the sizes the tensor list reads filled in (V, H, the learned table)."""
-  m = config.model.copy_and_resolve_references()
-  m.head_dim = initializers.head_dim(m)
-  if m.position == 'learned':
-    m.max_positions = positions_lib.POSITIONS['learned'].max_positions(m, config.data.max_length)
-  return m
-
-
-def tensor_list(m):
-  return weights.gpt2_tensors(m) if m.position == 'learned' else weights.llama_tensors(m)
-
-
 def shard_files(hf_dir):
   """{tensor name: shard path} from the index file, or from every *.safetensors in `hf_dir`; a
   missing or unreadable (truncated) shard is one line."""
@@ -165,7 +149,7 @@ def check_tensors(tensors, found):
       raise HFError(f'tensor {t.name} has shape {list(shape)}; its config implies {list(t.shape)}')
   expected = {t.name for t in tensors}
   extra = sorted(n for n in found if n not in expected
-                 and not n.endswith(weights.IGNORED_SUFFIXES))
+                 and not n.endswith(families.IGNORED_SUFFIXES))
   if extra:
     raise HFError(f'tensor {extra[0]} is not part of the model config.json describes '
                   f'({len(extra)} such tensors); attnlab would drop it')
@@ -282,8 +266,7 @@ def import_checkpoint(hf_dir, workdir, *, mesh=None, log=print):
   config = model_config(hf, mesh)
   if has_tokenizer and 'tokenizer' in config.data:
     config.data.tokenizer = os.path.join(os.path.abspath(workdir), TOKENIZER_DIR)
-  m = resolved_model(config)
-  tensors = tensor_list(m)
+  tensors = families.tensor_list(families.resolved_model(config))
   found = shard_files(hf_dir)
   check_tensors(tensors, found)
   state = import_state(config, tensors, found)

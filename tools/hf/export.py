@@ -13,8 +13,8 @@ from safetensors.numpy import save_file
 from data import pipeline
 from layers import sharding
 from tools.hf import convert
-from tools.hf import families
-from tools.hf.families import HFError
+from models.hf import families
+from models.hf.families import HFError
 from training import checkpointing
 from training import state as state_lib
 
@@ -29,9 +29,7 @@ def load(workdir):
     raise HFError(f'--workdir={workdir} has no config.json; valid: an attnlab workdir (train.py '
                   'or tools.hf import)')
   config = ml_collections.ConfigDict(convert.read_json(path, 'config.json'))
-  if config.model.get('arch') != 'decoder_only':
-    raise HFError(f'model.arch={config.model.get("arch")!r} cannot be converted; valid: '
-                  'decoder_only')
+  families.check_convertible(config.model)
   vocab = vocab_size(config)
   mesh = sharding.make_mesh(config.mesh)
   graphdef, _, abstract = state_lib.abstract_state(config, vocab, mesh)
@@ -60,18 +58,6 @@ def logits(workdir, ids):
 def _source(workdir):
   path = os.path.join(workdir, convert.SOURCE_FILE)
   return convert.read_json(path, convert.SOURCE_FILE) if os.path.isfile(path) else {}
-
-
-def _context_length(config, m):
-  """max_position_embeddings to write: GPT-2's table; the pretrained context L under no scaling
-  and dynamic NTK (which scales past it); L x factor (at least the run's length) under the
-  static scalings, whose L travels in rope_scaling."""
-  if m.position == 'learned':
-    return int(m.max_positions)
-  original = int(m.get('rope_original_length', 0) or config.data.max_length)
-  if m.rope_scaling in ('none', 'dynamic'):
-    return original
-  return max(int(config.data.max_length), round(original * m.rope_scaling_factor))
 
 
 def hf_tensors(model, tensors):
@@ -118,19 +104,20 @@ def export_checkpoint(workdir, out, *, model_type=None, log=print):
       os.path.join(workdir, 'config.json')) else None
   if config is None:
     raise HFError(f'--workdir={workdir} has no config.json; valid: an attnlab workdir')
-  m = convert.resolved_model(config)
+  families.check_convertible(config.model)
+  m = families.resolved_model(config)
   kind = model_type or families.family_of(m)
   source = _source(workdir)
   vocab = vocab_size(config)
   ids = {k: source.get(f'{k}_token_id') for k in ('bos', 'eos', 'pad')}
   m.vocab_size = vocab
-  hf = families.to_hf(m, kind, _context_length(config, m), vocab, ids)  # checks first
+  hf = families.to_hf(m, kind, families.context_length(config, m), vocab, ids)  # checks first
   config, model, step = load(workdir)
   tmp = out.rstrip('/') + '.partial'
   if os.path.exists(tmp):
     shutil.rmtree(tmp)
   os.makedirs(tmp)
-  write_shards(tmp, hf_tensors(model, convert.tensor_list(m)))
+  write_shards(tmp, hf_tensors(model, families.tensor_list(m)))
   with open(os.path.join(tmp, 'config.json'), 'w') as f:
     json.dump(hf, f, indent=2)
   tokenizer = os.path.join(workdir, convert.TOKENIZER_DIR)

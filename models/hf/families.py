@@ -10,6 +10,8 @@ it cannot reproduce (an unknown rope type, MoE layers, a sliding window on some 
 import math
 
 from layers import initializers
+from layers import positions as positions_lib
+from models.hf import weights
 
 
 class HFError(ValueError):
@@ -283,3 +285,38 @@ def to_hf(m, kind, length, vocab_size, token_ids=None):
   if kind in ('qwen2', 'qwen3'):
     out['use_sliding_window'] = False
   return out
+
+
+def resolved_model(config):
+  """`config.model` with the sizes the tensor list reads filled in (V, H, the learned table)."""
+  m = config.model.copy_and_resolve_references()
+  m.head_dim = initializers.head_dim(m)
+  if m.position == 'learned':
+    m.max_positions = positions_lib.POSITIONS['learned'].max_positions(m, config.data.max_length)
+  return m
+
+
+def tensor_list(m):
+  """The checkpoint tensors (models.hf.weights.Tensor) of a resolved `config.model`."""
+  return weights.gpt2_tensors(m) if m.position == 'learned' else weights.llama_tensors(m)
+
+
+IGNORED_SUFFIXES = weights.IGNORED_SUFFIXES
+
+
+def check_convertible(m):
+  """Refuses, in one line, an architecture the families do not have (only decoder-only models)."""
+  if m.get('arch') != 'decoder_only':
+    raise HFError(f'model.arch={m.get("arch")!r} cannot be converted; valid: decoder_only')
+
+
+def context_length(config, m):
+  """max_position_embeddings to write for the resolved `m`: GPT-2's table; the pretrained context
+  L under no scaling and dynamic NTK (which scales past it); L x factor (at least the run's length)
+  under the static scalings, whose L travels in rope_scaling."""
+  if m.position == 'learned':
+    return int(m.max_positions)
+  original = int(m.get('rope_original_length', 0) or config.data.max_length)
+  if m.rope_scaling in ('none', 'dynamic'):
+    return original
+  return max(int(config.data.max_length), round(original * m.rope_scaling_factor))
