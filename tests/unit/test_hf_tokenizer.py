@@ -318,3 +318,11 @@ def test_a_changed_tokenizer_is_refused_against_the_run(hf_dir, qwen_dir, tmp_pa
   with pytest.raises(text_corpus.DataError, match='with the same files: .*data.tokenizer') as e:
     text_corpus.check_fingerprint(recorded, other)
   assert '\n' not in str(e.value)
+
+
+def test_accounting_counts_its_vocabulary(hf_dir, tmp_path):
+  from tools import accounting
+  vocab = hf_tokenizer.HFTokenizer.load(hf_dir).vocab_size
+  for task in ('text_lm', 'passkey'):
+    assert accounting.task_vocab_size(data_config(hf_dir, tmp_path / 'data', task=task)) == vocab
+  assert not (tmp_path / 'data').exists()  # read from the tokenizer, nothing prepared
