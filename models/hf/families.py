@@ -43,11 +43,50 @@ def model_type(hf):
   return kind
 
 
-def _refuse_unknown_structure(hf):
+# Fields that change nothing the model computes (ids, dropouts at inference, bookkeeping, heads
+# other than the LM's), or that the family's mapping below reads.
+BENIGN_FIELDS = frozenset((
+    'architectures', 'model_type', 'transformers_version', 'torch_dtype', 'dtype', '_name_or_path',
+    'bos_token_id', 'eos_token_id', 'pad_token_id', 'sep_token_id', 'decoder_start_token_id',
+    'use_cache', 'initializer_range', 'attention_dropout', 'output_attentions',
+    'output_hidden_states', 'return_dict', 'id2label', 'label2id', 'problem_type',
+    'tokenizer_class', 'task_specific_params', 'torchscript', 'chunk_size_feed_forward',
+    'is_decoder', 'is_encoder_decoder', 'prefix', 'finetuning_task', 'use_return_dict',
+    'tie_word_embeddings', 'vocab_size', 'quantization_config_applied', 'generation_config'))
+MAPPED_FIELDS = {
+    'llama': ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
+              'num_key_value_heads', 'head_dim', 'hidden_act', 'max_position_embeddings',
+              'rms_norm_eps', 'rope_theta', 'rope_scaling', 'rope_parameters',
+              'partial_rotary_factor', 'attention_bias', 'mlp_bias', 'pretraining_tp'),
+    'gpt2': ('n_embd', 'n_layer', 'n_head', 'n_inner', 'n_positions', 'n_ctx',
+             'activation_function', 'layer_norm_epsilon', 'scale_attn_weights',
+             'scale_attn_by_inverse_layer_idx', 'add_cross_attention', 'reorder_and_upcast_attn',
+             'attn_pdrop', 'embd_pdrop', 'resid_pdrop', 'summary_activation',
+             'summary_first_dropout', 'summary_proj_to_labels', 'summary_type',
+             'summary_use_proj'),
+}
+MAPPED_FIELDS['mistral'] = MAPPED_FIELDS['llama'] + ('sliding_window',)
+MAPPED_FIELDS['qwen2'] = MAPPED_FIELDS['llama'] + ('sliding_window', 'use_sliding_window',
+                                                   'max_window_layers', 'layer_types')
+MAPPED_FIELDS['qwen3'] = MAPPED_FIELDS['qwen2']
+
+
+def _refuse_unknown_structure(hf, kind):
+  """MoE and latent-attention fields, and any field neither benign nor mapped that is set: a
+  conversion that dropped it would compute something else (the classic silent failure)."""
   for field in REFUSED_FIELDS:
     if hf.get(field):
       raise HFError(f'config.json {field}={hf[field]!r}: attnlab imports dense models only '
                     '(no mixture-of-experts or latent-attention layers)')
+  known = BENIGN_FIELDS.union(MAPPED_FIELDS[kind])
+  for field, value in hf.items():
+    if field not in known and value not in (None, False, 0, '', [], {}):
+      raise HFError(f'config.json {field}={value!r} is not a field attnlab maps for {kind}; '
+                    'importing without it would compute something else')
+  types = set(hf.get('layer_types') or ['full_attention'])
+  if types != {'full_attention'}:
+    raise HFError(f'config.json layer_types={sorted(types)}: only full_attention layers are '
+                  'supported (a window on some layers only)')
 
 
 def rope_parameters(hf):
@@ -162,7 +201,7 @@ def _gpt2_model(hf):
 def to_model(hf):
   """The `config.model` fields (a dict) of the HF config dict `hf`, and the context length."""
   kind = model_type(hf)
-  _refuse_unknown_structure(hf)
+  _refuse_unknown_structure(hf, kind)
   fields = _gpt2_model(hf) if kind == 'gpt2' else _llama_model(hf, kind)
   fields['vocab_size'] = int(hf['vocab_size'])
   length = int(hf['n_positions'] if kind == 'gpt2' else hf['max_position_embeddings'])

@@ -85,6 +85,14 @@ def test_unsupported_rope_type_and_moe_fields(tmp_path, capsys):
   assert 'num_local_experts' in _import(capsys, folder, tmp_path / 'wd')
 
 
+def test_a_field_it_does_not_map_is_refused(tmp_path, capsys):
+  """e.g. SmolLM3's no_rope_layers on a llama model_type: dropping it would change the logits."""
+  folder = _copy(tmp_path)
+  _edit_config(folder, no_rope_layers=[1, 0])
+  err = _import(capsys, folder, tmp_path / 'wd')
+  assert 'no_rope_layers=[1, 0]' in err and 'llama' in err
+
+
 def test_hf_dir_that_is_a_workdir_and_workdir_that_is_an_hf_folder(tmp_path, capsys):
   wd = tmp_path / 'wd'
   cli.main(['import', f'--hf_dir={os.path.join(FIXTURES, "gpt2")}', f'--workdir={wd}'])
