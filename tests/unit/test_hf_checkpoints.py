@@ -80,7 +80,7 @@ def test_logits_command_writes_the_rows_logits(imported, tmp_path):
   np.testing.assert_allclose(np.load(out), want['logits'], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize('case', ['llama3', 'qwen2', 'qwen3', 'gpt2', 'mistral'])
+@pytest.mark.parametrize('case', CASES)
 def test_export_then_import_is_bit_identical(imported, case, tmp_path):
   hf_dir, again = str(tmp_path / 'hf'), str(tmp_path / 'again')
   export.export_checkpoint(imported[case], hf_dir, log=lambda *_: None)
