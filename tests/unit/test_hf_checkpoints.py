@@ -102,6 +102,20 @@ def test_export_then_import_is_bit_identical(imported, case, tmp_path):
     assert first_model == second_model
 
 
+def test_a_bfloat16_export_of_an_import_is_bit_identical(imported, tmp_path):
+  """The fixtures' weights are bfloat16: exported as bfloat16 they round-trip exactly too."""
+  hf_dir, again = str(tmp_path / 'hf'), str(tmp_path / 'again')
+  cli.main(['export', f'--workdir={imported["qwen3"]}', f'--out={hf_dir}', '--dtype=bfloat16'])
+  with open(os.path.join(hf_dir, 'config.json')) as f:
+    assert json.load(f)['torch_dtype'] == 'bfloat16'
+  size = os.path.getsize(os.path.join(hf_dir, 'model.safetensors'))
+  assert size < 1.02 * os.path.getsize(os.path.join(FIXTURES, 'qwen3', 'model.safetensors'))
+  convert.import_checkpoint(hf_dir, again, log=lambda *_: None)
+  first, second = _params(imported['qwen3']), _params(again)
+  for path in first:
+    np.testing.assert_array_equal(first[path], second[path], err_msg=str(path))
+
+
 def test_rope_layout_error_is_caught(imported, tmp_path):
   """A checkpoint whose q/k are in the interleaved layout imports with logits far from
   transformers'; permuting them to rotate-half (what a Meta-layout conversion must do) restores

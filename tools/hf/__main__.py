@@ -3,6 +3,7 @@
     python -m tools.hf import --hf_dir=DIR --workdir=WD [--mesh=fsdp=4,tensor=2]
     python -m tools.hf logits --workdir=WD --ids=I1,I2,... --out=FILE.npy
     python -m tools.hf export --workdir=WD --out=DIR [--model_type=llama|mistral|qwen2|qwen3|gpt2]
+        [--dtype=float32|bfloat16]
 
 Every refusal (an unknown model_type, a missing or truncated shard, a tensor of the wrong shape, a
 config the family cannot express) is one `hf:` line and exit status 2, before anything is written.
@@ -34,6 +35,7 @@ def parse(argv):
   ex.add_argument('--workdir', required=True)
   ex.add_argument('--out', required=True)
   ex.add_argument('--model_type', default=None, help='the family (default: read from the model)')
+  ex.add_argument('--dtype', default='float32', help='float32 (bit for bit) | bfloat16')
   return parser.parse_args(argv)
 
 
@@ -57,7 +59,8 @@ def main(argv=None):
       np.save(args.out, out)
       print(f'hf: logits {list(out.shape)} written to {args.out}')
     else:
-      export.export_checkpoint(args.workdir, args.out, model_type=args.model_type)
+      export.export_checkpoint(args.workdir, args.out, model_type=args.model_type,
+                               dtype=args.dtype)
   except HFError as e:
     print(f'hf: {" ".join(str(e).split())}', file=sys.stderr)
     sys.exit(2)

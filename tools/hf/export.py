@@ -6,6 +6,7 @@ import shutil
 
 import jax
 import ml_collections
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
@@ -60,13 +61,16 @@ def _source(workdir):
   return convert.read_json(path, convert.SOURCE_FILE) if os.path.isfile(path) else {}
 
 
-def hf_tensors(model, tensors):
-  """Yields (name, float32 numpy array) in the checkpoint's layout, one tensor at a time."""
+DTYPES = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16}
+
+
+def hf_tensors(model, tensors, dtype='float32'):
+  """Yields (name, numpy array of `dtype`) in the checkpoint's layout, one tensor at a time."""
   leaves, _ = convert.param_paths(nnx.state(model, nnx.Param))
   by_path = dict(leaves)
   for t in tensors:
     parts = [np.asarray(jax.device_get(by_path[p]), np.float32) for p in t.paths]
-    yield t.name, np.ascontiguousarray(t.to_hf(parts))
+    yield t.name, np.ascontiguousarray(t.to_hf(parts)).astype(DTYPES[dtype])
 
 
 def write_shards(out, named_arrays):
@@ -95,8 +99,11 @@ def write_shards(out, named_arrays):
     json.dump({'metadata': {}, 'weight_map': weight_map}, f, indent=2)
 
 
-def export_checkpoint(workdir, out, *, model_type=None, log=print):
-  """`python -m tools.hf export`: the newest parameters of `workdir` as a Hugging Face folder."""
+def export_checkpoint(workdir, out, *, model_type=None, dtype='float32', log=print):
+  """`python -m tools.hf export`: the newest parameters of `workdir` as a Hugging Face folder,
+  stored as `dtype` (float32: bit for bit; bfloat16: rounded to nearest even, half the bytes)."""
+  if dtype not in DTYPES:
+    raise HFError(f'--dtype={dtype!r} unknown; valid: {list(DTYPES)}')
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
     raise HFError(f'--out={out} exists and is not empty; valid: a new directory')
   config = ml_collections.ConfigDict(convert.read_json(os.path.join(workdir, 'config.json'),
@@ -112,12 +119,13 @@ def export_checkpoint(workdir, out, *, model_type=None, log=print):
   ids = {k: source.get(f'{k}_token_id') for k in ('bos', 'eos', 'pad')}
   m.vocab_size = vocab
   hf = families.to_hf(m, kind, families.context_length(config, m), vocab, ids)  # checks first
+  hf['torch_dtype'] = dtype
   config, model, step = load(workdir)
   tmp = out.rstrip('/') + '.partial'
   if os.path.exists(tmp):
     shutil.rmtree(tmp)
   os.makedirs(tmp)
-  write_shards(tmp, hf_tensors(model, families.tensor_list(m)))
+  write_shards(tmp, hf_tensors(model, families.tensor_list(m), dtype))
   with open(os.path.join(tmp, 'config.json'), 'w') as f:
     json.dump(hf, f, indent=2)
   tokenizer = os.path.join(workdir, convert.TOKENIZER_DIR)
