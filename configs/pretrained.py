@@ -48,6 +48,10 @@ def get_config(arg=None):
     if name in config.model:
       config.model[name] = tuple(value) if isinstance(value, list) else value
   source_data = saved.get('data', {})
+  if not config.model.get('rope_original_length'):
+    # A train.py run: its training length is the context a scaling switched on now refers to
+    # (an import sets it to the checkpoint's max_position_embeddings).
+    config.model.rope_original_length = source_data.get('max_length', config.data.max_length)
   if source_data.get('tokenizer'):
     config.data.tokenizer = source_data['tokenizer']
   config.data.max_length = source_data.get('max_length', config.data.max_length)

@@ -36,7 +36,7 @@ COMMON = dict(arch='decoder_only', attention='dense', attention_impl='xla', norm
 
 def model_type(hf):
   """`hf['model_type']`, refused in one line unless it is a family attnlab converts."""
-  kind = hf.get('model_type')
+  kind = hf.get('model_type') if isinstance(hf, dict) else None
   if kind not in MODEL_TYPES:
     raise HFError(f'config.json model_type={kind!r} is not a family attnlab converts; valid: '
                   f'{list(MODEL_TYPES)}')
@@ -89,10 +89,43 @@ def _refuse_unknown_structure(hf, kind):
                   'supported (a window on some layers only)')
 
 
+ROPE_KEYS = frozenset(('rope_type', 'type', 'rope_theta', 'factor',
+                       'original_max_position_embeddings', 'low_freq_factor', 'high_freq_factor',
+                       'beta_fast', 'beta_slow',
+                       'attention_factor', 'mscale', 'mscale_all_dim', 'truncate',
+                       'partial_rotary_factor'))
+
+
+def require(hf, field, kind=(int, float)):
+  """`hf[field]`, refused in one line when absent or not of `kind`."""
+  value = hf.get(field)
+  if isinstance(value, bool) or not isinstance(value, kind):
+    raise HFError(f'config.json {field}={value!r}: a number is required')
+  return value
+
+
 def rope_parameters(hf):
   """(rope_type, its parameters, theta) from either form transformers writes: `rope_theta` +
-  `rope_scaling` (checkpoints on the Hub) or `rope_parameters` (transformers 5)."""
-  params = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
+  `rope_scaling` (checkpoints on the Hub) or `rope_parameters` (transformers 5); both present and
+  different, an unknown key, or a partial rotary factor (which transformers' Llama family does not
+  apply: it rotates the whole head) are refused."""
+  scaling, parameters = hf.get('rope_scaling'), hf.get('rope_parameters')
+  for name, value in (('rope_scaling', scaling), ('rope_parameters', parameters)):
+    if value is not None and not isinstance(value, dict):
+      raise HFError(f'config.json {name}={value!r}: a dict or null is required')
+  if scaling and parameters and {k: v for k, v in parameters.items() if k != 'rope_theta'} != {
+      k: v for k, v in scaling.items() if k != 'rope_theta'}:
+    raise HFError('config.json has both rope_scaling and rope_parameters, and they differ; '
+                  'valid: one of them')
+  params = dict(parameters or scaling or {})
+  unknown = sorted(set(params) - ROPE_KEYS)
+  if unknown:
+    raise HFError(f'config.json rope key {unknown[0]!r} is not supported (per-layer rope '
+                  f'parameters?); valid: {sorted(ROPE_KEYS)}')
+  fraction = params.get('partial_rotary_factor', hf.get('partial_rotary_factor', 1.0))
+  if fraction not in (None, 1, 1.0):
+    raise HFError(f'config.json partial_rotary_factor={fraction!r}: transformers\' Llama family '
+                  'rotates the whole head whatever it says; valid: 1.0')
   theta = params.get('rope_theta', hf.get('rope_theta', 10000.0))
   kind = params.get('rope_type', params.get('type', 'default'))
   return kind, params, float(theta)
@@ -102,7 +135,7 @@ def _rope_fields(hf, kind, params):
   """The model.rope_* fields of a rope type (ROPE_TYPES) and its parameters."""
   if kind not in ROPE_TYPES:
     raise HFError(f'config.json rope type {kind!r} is not supported; valid: {list(ROPE_TYPES)}')
-  max_pos = int(hf['max_position_embeddings'])
+  max_pos = int(require(hf, 'max_position_embeddings', int))
   # The pretrained context L, kept whatever the scaling: a fine-tune at a longer data.max_length
   # that turns a scaling on refers to it (YaRN's ramp, llama3's bands, dynamic NTK's threshold).
   fields = {'rope_scaling': ROPE_TYPES[kind], 'rope_original_length': max_pos}
@@ -112,12 +145,12 @@ def _rope_fields(hf, kind, params):
   factor = params.get('factor')
   if factor is None and kind == 'yarn':
     factor = max_pos / original  # transformers' rule when only the two lengths are given
-  fields['rope_scaling_factor'] = float(factor)
+  fields['rope_scaling_factor'] = float(require({'factor': factor}, 'factor'))
   if kind != 'dynamic':  # dynamic NTK scales past max_position_embeddings itself
     fields['rope_original_length'] = original
   if kind == 'llama3':
-    fields.update(rope_low_freq_factor=float(params['low_freq_factor']),
-                  rope_high_freq_factor=float(params['high_freq_factor']))
+    fields.update(rope_low_freq_factor=float(require(params, 'low_freq_factor')),
+                  rope_high_freq_factor=float(require(params, 'high_freq_factor')))
   if kind == 'yarn':
     if params.get('truncate') is False:
       raise HFError('config.json rope yarn truncate=False is not supported; valid: true')
@@ -145,7 +178,7 @@ def _head_dim(hf, heads):
   """model.head_dim: the checkpoint's where it differs from D / N (Qwen3), else 0 (the default,
   which every attention variant reads)."""
   given = int(hf.get('head_dim') or 0)
-  return given if given and given != int(hf['hidden_size']) // heads else 0
+  return given if given and given != int(require(hf, 'hidden_size', int)) // heads else 0
 
 
 def _llama_model(hf, kind):
@@ -155,10 +188,11 @@ def _llama_model(hf, kind):
                   'valid: silu')
   if hf.get('pretraining_tp', 1) != 1:
     raise HFError(f'config.json pretraining_tp={hf["pretraining_tp"]!r}; valid: 1')
-  heads = int(hf['num_attention_heads'])
-  fields = dict(COMMON, num_layers=int(hf['num_hidden_layers']), d_model=int(hf['hidden_size']),
+  heads = require(hf, 'num_attention_heads', int)
+  fields = dict(COMMON, num_layers=require(hf, 'num_hidden_layers', int),
+                d_model=require(hf, 'hidden_size', int),
                 num_heads=heads, num_kv_heads=int(hf.get('num_key_value_heads') or heads),
-                d_ff=int(hf['intermediate_size']),
+                d_ff=require(hf, 'intermediate_size', int),
                 head_dim=_head_dim(hf, heads),
                 norm='rmsnorm', norm_eps=float(hf.get('rms_norm_eps', 1e-6)), ffn='swiglu',
                 position='rope', tie_output=bool(hf.get('tie_word_embeddings', False)),
@@ -166,12 +200,12 @@ def _llama_model(hf, kind):
                 attention_bias=bool(hf.get('attention_bias', False)) or kind == 'qwen2',
                 attention_out_bias=kind != 'qwen2', ffn_bias=bool(hf.get('mlp_bias', False)))
   rope_kind, params, theta = rope_parameters(hf)
-  fraction = float(params.get('partial_rotary_factor', hf.get('partial_rotary_factor', 1.0)))
-  fields.update(rope_base=theta, rope_fraction=fraction, **_rope_fields(hf, rope_kind, params))
+  fields.update(rope_base=theta, rope_fraction=1.0, **_rope_fields(hf, rope_kind, params))
   if kind in ('qwen2', 'qwen3') and hf.get('use_sliding_window'):
     raise HFError(f'config.json use_sliding_window=true ({kind}: a window on some layers only) '
                   'is not supported; valid: false')
-  window = hf.get('sliding_window') if kind == 'mistral' else None
+  # Mistral's class default is a window of 4096 when the key is absent; null means none.
+  window = hf.get('sliding_window', 4096) if kind == 'mistral' else None
   if window:
     # transformers' window of W keys (j > i - W) is attnlab's w = W - 1 (i - w <= j <= i).
     fields.update(attention='sliding_window', window=int(window) - 1)
@@ -188,23 +222,25 @@ def _gpt2_model(hf):
   if act not in GPT2_ACTIVATIONS:
     raise HFError(f'config.json activation_function={act!r} is not supported; valid: '
                   f'{list(GPT2_ACTIVATIONS)}')
-  d = int(hf['n_embd'])
-  return dict(COMMON, num_layers=int(hf['n_layer']), d_model=d, num_heads=int(hf['n_head']),
-              num_kv_heads=int(hf['n_head']), d_ff=int(hf.get('n_inner') or 4 * d), head_dim=0,
+  d, heads = require(hf, 'n_embd', int), require(hf, 'n_head', int)
+  return dict(COMMON, num_layers=require(hf, 'n_layer', int), d_model=d, num_heads=heads,
+              num_kv_heads=heads, d_ff=int(hf.get('n_inner') or 4 * d), head_dim=0,
               norm='layernorm', norm_eps=float(hf.get('layer_norm_epsilon', 1e-5)),
               ffn=GPT2_ACTIVATIONS[act], position='learned',
-              max_positions=int(hf['n_positions']), attention_bias=True,
+              max_positions=require(hf, 'n_positions', int), attention_bias=True,
               attention_out_bias=True, ffn_bias=True,
               tie_output=bool(hf.get('tie_word_embeddings', True)), qk_norm='none')
 
 
 def to_model(hf):
   """The `config.model` fields (a dict) of the HF config dict `hf`, and the context length."""
+  if not isinstance(hf, dict):
+    raise HFError('config.json is not a JSON object')
   kind = model_type(hf)
   _refuse_unknown_structure(hf, kind)
   fields = _gpt2_model(hf) if kind == 'gpt2' else _llama_model(hf, kind)
-  fields['vocab_size'] = int(hf['vocab_size'])
-  length = int(hf['n_positions'] if kind == 'gpt2' else hf['max_position_embeddings'])
+  fields['vocab_size'] = require(hf, 'vocab_size', int)
+  length = require(hf, 'n_positions' if kind == 'gpt2' else 'max_position_embeddings', int)
   return fields, length
 
 
@@ -221,7 +257,8 @@ EXPORT_REQUIRED = (('arch', 'decoder_only'), ('norm_position', 'pre'), ('layer_p
 EXPORT_FAMILY = {
     'llama': (('position', ('rope',)), ('norm', ('rmsnorm',)), ('ffn', ('swiglu',)),
               ('attention', ('dense',)), ('qk_norm', ('none',)),
-              ('rope_scaling', ('none', 'pi', 'dynamic', 'yarn', 'llama3'))),
+              ('rope_scaling', ('none', 'pi', 'dynamic', 'yarn', 'llama3')),
+              ('rope_fraction', (1.0,))),
     'gpt2': (('position', ('learned',)), ('norm', ('layernorm',)),
              ('ffn', tuple(GPT2_ACTIVATIONS.values())), ('attention', ('dense',)),
              ('qk_norm', ('none',)), ('attention_bias', (True,)), ('attention_out_bias', (True,)),
@@ -282,8 +319,10 @@ def _rope_scaling_hf(m):
   if kind == 'none':
     return None
   back = {ours: theirs for theirs, ours in ROPE_TYPES.items()}
-  out = {'rope_type': back[kind], 'factor': float(m.rope_scaling_factor)}
-  if kind in ('yarn', 'llama3'):
+  # 'type' beside 'rope_type': transformers before 4.42 reads the former.
+  out = {'rope_type': back[kind], 'type': back[kind], 'factor': float(m.rope_scaling_factor)}
+  if kind in ('pi', 'yarn', 'llama3'):
+    # linear ignores it in transformers; written so that an import gets the pretrained L back
     out['original_max_position_embeddings'] = int(m.rope_original_length)
   if kind == 'llama3':
     out.update(low_freq_factor=float(m.rope_low_freq_factor),
@@ -313,8 +352,6 @@ def to_hf(m, kind, length, vocab_size, token_ids=None):
              hidden_act='silu', max_position_embeddings=int(length),
              rms_norm_eps=float(m.norm_eps), rope_theta=float(m.rope_base),
              rope_scaling=_rope_scaling_hf(m))
-  if m.rope_fraction != 1.0:
-    out['partial_rotary_factor'] = float(m.rope_fraction)
   if kind in ('llama', 'qwen3'):
     out['attention_bias'] = initializers.attention_bias(m)
   if kind == 'llama':
@@ -327,9 +364,11 @@ def to_hf(m, kind, length, vocab_size, token_ids=None):
 
 
 def resolved_model(config):
-  """`config.model` with the sizes the tensor list reads filled in (V, H, the learned table)."""
+  """`config.model` with the sizes the tensor list and export read filled in (H, the learned
+  table, RoPE's pretrained context L)."""
   m = config.model.copy_and_resolve_references()
   m.head_dim = initializers.head_dim(m)
+  m.rope_original_length = m.get('rope_original_length', 0) or config.data.max_length
   if m.position == 'learned':
     m.max_positions = positions_lib.POSITIONS['learned'].max_positions(m, config.data.max_length)
   return m
@@ -351,11 +390,19 @@ def check_convertible(m):
 
 def context_length(config, m):
   """max_position_embeddings to write for the resolved `m`: GPT-2's table; the pretrained context
-  L under no scaling and dynamic NTK (which scales past it); L x factor (at least the run's length)
-  under the static scalings, whose L travels in rope_scaling."""
+  L under no scaling and dynamic NTK (which scales past it); L x factor under yarn, exactly
+  (transformers 4.4x-4.5x take yarn's factor as max_position_embeddings / L when L is given, so
+  anything else would change it there); at least the run's length under pi and llama3."""
   if m.position == 'learned':
     return int(m.max_positions)
   original = int(m.get('rope_original_length', 0) or config.data.max_length)
   if m.rope_scaling in ('none', 'dynamic'):
     return original
-  return max(int(config.data.max_length), round(original * m.rope_scaling_factor))
+  scaled = original * m.rope_scaling_factor
+  if m.rope_scaling == 'yarn':
+    if scaled != int(scaled):
+      raise HFError(f'cannot export yarn with rope_original_length={original} x '
+                    f'rope_scaling_factor={m.rope_scaling_factor}: transformers needs '
+                    'max_position_embeddings = their product, a whole number')
+    return int(scaled)
+  return max(int(config.data.max_length), round(scaled))

@@ -125,3 +125,43 @@ def test_export_of_a_config_the_family_cannot_express(tmp_path, capsys):
 def test_bad_ids(tmp_path, capsys):
   assert 'comma-separated integers' in _run(
       capsys, ['logits', f'--workdir={tmp_path}', '--ids=1,x', f'--out={tmp_path / "o.npy"}'])
+
+
+@pytest.mark.parametrize('fields,words', [
+    ({'partial_rotary_factor': 0.5}, 'partial_rotary_factor=0.5'),
+    ({'rope_scaling': {'rope_type': 'linear', 'factor': 4.0}}, 'both rope_scaling and'),
+    ({'rope_parameters': {'rope_type': 'default', 'rope_theta': 1e4, 'full_attention': {}}},
+     "rope key 'full_attention'"),
+    ({'rope_parameters': {'rope_type': 'linear', 'rope_theta': 1e4}}, 'factor=None'),
+    ({'hidden_size': None}, 'hidden_size=None'),
+], ids=['partial-rotary', 'both-rope-forms', 'per-layer-rope', 'no-factor', 'no-hidden-size'])
+def test_config_fields_it_cannot_reproduce(tmp_path, capsys, fields, words):
+  folder = _copy(tmp_path)
+  _edit_config(folder, **fields)
+  assert words in _import(capsys, folder, tmp_path / 'wd')
+
+
+def test_export_and_logits_of_a_folder_that_is_not_a_workdir(tmp_path, capsys):
+  hf_folder = os.path.join(FIXTURES, 'llama')
+  err = _run(capsys, ['export', f'--workdir={hf_folder}', f'--out={tmp_path / "out"}'])
+  assert 'is a Hugging Face folder' in err and not os.path.exists(tmp_path / 'out')
+  err = _run(capsys, ['logits', f'--workdir={tmp_path}', '--ids=1,2', f'--out={tmp_path / "o"}'])
+  assert 'not an attnlab workdir' in err
+
+
+def test_ids_outside_the_vocabulary(tmp_path, capsys):
+  wd = tmp_path / 'wd'
+  cli.main(['import', f'--hf_dir={os.path.join(FIXTURES, "gpt2")}', f'--workdir={wd}'])
+  capsys.readouterr()
+  err = _run(capsys, ['logits', f'--workdir={wd}', '--ids=1,96', f'--out={tmp_path / "o.npy"}'])
+  assert 'holds 96, outside the vocabulary; valid: 0 to 95' in err
+
+
+def test_a_partial_folder_the_tool_did_not_make_is_left_alone(tmp_path, capsys):
+  wd = tmp_path / 'wd'
+  (tmp_path / 'wd.partial').mkdir()
+  (tmp_path / 'wd.partial' / 'notes.txt').write_text('mine')
+  err = _run(capsys, ['import', f'--hf_dir={os.path.join(FIXTURES, "gpt2")}', f'--workdir={wd}'])
+  assert 'was not left by tools.hf' in err
+  assert (tmp_path / 'wd.partial' / 'notes.txt').read_text() == 'mine'
+  assert not wd.exists()

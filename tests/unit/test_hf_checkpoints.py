@@ -116,6 +116,36 @@ def test_a_bfloat16_export_of_an_import_is_bit_identical(imported, tmp_path):
     np.testing.assert_array_equal(first[path], second[path], err_msg=str(path))
 
 
+def test_gpt2_saved_from_its_base_class_imports(tmp_path):
+  """The Hub's GPT-2 names its tensors `wte.weight`, `h.0...` (no `transformer.`): imported as
+  transformers loads it, with the same logits."""
+  from safetensors.numpy import save_file
+  import ml_dtypes
+  folder = tmp_path / 'gpt2'
+  shutil.copytree(os.path.join(FIXTURES, 'gpt2'), folder)
+  tensors = _load_bf16(folder)
+  save_file({k.removeprefix('transformer.'): v.astype(ml_dtypes.bfloat16)
+             for k, v in tensors.items()}, str(folder / 'model.safetensors'),
+            metadata={'format': 'pt'})
+  workdir = str(tmp_path / 'wd')
+  convert.import_checkpoint(str(folder), workdir, log=lambda *_: None)
+  want = _expected('gpt2')
+  np.testing.assert_allclose(export.logits(workdir, want['ids']), want['logits'], atol=1e-5,
+                             rtol=0)
+
+
+def test_export_in_shards_with_an_index_round_trips(imported, tmp_path):
+  hf_dir, again = str(tmp_path / 'hf'), str(tmp_path / 'again')
+  export.export_checkpoint(imported['llama'], hf_dir, shard_bytes=60_000, log=lambda *_: None)
+  shards = sorted(f for f in os.listdir(hf_dir) if f.endswith('.safetensors'))
+  assert len(shards) > 3 and shards[0].startswith('model-00001-of-')
+  assert os.path.isfile(os.path.join(hf_dir, 'model.safetensors.index.json'))
+  convert.import_checkpoint(hf_dir, again, log=lambda *_: None)
+  first, second = _params(imported['llama']), _params(again)
+  for path in first:
+    np.testing.assert_array_equal(first[path], second[path], err_msg=str(path))
+
+
 def test_rope_layout_error_is_caught(imported, tmp_path):
   """A checkpoint whose q/k are in the interleaved layout imports with logits far from
   transformers'; permuting them to rotate-half (what a Meta-layout conversion must do) restores

@@ -64,6 +64,10 @@ def main(argv=None):
   except HFError as e:
     print(f'hf: {" ".join(str(e).split())}', file=sys.stderr)
     sys.exit(2)
+  except Exception as e:  # noqa: BLE001  (a checkpoint or tokenizer that cannot be read, ...)
+    print(f'hf: {args.command} failed: {type(e).__name__}: {" ".join(str(e).split())}',
+          file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == '__main__':

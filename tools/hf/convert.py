@@ -139,8 +139,23 @@ def shard_files(hf_dir):
   return names
 
 
+BASE_PREFIXES = ('transformer.', 'model.')  # the base model's names inside the LM class's
+
+
+def add_base_aliases(tensors, found):
+  """Checkpoints saved from the base class (the Hub's GPT-2: `wte.weight`, `h.0...`) name their
+  tensors without the LM class's prefix; transformers adds it when loading, and so does this."""
+  for t in tensors:
+    for prefix in BASE_PREFIXES:
+      bare = t.name[len(prefix):]
+      if t.name.startswith(prefix) and t.name not in found and bare in found:
+        found[t.name] = found.pop(bare) + (bare,)
+  return found
+
+
 def check_tensors(tensors, found):
   """Every expected tensor present with its shape, and no tensor left over."""
+  add_base_aliases(tensors, found)
   for t in tensors:
     if t.name not in found:
       raise HFError(f'tensor {t.name} is missing from the checkpoint (config.json implies it)')
@@ -192,8 +207,9 @@ def load_params(tensors, found, abstract_params):
   index = {path: i for i, (path, _) in enumerate(leaves)}
   out = [None] * len(leaves)
   for t in tensors:
+    stored = found[t.name][2] if len(found[t.name]) > 2 else t.name  # its name in the file
     with safe_open(found[t.name][0], 'flax') as f:
-      array = np.asarray(f.get_tensor(t.name).astype(jnp.float32))
+      array = np.asarray(f.get_tensor(stored).astype(jnp.float32))
     for path, part in zip(t.paths, t.to_ours(array)):
       leaf = leaves[index[path]][1]
       out[index[path]] = jax.device_put(np.ascontiguousarray(part, leaf.dtype), leaf.sharding)
@@ -222,7 +238,6 @@ def _tokenizer_files(hf_dir):
 
 def write_workdir(tmp, config, hf, state, hf_dir):
   """config.json, hf_config.json, tokenizer/ and the step-0 checkpoint, into `tmp`."""
-  os.makedirs(tmp)
   with open(os.path.join(tmp, 'config.json'), 'w') as f:
     f.write(config.to_json_best_effort(indent=2))
   with open(os.path.join(tmp, SOURCE_FILE), 'w') as f:
@@ -238,6 +253,31 @@ def write_workdir(tmp, config, hf, state, hf_dir):
                                        data=ocp.args.JsonSave({})))
   mngr.wait_until_finished()
   mngr.close()
+
+
+PARTIAL_MARK = '.tools-hf-partial'  # in a DIR.partial this tool made (and may remove)
+
+
+def partial_dir(final):
+  """A fresh `final.partial` to write into, marked as this tool's: one left by a killed run of
+  the tool is removed; a folder of that name the tool did not make is refused in one line."""
+  tmp = final.rstrip('/') + '.partial'
+  if os.path.exists(tmp):
+    if not os.path.isfile(os.path.join(tmp, PARTIAL_MARK)):
+      raise HFError(f'{tmp} exists and was not left by tools.hf; move it away (the conversion '
+                    'writes there before renaming)')
+    shutil.rmtree(tmp)  # a conversion killed mid-write: start it afresh
+  os.makedirs(tmp)
+  open(os.path.join(tmp, PARTIAL_MARK), 'w').close()
+  return tmp
+
+
+def finish_partial(tmp, final):
+  """Renames a complete `tmp` (partial_dir) to `final` (absent or an empty directory)."""
+  os.remove(os.path.join(tmp, PARTIAL_MARK))
+  if os.path.isdir(final):
+    os.rmdir(final)
+  os.rename(tmp, final)
 
 
 def parse_mesh(text):
@@ -270,13 +310,9 @@ def import_checkpoint(hf_dir, workdir, *, mesh=None, log=print):
   found = shard_files(hf_dir)
   check_tensors(tensors, found)
   state = import_state(config, tensors, found)
-  tmp = workdir.rstrip('/') + '.partial'
-  if os.path.exists(tmp):
-    shutil.rmtree(tmp)  # an import killed mid-write: start it afresh
+  tmp = partial_dir(workdir)
   write_workdir(tmp, config, hf, state, hf_dir)
-  if os.path.isdir(workdir):
-    os.rmdir(workdir)  # empty (check_paths)
-  os.rename(tmp, workdir)
+  finish_partial(tmp, workdir)
   if not has_tokenizer:
     log(f'hf: warning: {hf_dir} has no tokenizer.json; imported the model alone (set '
         'data.tokenizer to a folder holding one to train on text)')

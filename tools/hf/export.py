@@ -22,15 +22,23 @@ from training import state as state_lib
 SHARD_BYTES = 2 << 30  # export shards of at most 2 GiB each (an index file when there are several)
 
 
+def workdir_config(workdir):
+  """The config of an attnlab workdir, refused in one line if `workdir` is not one (a Hugging Face
+  folder, a missing directory) or holds another architecture."""
+  if not convert.is_workdir(workdir):
+    what = 'a Hugging Face folder' if convert.is_hf_folder(workdir) else 'not an attnlab workdir'
+    raise HFError(f'--workdir={workdir} is {what}; valid: the workdir of train.py or tools.hf '
+                  'import (config.json with model and train sections)')
+  config = ml_collections.ConfigDict(
+      convert.read_json(os.path.join(workdir, 'config.json'), 'config.json'))
+  families.check_convertible(config.model)
+  return config
+
+
 def load(workdir):
   """(config, model, step) of `workdir`'s newest checkpoint; the model is built on the config's
   mesh and restored into its shardings."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.isfile(path):
-    raise HFError(f'--workdir={workdir} has no config.json; valid: an attnlab workdir (train.py '
-                  'or tools.hf import)')
-  config = ml_collections.ConfigDict(convert.read_json(path, 'config.json'))
-  families.check_convertible(config.model)
+  config = workdir_config(workdir)
   vocab = vocab_size(config)
   mesh = sharding.make_mesh(config.mesh)
   graphdef, _, abstract = state_lib.abstract_state(config, vocab, mesh)
@@ -51,7 +59,11 @@ def vocab_size(config):
 
 def logits(workdir, ids):
   """`[T, V]` float32 logits of the newest parameters of `workdir` for one row of token ids."""
-  _, model, _ = load(workdir)
+  config, model, _ = load(workdir)
+  vocab = vocab_size(config)
+  bad = [i for i in ids if not 0 <= i < vocab]
+  if bad:
+    raise HFError(f'--ids holds {bad[0]}, outside the vocabulary; valid: 0 to {vocab - 1}')
   ids = np.asarray(ids, np.int32)[None]  # [1, T]
   return np.asarray(model({'inputs': ids}), np.float32)[0]
 
@@ -73,45 +85,47 @@ def hf_tensors(model, tensors, dtype='float32'):
     yield t.name, np.ascontiguousarray(t.to_hf(parts)).astype(DTYPES[dtype])
 
 
-def write_shards(out, named_arrays):
-  """model.safetensors, or model-0000i-of-0000n.safetensors and an index past SHARD_BYTES."""
-  shards, current, size = [], {}, 0
+def write_shards(out, named_arrays, shard_bytes=SHARD_BYTES):
+  """model.safetensors, or model-0000i-of-0000n.safetensors and an index when the tensors pass
+  `shard_bytes`. Each shard is written as soon as it is full (under a temporary name, renamed
+  once the count is known), so at most one shard is in memory; a single tensor larger than
+  `shard_bytes` is a shard of its own."""
+  written, current, size = [], {}, 0
+
+  def flush():
+    path = os.path.join(out, f'shard-{len(written)}.tmp')
+    save_file(current, path, metadata={'format': 'pt'})
+    written.append((path, list(current)))
+
   for name, array in named_arrays:
-    if current and size + array.nbytes > SHARD_BYTES:
-      shards.append(current)
+    if current and size + array.nbytes > shard_bytes:
+      flush()
       current, size = {}, 0
     current[name] = array
     size += array.nbytes
-    if size >= SHARD_BYTES:  # write as we go: at most one shard in memory
-      shards.append(current)
-      current, size = {}, 0
-  if current:
-    shards.append(current)
-  if len(shards) == 1:
-    save_file(shards[0], os.path.join(out, 'model.safetensors'), metadata={'format': 'pt'})
+  if current or not written:
+    flush()
+  if len(written) == 1:
+    os.rename(written[0][0], os.path.join(out, 'model.safetensors'))
     return
   weight_map = {}
-  for i, shard in enumerate(shards):
-    name = f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors'
-    save_file(shard, os.path.join(out, name), metadata={'format': 'pt'})
-    weight_map.update({k: name for k in shard})
+  for i, (path, names) in enumerate(written):
+    name = f'model-{i + 1:05d}-of-{len(written):05d}.safetensors'
+    os.rename(path, os.path.join(out, name))
+    weight_map.update({k: name for k in names})
   with open(os.path.join(out, convert.INDEX_FILE), 'w') as f:
     json.dump({'metadata': {}, 'weight_map': weight_map}, f, indent=2)
 
 
-def export_checkpoint(workdir, out, *, model_type=None, dtype='float32', log=print):
+def export_checkpoint(workdir, out, *, model_type=None, dtype='float32', shard_bytes=SHARD_BYTES,
+                      log=print):
   """`python -m tools.hf export`: the newest parameters of `workdir` as a Hugging Face folder,
   stored as `dtype` (float32: bit for bit; bfloat16: rounded to nearest even, half the bytes)."""
   if dtype not in DTYPES:
     raise HFError(f'--dtype={dtype!r} unknown; valid: {list(DTYPES)}')
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
     raise HFError(f'--out={out} exists and is not empty; valid: a new directory')
-  config = ml_collections.ConfigDict(convert.read_json(os.path.join(workdir, 'config.json'),
-                                                       'config.json')) if os.path.isfile(
-      os.path.join(workdir, 'config.json')) else None
-  if config is None:
-    raise HFError(f'--workdir={workdir} has no config.json; valid: an attnlab workdir')
-  families.check_convertible(config.model)
+  config = workdir_config(workdir)
   m = families.resolved_model(config)
   kind = model_type or families.family_of(m)
   source = _source(workdir)
@@ -121,18 +135,13 @@ def export_checkpoint(workdir, out, *, model_type=None, dtype='float32', log=pri
   hf = families.to_hf(m, kind, families.context_length(config, m), vocab, ids)  # checks first
   hf['torch_dtype'] = dtype
   config, model, step = load(workdir)
-  tmp = out.rstrip('/') + '.partial'
-  if os.path.exists(tmp):
-    shutil.rmtree(tmp)
-  os.makedirs(tmp)
-  write_shards(tmp, hf_tensors(model, families.tensor_list(m), dtype))
+  tmp = convert.partial_dir(out)
+  write_shards(tmp, hf_tensors(model, families.tensor_list(m), dtype), shard_bytes)
   with open(os.path.join(tmp, 'config.json'), 'w') as f:
     json.dump(hf, f, indent=2)
   tokenizer = os.path.join(workdir, convert.TOKENIZER_DIR)
   for name in os.listdir(tokenizer) if os.path.isdir(tokenizer) else ():
     shutil.copyfile(os.path.join(tokenizer, name), os.path.join(tmp, name))
-  if os.path.isdir(out):
-    os.rmdir(out)
-  os.rename(tmp, out)
+  convert.finish_partial(tmp, out)
   log(f'hf: exported step {step} of {workdir} as {kind} into {out}')
   return hf
