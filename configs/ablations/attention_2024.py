@@ -21,14 +21,15 @@ Run:     python -m tools.sweep --sweep=configs/ablations/attention_2024.py[:code
 Compare: python -m tools.compare DIR --baseline=attention=dense \
              [--metrics=attn_sink_share]  (the stability form: --baseline=learning_rate=0.001)
 Smoke:   :quick, :code,quick, :stability,quick (a few steps a cell)
+Pair:    :pair, the recall form's linear attention and Gated DeltaNet alone (extra seeds)
 """
 
 from configs import default
 from configs import mqar
 from configs import python_code
 
-CELL_ARGS = ('code', 'stability')  # choose the config and the cells
-OTHER_ARGS = ('code', 'code,quick', 'stability', 'stability,quick')  # tests/unit/test_sweep.py
+CELL_ARGS = ('code', 'stability', 'pair')  # choose the config and the cells
+OTHER_ARGS = ('code', 'code,quick', 'stability', 'stability,quick', 'pair')  # test_sweep.py
 SEEDS = [0, 1, 2]
 HYBRID_RECALL = 'gated_deltanet,dense'  # 2 layers: one recurrent, one dense
 HYBRID_CODE = 'gated_deltanet,gated_deltanet,gated_deltanet,dense'  # Qwen3-Next's 3:1
@@ -66,6 +67,8 @@ def get_sweep(arg=None):
              {'model.attention': 'differential'},
              {'model.attention': 'mla', 'model.mla_kv_rank': MLA_CODE_RANK},
              {'model.layer_pattern': HYBRID_CODE}]
+  elif args.get('pair'):  # the recall form's headline pair alone (more seeds where time is short)
+    cells = [{'model.attention': 'linear'}, {'model.attention': 'gated_deltanet'}]
   else:
     cells = [{'model.attention': 'dense'},
              {'model.attention': 'dense', 'model.num_kv_heads': 2},
