@@ -94,6 +94,8 @@ def main(argv):
                                      tune_tolerance=FLAGS.tune_tolerance)
   except sweep_spec.SweepError as e:
     cli_checks.fail('sweep error', e)
+  except sweep_runner.SweepBusy as e:
+    cli_checks.fail('sweep', e)
   except sweep_runner.Stopped as e:
     sys.exit(128 + e.signum)  # the shell's convention for "ended by this signal"
   sys.exit(0 if all(r in FINISHED for r in results.values()) else 1)

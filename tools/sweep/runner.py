@@ -5,12 +5,14 @@ tools/sweep/cells.py; the processes and the signals forwarded to them in tools/s
 """
 
 import concurrent.futures
+import contextlib
 import os
 import shlex
 import signal
 import sys
 
 from training import config_file
+from training import lock
 from training import paths
 from tools.sweep import processes
 from tools.sweep import cells as sweep_cells
@@ -27,6 +29,25 @@ class Stopped(Exception):
   def __init__(self, signum, results):
     super().__init__(f'sweep: stopped by {signal.Signals(signum).name}')
     self.signum, self.results = signum, results
+
+
+class SweepBusy(Exception):
+  """Another runner is running a sweep in the same --sweep_dir."""
+
+
+@contextlib.contextmanager
+def sweep_lock(sweep_dir):
+  """Holds SWEEP_DIR/lock (`training.lock`: the kernel drops it when the runner dies) for the
+  sweep; a second runner in the same folder is refused at once instead of starting the same cells
+  and rewriting the same tune.json beside the first."""
+  try:
+    with lock.WorkdirLock(sweep_dir):
+      yield
+  except lock.WorkdirBusy as e:
+    holder = str(e).split(' is in use by ', 1)[-1].split(' (lock ', 1)[0]
+    raise SweepBusy(f'--sweep_dir={sweep_dir} is in use by another sweep runner ({holder}); wait '
+                    'for it to end (rerun this command then to resume) or use another '
+                    '--sweep_dir') from None
 
 
 def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eval=False,
@@ -61,6 +82,7 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
     SweepError: a sweep file or a --tune that cannot be expanded (before anything runs).
     Stopped: a SIGINT or SIGTERM arrived; the cells it reached have saved and stopped (status
       'stopped (rc N)'), later ones never started ('not started'); `results` holds every status.
+    SweepBusy: another runner holds `sweep_dir` (its lock), before anything runs.
   """
   children = children or processes.Children()
   path, arg = config_file.split_spec(spec)
@@ -80,6 +102,14 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
     return _print_commands(spec, sweep, sweep_dir, cells, steps, out)
 
   paths.makedirs(sweep_dir)
+  with sweep_lock(sweep_dir):
+    return _run_cells(spec, path, arg, module, sweep, sweep_dir, cells, tunings, axis, steps,
+                      parallel, run_eval, launch, out, children)
+
+
+def _run_cells(spec, path, arg, module, sweep, sweep_dir, cells, tunings, axis, steps, parallel,
+               run_eval, launch, out, children):
+  """`run_sweep`'s runs, under the sweep's lock."""
   ctx = sweep_cells.Context(
       # Cells run from the repository root: give them absolute paths.
       spec=os.path.abspath(path) + (f':{arg}' if arg else ''),

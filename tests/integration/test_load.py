@@ -1,0 +1,114 @@
+"""Under load: sweeps side by side (each cell its own workdir and lock, a second runner in the same
+folder refused in one line), and two processes preparing one dataset at once (prepared once)."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from tests.helpers import ROOT
+from tools.sweep import runner as sweep_runner
+from training import lock
+
+SWEEP = '''
+from configs import decoder_only
+
+
+def get_config(arg=None):
+  config = decoder_only.get_config('quick')
+  config.train.update(steps=4, warmup_steps=0)
+  return config
+
+
+def get_sweep():
+  return {'seeds': list(range(CELLS))}
+'''
+
+# A cell's train.py as far as the runner can tell: it takes the workdir's lock (flock, as
+# training.lock does; exit 2 if another process holds it), logs a row, and leaves the final
+# checkpoint. A real train.py start costs seconds of CPU here; this costs a Python start.
+STAND_IN = '''
+import fcntl, json, os, sys, time
+workdir = sys.argv[1]
+with open(os.path.join(workdir, 'lock'), 'a+') as f:
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    sys.exit(2)
+  time.sleep(0.02)
+  with open(os.path.join(workdir, 'metrics.jsonl'), 'a') as m:
+    m.write(json.dumps({'step': 4, 'split': 'train', 'loss': 1.0, 'pid': os.getpid()}) + '\\n')
+  os.makedirs(os.path.join(workdir, 'checkpoints', '4'))
+'''
+
+
+def write_sweep(path, cells):
+  path.write_text(SWEEP.replace('CELLS', str(cells)))
+  return str(path)
+
+
+def stand_in_launch(launched):
+  def launch(argv, log_path, env):
+    workdir = next(a for a in argv if a.startswith('--workdir=')).split('=', 1)[1]
+    launched.append((workdir, next(a for a in argv if a.startswith('--config=')), env))
+    with open(log_path, 'a') as log:
+      return subprocess.run([sys.executable, '-c', STAND_IN, workdir], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT).returncode
+  return launch
+
+
+def test_fifty_cells_beside_a_second_sweep_all_finish_in_their_own_workdirs(tmp_path):
+  spec = write_sweep(tmp_path / 'fifty.py', 50)
+  other = write_sweep(tmp_path / 'ten.py', 10)
+  launched = {'a': [], 'b': []}
+  results = {}
+
+  def sweep(name, path):
+    results[name] = sweep_runner.run_sweep(
+        path, str(tmp_path / name), parallel=2, launch=stand_in_launch(launched[name]),
+        out=open(os.devnull, 'w'))
+
+  beside = threading.Thread(target=sweep, args=('b', other))
+  beside.start()
+  sweep('a', spec)
+  beside.join()
+  assert list(results['a'].values()) == ['done'] * 50
+  assert list(results['b'].values()) == ['done'] * 10
+  for name, cells in (('a', 50), ('b', 10)):
+    workdirs = [w for w, _, _ in launched[name]]
+    assert len(set(workdirs)) == cells  # each cell once, in a workdir of its own
+    assert all(os.path.dirname(w) == str(tmp_path / name) for w in workdirs)
+    for w in workdirs:  # one process wrote each workdir, holding its lock
+      rows = [json.loads(line) for line in open(os.path.join(w, 'metrics.jsonl'))]
+      assert len(rows) == 1
+    # --parallel=2: each cell on one XLA/OpenMP thread
+    assert all('intra_op_parallelism_threads=1' in env['XLA_FLAGS'] for _, _, env in
+               launched[name])
+  # The sweeps' own locks were released.
+  assert (tmp_path / 'a' / 'lock').read_text() == (tmp_path / 'b' / 'lock').read_text() == ''
+
+
+def test_a_second_sweep_in_the_same_folder_is_refused_in_one_line(tmp_path):
+  spec = write_sweep(tmp_path / 'two.py', 2)
+  sweep_dir = tmp_path / 'sw'
+  os.makedirs(sweep_dir)
+  with lock.WorkdirLock(str(sweep_dir)):  # a runner of this folder, still running
+    out = subprocess.run([sys.executable, '-m', 'tools.sweep', f'--sweep={spec}',
+                          f'--sweep_dir={sweep_dir}'], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].startswith(f'sweep: --sweep_dir={sweep_dir} is in use by another sweep '
+                               f'runner (PID {os.getpid()} on '), lines[0]
+    assert sorted(os.listdir(sweep_dir)) == ['lock']  # no cell started
+  with pytest.raises(sweep_runner.SweepBusy):  # the library refuses alike
+    with lock.WorkdirLock(str(sweep_dir)):
+      sweep_runner.run_sweep(spec, str(sweep_dir), launch=stand_in_launch([]))
+  launched = []  # once it is free, the same command runs
+  results = sweep_runner.run_sweep(spec, str(sweep_dir), launch=stand_in_launch(launched),
+                                   out=open(os.devnull, 'w'))
+  assert list(results.values()) == ['done', 'done'] and len(launched) == 2
