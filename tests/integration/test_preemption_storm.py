@@ -134,6 +134,8 @@ def main():
   parser.add_argument('--during_save', type=int, default=2)
   parser.add_argument('--seed', type=int, default=0)
   args = parser.parse_args()
+  from training import host
+  host.cpu_when_no_accelerator()  # as conftest.py: no libtpu start-up probe on a CPU host
   os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
                         os.path.join(tempfile.gettempdir(), 'attnlab_storm_jax_cache'))
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.25')
