@@ -14,13 +14,20 @@ import pytest
 from tests.helpers import ROOT
 
 # What train.py does with a config's data before it compiles anything: the dataset prepared on
-# first use (the code corpus's files first), its tokenizer read.
+# first use (the code corpus's files first), its tokenizer read; a line on stderr each time TFDS
+# writes a dataset.
 PREPARE = '''
 import sys
 from training import host
 host.cpu_when_no_accelerator()
 from training import config_file, validation
 from data import pipeline
+import tensorflow_datasets as tfds
+_generate = tfds.core.GeneratorBasedBuilder._download_and_prepare
+def generate(self, *args, **kwargs):  # called only when TFDS writes the dataset
+  print('generating the dataset', file=sys.stderr)
+  return _generate(self, *args, **kwargs)
+tfds.core.GeneratorBasedBuilder._download_and_prepare = generate
 config = validation.resolve(config_file.load_config_file(sys.argv[1]))
 config.data.data_dir = sys.argv[2]
 pipeline.get_tokenizer(config.data)

@@ -112,3 +112,18 @@ def test_a_second_sweep_in_the_same_folder_is_refused_in_one_line(tmp_path):
   results = sweep_runner.run_sweep(spec, str(sweep_dir), launch=stand_in_launch(launched),
                                    out=open(os.devnull, 'w'))
   assert list(results.values()) == ['done', 'done'] and len(launched) == 2
+
+
+@pytest.mark.parametrize('config', ['configs/mqar.py:quick', 'configs/python_code.py:quick'])
+def test_two_processes_preparing_one_dataset_at_once_prepare_it_once(config, tmp_path):
+  """Two train.py starts on one new data_dir at once (their data preparation, as train.py runs it
+  before compiling): both end with the same dataset, built by one of them."""
+  from tests.integration import test_faults_features as features
+  procs = [features.prepare(config, tmp_path / 'shared') for _ in range(2)]
+  errs = [p.communicate(timeout=300)[1] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], errs
+  built = sum(e.count('generating the dataset') for e in errs)
+  assert built == 1, errs  # the other waited on the lock and found it complete
+  alone = features.prepare(config, tmp_path / 'alone')
+  assert alone.wait(timeout=300) == 0
+  assert features.tree(tmp_path / 'shared') == features.tree(tmp_path / 'alone')
