@@ -157,3 +157,35 @@ def test_aot_sweep_interrupted_is_one_line_and_no_partial_report(signum):
   assert err.strip().splitlines()[-1].startswith(f'aot: stopped by {name} after compiling ')
   assert 'no report was printed' in err
   assert out == ''  # no table, no JSON of the cells compiled so far
+
+
+def test_compare_leaves_out_a_running_cell_and_a_damaged_one_naming_each(tmp_path):
+  import socket
+  from tests.helpers import write_run
+  from tools.compare import comparison
+  sweep = tmp_path / 'sw'
+  curve = [(step, 3.0 - step / 100) for step in range(10, 101, 10)]
+  for norm in ('pre', 'post'):
+    for seed in range(3):
+      write_run(sweep / f'norm={norm},seed={seed}', curve, [(100, 2.0 + seed / 100)], seed=seed,
+                fields={'norm_position': norm})
+  # A cell still training (its lock names this live process), and one whose metrics.jsonl holds a
+  # line that is not a row.
+  (sweep / 'norm=post,seed=2' / 'lock').write_text(f'{os.getpid()} {socket.gethostname()}\n')
+  with open(sweep / 'norm=pre,seed=1' / 'metrics.jsonl', 'r+') as f:
+    lines = f.readlines()
+    lines[3] = '{"step": 40, "spl\n'
+    f.seek(0)
+    f.writelines(lines)
+  text = comparison.compare([str(sweep)], str(tmp_path / 'c.png'))
+  head = text.split('\n\n')[0].splitlines()
+  assert head[0] == 'Left out: 2 runs (the statistics count the seeds of the others).'
+  assert head[1].startswith('- norm=post,seed=2: still running (PID ')
+  assert head[2].startswith('- norm=pre,seed=1: ') and 'line 4 is not a metrics row' in head[2]
+  stats = text[text.index('Statistics'):]
+  rows = [line for line in stats.splitlines() if line.startswith('| final_valid')]
+  assert len(rows) == 2 and all('| 2 |' in row for row in rows), stats  # 2 seeds each
+  # A lock emptied by a clean exit, or left by a dead process, is not a running cell.
+  (sweep / 'norm=post,seed=2' / 'lock').write_text('')
+  text = comparison.compare([str(sweep)], str(tmp_path / 'c.png'))
+  assert text.startswith('Left out: 1 run ')
