@@ -11,7 +11,6 @@ import pytest
 
 from tests.helpers import ROOT
 from tools.sweep import runner as sweep_runner
-from training import lock
 
 SWEEP = '''
 from configs import decoder_only
@@ -87,15 +86,17 @@ def test_fifty_cells_beside_a_second_sweep_all_finish_in_their_own_workdirs(tmp_
     # --parallel=2: each cell on one XLA/OpenMP thread
     assert all('intra_op_parallelism_threads=1' in env['XLA_FLAGS'] for _, _, env in
                launched[name])
-  # The sweeps' own locks were released.
-  assert (tmp_path / 'a' / 'lock').read_text() == (tmp_path / 'b' / 'lock').read_text() == ''
+  # The sweeps' own locks were released, and kept out of their folders (whose entries are cells).
+  for name, cells in (('a', 50), ('b', 10)):
+    assert open(sweep_runner.lock_path(str(tmp_path / name))).read() == ''
+    assert len(os.listdir(tmp_path / name)) == cells
 
 
 def test_a_second_sweep_in_the_same_folder_is_refused_in_one_line(tmp_path):
   spec = write_sweep(tmp_path / 'two.py', 2)
   sweep_dir = tmp_path / 'sw'
   os.makedirs(sweep_dir)
-  with lock.WorkdirLock(str(sweep_dir)):  # a runner of this folder, still running
+  with sweep_runner.sweep_lock(str(sweep_dir)):  # a runner of this folder, still running
     out = subprocess.run([sys.executable, '-m', 'tools.sweep', f'--sweep={spec}',
                           f'--sweep_dir={sweep_dir}'], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
@@ -104,9 +105,9 @@ def test_a_second_sweep_in_the_same_folder_is_refused_in_one_line(tmp_path):
     assert len(lines) == 1, out.stderr[-2000:]
     assert lines[0].startswith(f'sweep: --sweep_dir={sweep_dir} is in use by another sweep '
                                f'runner (PID {os.getpid()} on '), lines[0]
-    assert sorted(os.listdir(sweep_dir)) == ['lock']  # no cell started
+    assert os.listdir(sweep_dir) == []  # no cell started
   with pytest.raises(sweep_runner.SweepBusy):  # the library refuses alike
-    with lock.WorkdirLock(str(sweep_dir)):
+    with sweep_runner.sweep_lock(str(sweep_dir)):
       sweep_runner.run_sweep(spec, str(sweep_dir), launch=stand_in_launch([]))
   launched = []  # once it is free, the same command runs
   results = sweep_runner.run_sweep(spec, str(sweep_dir), launch=stand_in_launch(launched),

@@ -36,6 +36,9 @@ SWEEP_DIR/tune.json (tools/sweep/tune.py: the rule, the file).
 SIGINT (Ctrl-C) or SIGTERM to the runner is forwarded to the cells running at that moment, which
 save a checkpoint and stop; the runner waits for them, starts no further cell (nor eval), and
 exits with 128 + the signal's number. Rerunning the same command resumes the sweep.
+
+One runner per --sweep_dir: a second one started on the same folder is refused in one line (exit
+2) while the first runs (tools/sweep/runner.py `sweep_lock`).
 """
 
 import sys
