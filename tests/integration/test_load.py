@@ -128,3 +128,83 @@ def test_two_processes_preparing_one_dataset_at_once_prepare_it_once(config, tmp
   alone = features.prepare(config, tmp_path / 'alone')
   assert alone.wait(timeout=300) == 0
   assert features.tree(tmp_path / 'shared') == features.tree(tmp_path / 'alone')
+
+
+TUNED_SWEEP = '''
+from configs import decoder_only
+
+
+def get_config(arg=None):
+  config = decoder_only.get_config('quick')
+  config.train.update(steps=4, warmup_steps=0)
+  return config
+
+
+def get_sweep():
+  return {'grid': {'model.norm_position': ['pre', 'post']}, 'seeds': [0, 1]}
+'''
+
+# A tuned cell's train.py as the runner sees it: it notes its start (and whether its workdir was
+# finished already) in a log, takes a while, then writes its rows (a valid loss that is lowest at
+# learning rate 1e-2) and the final checkpoint.
+TUNED_STAND_IN = '''
+import json, math, os, sys, time
+workdir, log = sys.argv[1], sys.argv[2]
+rate = float(next(a for a in sys.argv if a.startswith('--config.train.learning_rate='))
+           .split('=')[1])
+with open(log, 'a') as f:
+  done = os.path.isdir(os.path.join(workdir, 'checkpoints', '4'))
+  f.write(json.dumps({'cell': os.path.basename(workdir), 'finished_before': done}) + '\\n')
+time.sleep(0.5)
+loss = 2.0 + abs(math.log10(rate) + 2)
+with open(os.path.join(workdir, 'metrics.jsonl'), 'w') as m:  # a resume rewrites the record
+  for split in ('train', 'valid'):
+    m.write(json.dumps({'step': 4, 'split': split, 'loss': loss}) + '\\n')
+os.makedirs(os.path.join(workdir, 'checkpoints', '4'))
+'''
+
+TUNED_RUNNER = '''
+import subprocess, sys
+from tools.sweep import runner
+spec, sweep_dir, log, stand_in = sys.argv[1:5]
+
+def launch(argv, log_path, env):
+  workdir = next(a for a in argv if a.startswith('--workdir=')).split('=', 1)[1]
+  return subprocess.run([sys.executable, '-c', stand_in, workdir, log, *argv]).returncode
+
+runner.run_sweep(spec, sweep_dir, tune='train.learning_rate:1e-3,1e-2,1e-1', parallel=2,
+                 launch=launch)
+'''
+
+
+def test_a_tuned_sweep_sigkilled_mid_tuning_reruns_to_the_same_choices(tmp_path):
+  import signal
+  import time
+  spec = tmp_path / 'tuned.py'
+  spec.write_text(TUNED_SWEEP)
+  log = tmp_path / 'launches.jsonl'
+
+  def runner(sweep_dir, **kwargs):
+    return subprocess.Popen([sys.executable, '-c', TUNED_RUNNER, str(spec), str(sweep_dir),
+                             str(log), TUNED_STAND_IN], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+  clean = runner(tmp_path / 'clean')
+  assert clean.wait(timeout=300) == 0, clean.stderr.read()[-2000:]
+  log.unlink()
+  # SIGKILL to the runner and its cells (a lost machine) once three tuning runs have started.
+  killed = runner(tmp_path / 'sw', start_new_session=True)
+  deadline = time.monotonic() + 120
+  while time.monotonic() < deadline and not (log.exists() and log.read_text().count('\n') >= 3):
+    time.sleep(0.01)
+  assert killed.poll() is None, 'the sweep ended before the kill'
+  os.killpg(killed.pid, signal.SIGKILL)
+  killed.wait()
+  rerun = runner(tmp_path / 'sw')
+  assert rerun.wait(timeout=300) == 0, rerun.stderr.read()[-2000:]
+  launches = [json.loads(line) for line in log.read_text().splitlines()]
+  assert not [l for l in launches if l['finished_before']]  # no cell trained again once finished
+  assert len({l['cell'] for l in launches}) == 8  # 2 cells x 3 rates, then each cell's seed 1
+  assert json.loads((tmp_path / 'sw' / 'tune.json').read_text()) == json.loads(
+      (tmp_path / 'clean' / 'tune.json').read_text())
+  chosen = [c['chosen'] for c in json.loads((tmp_path / 'sw' / 'tune.json').read_text())['cells']]
+  assert chosen == [1e-2, 1e-2]
