@@ -22,6 +22,7 @@ from absl import logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from data import pipeline  # noqa: E402
+from data import preparation  # noqa: E402
 from layers import options  # noqa: E402
 from training import checkpointing  # noqa: E402
 from training import cli_checks  # noqa: E402
@@ -88,6 +89,8 @@ def main(argv):
   except memory.OutOfMemory as e:
     cli_checks.fail('train', e)
   except paths.StoreUnreachable as e:
+    cli_checks.fail('train', e, status=1)
+  except preparation.PreparationFailed as e:  # a full disk while writing the dataset
     cli_checks.fail('train', e, status=1)
   except pipeline.DataError as e:  # your own data: a bad file (named, with the line) or vocab_size
     cli_checks.fail('data error', e)

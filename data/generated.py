@@ -6,6 +6,7 @@ import os
 
 import tensorflow_datasets as tfds
 
+from data import preparation
 from data import tokenizer as tokenizer_lib
 
 TOKENIZER_FILE = 'tokenizer.json'
@@ -25,8 +26,9 @@ def prepare(data_dir: str, lock_name: str, folder: str, make_builder, words) -> 
       builder = make_builder()
       assert os.fspath(builder.data_dir) == folder, builder.data_dir
       tfds.disable_progress_bar()  # The bars would flood the training logs.
-      builder.download_and_prepare(file_format='array_record')
-      tokenizer_lib.Tokenizer.from_words(words).save(tokenizer_path)
+      with preparation.preparing(folder, 'the dataset'):
+        builder.download_and_prepare(file_format='array_record')
+        tokenizer_lib.Tokenizer.from_words(words).save(tokenizer_path)
   return folder
 
 

@@ -25,6 +25,7 @@ import os
 import platform
 import sysconfig
 
+from data import preparation
 from data import text_corpus
 
 TASK = 'python_code'
@@ -121,17 +122,25 @@ def prepare_files(data_dir: str, max_files: int = 0, root: str | None = None) ->
   counts = tuple((split, len(d)) for split, d in docs.items())
   corpus = CodeCorpus(folder, platform.python_version(), files_hash, counts)
   if not os.path.exists(os.path.join(folder, MANIFEST)):
-    os.makedirs(folder, exist_ok=True)
-    for split, lines in docs.items():
-      tmp = os.path.join(folder, f'.{split}.txt.{os.getpid()}')
-      with open(tmp, 'w', encoding='utf-8') as f:
-        f.write('\n'.join(lines) + '\n')
-      os.replace(tmp, os.path.join(folder, f'{split}.txt'))
-    tmp = os.path.join(folder, f'.{MANIFEST}.{os.getpid()}')
-    with open(tmp, 'w') as f:  # written last: it marks complete files
-      json.dump({**corpus.record(), 'stdlib': root}, f, indent=1)
-    os.replace(tmp, os.path.join(folder, MANIFEST))
+    with preparation.preparing(folder, 'the code corpus'):
+      _write_files(folder, docs, {**corpus.record(), 'stdlib': root})
   return corpus
+
+
+def _write_files(folder, docs, manifest):
+  """Each split's file, then the manifest that marks them complete, each under a temporary name
+  renamed when written (a temporary file a failed write leaves is removed)."""
+  os.makedirs(folder, exist_ok=True)
+  contents = [(f'{split}.txt', '\n'.join(lines) + '\n') for split, lines in docs.items()]
+  for name, text in contents + [(MANIFEST, json.dumps(manifest, indent=1))]:
+    tmp = os.path.join(folder, f'.{name}.{os.getpid()}')
+    try:
+      with open(tmp, 'w', encoding='utf-8') as f:
+        f.write(text)
+      os.replace(tmp, os.path.join(folder, name))
+    finally:
+      if os.path.exists(tmp):
+        os.remove(tmp)
 
 
 def corpus_of(data_config) -> CodeCorpus:

@@ -21,6 +21,7 @@ from etils import epath
 import tensorflow_datasets as tfds
 
 from data import hf_tokenizer
+from data import preparation
 from data import sentencepiece_tokenizer as spt
 
 TASKS = ('text_pairs', 'text_lm')
@@ -403,7 +404,8 @@ def _prepare_local(spec, splits, digest):
       shutil.rmtree(stale, ignore_errors=True)  # a killed preparation's (the lock is ours now)
     tmp = tempfile.mkdtemp(prefix=prefix, dir=task_dir)
     try:
-      os.rename(_build(spec, splits, digest, tmp), final_dir)
+      with preparation.preparing(task_dir, f'the {spec.task} corpus'):
+        os.rename(_build(spec, splits, digest, tmp), final_dir)
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       for d in reversed(created):  # the folders this call made, innermost first, if still empty

@@ -66,9 +66,13 @@ class Tokenizer:
   def save(self, path: str) -> None:
     """Writes the tokenizer as JSON; atomic so that a reader never sees half a file."""
     tmp = f'{path}.tmp{os.getpid()}'
-    with open(tmp, 'w') as f:
-      json.dump({'tokens': self.tokens}, f, indent=0)
-    os.replace(tmp, path)
+    try:
+      with open(tmp, 'w') as f:
+        json.dump({'tokens': self.tokens}, f, indent=0)
+      os.replace(tmp, path)
+    finally:
+      if os.path.exists(tmp):  # a failed write (a full disk) leaves no stray file
+        os.remove(tmp)
 
   @classmethod
   def load(cls, path: str) -> 'Tokenizer':

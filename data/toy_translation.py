@@ -7,6 +7,7 @@ import random
 
 import tensorflow_datasets as tfds
 
+from data import preparation
 from data import tokenizer as tokenizer_lib
 
 TOKENIZER_FILE = 'tokenizer.json'
@@ -254,8 +255,9 @@ def prepare(data_dir: str, task: str = 'base') -> str:
     fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
     if not os.path.exists(tokenizer_path):  # another process may have finished meanwhile
       tfds.disable_progress_bar()  # The bars would flood the training logs for a 2-second job.
-      builder.download_and_prepare(file_format='array_record')
-      tokenizer_lib.Tokenizer.from_words(vocabulary()).save(tokenizer_path)
+      with preparation.preparing(dataset_dir, 'the dataset'):
+        builder.download_and_prepare(file_format='array_record')
+        tokenizer_lib.Tokenizer.from_words(vocabulary()).save(tokenizer_path)
   return dataset_dir
 
 

@@ -23,6 +23,7 @@ fails to compile; 2 for a config, mesh or topology error (one line each).
 import json
 import math
 import re
+import signal
 import sys
 import time
 
@@ -194,7 +195,29 @@ def load_configs():
   return [(FLAGS['config'].config_filename, config)]
 
 
+def _stop(signum, frame):
+  """SIGTERM as Ctrl-C: the compiles end in `main`'s one line."""
+  del frame
+  raise KeyboardInterrupt(signum)
+
+
 def main(argv):
+  """The flags checked, then `compile_all`; a SIGINT or SIGTERM ends it in one line with
+  128 + the signal's number and no report: a sweep's table of the cells compiled so far would read
+  as the whole sweep's."""
+  signal.signal(signal.SIGTERM, _stop)
+  done = []  # the cells compiled so far
+  try:
+    _main(argv, done)
+  except KeyboardInterrupt as e:
+    signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+    print(f'aot: stopped by {signal.Signals(signum).name} after compiling {len(done)} '
+          f'{"cell" if len(done) == 1 else "cells"}; no report was printed (it would be partial); '
+          'rerun the same command', file=sys.stderr)
+    sys.exit(128 + signum)
+
+
+def _main(argv, done):
   logging.set_verbosity(logging.WARNING)  # jax logs at INFO that this host has no TPU backend
   if len(argv) > 1:
     cli_checks.fail('aot', f'unexpected arguments {argv[1:]}; valid: flags only')
@@ -211,11 +234,16 @@ def main(argv):
   # The configs are validated, and the programs traced, for the target's backend: a kernel that
   # declares TPU only (`Kernel.platforms`) passes on this CPU host when the target is a TPU.
   with attention.compiling_for(devices[0].platform):
-    compile_all(devices)
+    compile_all(devices, done)
 
 
-def compile_all(devices):
-  """Compiles the config or the sweep's cells for `devices`, prints the report, exits."""
+def compile_all(devices, results=None):
+  """Compiles the config or the sweep's cells for `devices`, prints the report, exits.
+
+  Args:
+    devices: the target's devices.
+    results: a list the (name, summary) of each cell is appended to as it compiles.
+  """
   configs = load_configs()
   if FLAGS.mesh == 'search':
     if FLAGS.sweep:
@@ -223,7 +251,7 @@ def compile_all(devices):
     search_main(configs[0][1], devices)
   if FLAGS.mesh == 'auto':
     configs = [(n, c if isinstance(c, str) else aot.auto_mesh(c, len(devices))) for n, c in configs]
-  results, status = [], 0
+  results, status = [] if results is None else results, 0
   for name, config in configs:
     if isinstance(config, str):
       results.append((name, {'error': config, 'status': 2}))

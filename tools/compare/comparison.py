@@ -38,13 +38,14 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
     baseline: a cell's label: every other cell is tested against it (`tools.compare.stats`).
 
   Returns:
-    The markdown table, the groups labelled with their full overrides (then, for a tuned sweep,
+    The runs left out, each with why (a run still training, a damaged metrics.jsonl), then the
+    markdown table, the groups labelled with their full overrides (then, for a tuned sweep,
     the tuning table of `tools.compare.tune_table`; for runs with eval.json extrapolation rows,
     `extrapolation_compare`'s table; for passkey runs with a retrieval report,
     `retrieval_compare`'s; with `metrics`, `metric_compare`'s; then `tools.compare.stats`' table,
     whose numbers are written to OUT_stats.json).
   """
-  runs = [runs_lib.load_run(w) for w in runs_lib.find_runs(paths)]
+  runs, left_out = runs_lib.load_runs(paths)
   # A tuned sweep (tools.sweep --tune): each cell at its chosen value; the tuning runs at the
   # other values go to their own table.
   choices = tune_table.read_choices(paths)
@@ -75,8 +76,17 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   tested = (f'Statistics (numbers in {stats_lib.stats_path(out)}'
             + (f'; picture: {drawn}' if drawn else '') + '):\n\n'
             + stats_lib.markdown(stats, baseline))
-  return '\n\n'.join(part for part in (table, tuning, extrapolation, retrieval, logged, tested)
-                     if part)
+  return '\n\n'.join(part for part in (_left_out(left_out), table, tuning, extrapolation,
+                                       retrieval, logged, tested) if part)
+
+
+def _left_out(left_out):
+  """'Left out: 2 runs.' and a line for each, naming the run and why."""
+  if not left_out:
+    return ''
+  return '\n'.join([f'Left out: {len(left_out)} run{"s" if len(left_out) > 1 else ""} (the '
+                     'statistics count the seeds of the others).']
+                    + [f'- {paths_lib.basename(w)}: {why}' for w, why in left_out])
 
 
 def _title(paths, num_runs, num_groups):

@@ -2,10 +2,14 @@
 
 import functools
 import json
+import os
 import re
+import socket
+import time
 
 import numpy as np
 
+from training import lock as lock_lib
 from training import paths as paths_lib  # local or gs://
 from training import writers
 
@@ -31,6 +35,53 @@ def find_runs(paths):
   if not runs:
     raise FileNotFoundError(f'compare: no metrics.jsonl in {", ".join(paths)}')
   return runs
+
+
+def load_runs(paths):
+  """The runs under `paths` that can be compared, and [(workdir, why)] of those left out: a run
+  still training (its lock is held) or one whose metrics.jsonl or JSON files do not read."""
+  runs, left_out = [], []
+  for workdir in find_runs(paths):
+    why = running(workdir)
+    if why is None:
+      try:
+        runs.append(load_run(workdir))
+        continue
+      except ValueError as e:
+        why = ' '.join(str(e).split())
+    left_out.append((workdir, why))
+  if not runs:
+    raise FileNotFoundError('compare: no run to compare in ' + ', '.join(paths) + ': ' + '; '.join(
+        f'{paths_lib.basename(w)} {why}' for w, why in left_out))
+  return runs, left_out
+
+
+def running(workdir):
+  """'still running (...)' while a train.py holds the workdir's lock, else None. The lock file
+  names its holder ('PID HOST', and the time on gs://) and is emptied at a clean exit: a holder on
+  this host is running while its PID lives, an object lock while its heartbeat is fresh; a lock
+  file of another host cannot be told from a killed one's and counts as running."""
+  path = paths_lib.join(workdir, 'lock')
+  try:
+    holder = paths_lib.read_text(path).split() if paths_lib.exists(path) else []
+  except OSError:
+    return None
+  if len(holder) < 2 or not holder[0].isdigit():
+    return None
+  pid, host = int(holder[0]), holder[1]
+  if len(holder) >= 3:  # an object lock: its heartbeat's time
+    alive = time.time() - float(holder[2]) < lock_lib.STALE_SECS
+  elif host == socket.gethostname():
+    try:
+      os.kill(pid, 0)
+      alive = True
+    except ProcessLookupError:
+      alive = False
+    except PermissionError:
+      alive = True
+  else:
+    alive = True
+  return f'still running (PID {pid} on {host} holds its lock)' if alive else None
 
 
 def flatten(d, prefix=''):

@@ -36,6 +36,9 @@ SWEEP_DIR/tune.json (tools/sweep/tune.py: the rule, the file).
 SIGINT (Ctrl-C) or SIGTERM to the runner is forwarded to the cells running at that moment, which
 save a checkpoint and stop; the runner waits for them, starts no further cell (nor eval), and
 exits with 128 + the signal's number. Rerunning the same command resumes the sweep.
+
+One runner per --sweep_dir: a second one started on the same folder is refused in one line (exit
+2) while the first runs (tools/sweep/runner.py `sweep_lock`).
 """
 
 import sys
@@ -94,6 +97,8 @@ def main(argv):
                                      tune_tolerance=FLAGS.tune_tolerance)
   except sweep_spec.SweepError as e:
     cli_checks.fail('sweep error', e)
+  except sweep_runner.SweepBusy as e:
+    cli_checks.fail('sweep', e)
   except sweep_runner.Stopped as e:
     sys.exit(128 + e.signum)  # the shell's convention for "ended by this signal"
   sys.exit(0 if all(r in FINISHED for r in results.values()) else 1)

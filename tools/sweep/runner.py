@@ -5,12 +5,18 @@ tools/sweep/cells.py; the processes and the signals forwarded to them in tools/s
 """
 
 import concurrent.futures
+import contextlib
+import fcntl
+import hashlib
 import os
 import shlex
 import signal
+import socket
 import sys
+import tempfile
 
 from training import config_file
+from training import lock
 from training import paths
 from tools.sweep import processes
 from tools.sweep import cells as sweep_cells
@@ -27,6 +33,53 @@ class Stopped(Exception):
   def __init__(self, signum, results):
     super().__init__(f'sweep: stopped by {signal.Signals(signum).name}')
     self.signum, self.results = signum, results
+
+
+class SweepBusy(Exception):
+  """Another runner is running a sweep in the same --sweep_dir."""
+
+
+def lock_path(sweep_dir):
+  """The lock file of a local sweep folder: in the temp dir, not in the folder, whose entries are
+  the cells (as text_corpus keeps a preparation's lock out of data_dir)."""
+  key = hashlib.sha256(os.path.abspath(sweep_dir).encode()).hexdigest()[:16]
+  return os.path.join(tempfile.gettempdir(), f'attnlab-sweep-{key}.lock')
+
+
+@contextlib.contextmanager
+def sweep_lock(sweep_dir):
+  """Held for the sweep: a second runner in the same folder is refused at once instead of
+  starting the same cells and rewriting the same tune.json beside the first. A local folder's is
+  an `fcntl.flock` (the kernel drops it when the runner dies, however it dies) on `lock_path`
+  holding 'PID HOST'; a gs:// folder's the object lock of `training.lock` in it."""
+  if paths.is_remote(sweep_dir):
+    try:
+      with lock.WorkdirLock(sweep_dir):
+        yield
+      return
+    except lock.WorkdirBusy as e:
+      holder = str(e).split(' is in use by ', 1)[-1].split(' (lock ', 1)[0]
+      raise _busy(sweep_dir, holder) from None
+  fd = os.open(lock_path(sweep_dir), os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    holder = os.pread(fd, 200, 0).decode(errors='replace').split()
+    os.close(fd)
+    raise _busy(sweep_dir, f'PID {holder[0]} on {holder[1]}' if len(holder) >= 2
+                else 'another process') from None
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, f'{os.getpid()} {socket.gethostname()}\n'.encode(), 0)
+  try:
+    yield
+  finally:
+    os.ftruncate(fd, 0)
+    os.close(fd)  # releases the lock
+
+
+def _busy(sweep_dir, holder):
+  return SweepBusy(f'--sweep_dir={sweep_dir} is in use by another sweep runner ({holder}); wait '
+                   'for it to end (rerun this command then to resume) or use another --sweep_dir')
 
 
 def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eval=False,
@@ -61,6 +114,7 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
     SweepError: a sweep file or a --tune that cannot be expanded (before anything runs).
     Stopped: a SIGINT or SIGTERM arrived; the cells it reached have saved and stopped (status
       'stopped (rc N)'), later ones never started ('not started'); `results` holds every status.
+    SweepBusy: another runner holds `sweep_dir` (its lock), before anything runs.
   """
   children = children or processes.Children()
   path, arg = config_file.split_spec(spec)
@@ -80,6 +134,14 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
     return _print_commands(spec, sweep, sweep_dir, cells, steps, out)
 
   paths.makedirs(sweep_dir)
+  with sweep_lock(sweep_dir):
+    return _run_cells(spec, path, arg, module, sweep, sweep_dir, cells, tunings, axis, steps,
+                      parallel, run_eval, launch, out, children)
+
+
+def _run_cells(spec, path, arg, module, sweep, sweep_dir, cells, tunings, axis, steps, parallel,
+               run_eval, launch, out, children):
+  """`run_sweep`'s runs, under the sweep's lock."""
   ctx = sweep_cells.Context(
       # Cells run from the repository root: give them absolute paths.
       spec=os.path.abspath(path) + (f':{arg}' if arg else ''),
