@@ -263,7 +263,10 @@ def partial_dir(final):
   the tool is removed; a folder of that name the tool did not make is refused in one line."""
   tmp = final.rstrip('/') + '.partial'
   if os.path.exists(tmp):
-    if not os.path.isfile(os.path.join(tmp, PARTIAL_MARK)):
+    ours = os.path.isdir(tmp) and (
+        os.path.isfile(os.path.join(tmp, PARTIAL_MARK))
+        or not os.listdir(tmp))  # empty: killed between creating and marking it
+    if not ours:
       raise HFError(f'{tmp} exists and was not left by tools.hf; move it away (the conversion '
                     'writes there before renaming)')
     shutil.rmtree(tmp)  # a conversion killed mid-write: start it afresh
