@@ -112,9 +112,39 @@ def _intra(k, beta, g, same=None):
   return gam, decay, m
 
 
+def unit_lower_inverse(m):
+  """m⁻¹ of the unit lower-triangular m `[..., c, c]` by blockwise inversion in matmuls only,
+  [[A, 0], [C, D]]⁻¹ = [[A⁻¹, 0], [-D⁻¹ C A⁻¹, D⁻¹]], doubling the block size from 1 (every
+  block of a level in one batched matmul): log2(c) levels, c padded to a power of two with I.
+
+  Not `solve_triangular`: on the CPU it is a LAPACK custom call that spreads a batch over XLA's
+  intra-op thread pool and waits on it; two of them in flight at once wait on each other, and
+  training stops (seen with jaxlib 0.10.2 on a 2-core host, after 1 to 29 steps).
+  """
+  c = m.shape[-1]
+  size = 1 << max(c - 1, 0).bit_length()  # the power of two >= c
+  lead = m.shape[:-2]
+  if size != c:
+    pad = [(0, 0)] * len(lead) + [(0, size - c), (0, size - c)]
+    m = jnp.pad(m, pad) + jnp.diag((jnp.arange(size) >= c).astype(m.dtype))  # I on the pad
+  inv = jnp.ones(lead + (size, 1, 1), m.dtype)  # [..., size / s, s, s]: the diagonal blocks'
+  s = 1
+  while s < size:
+    n = size // (2 * s)  # blocks of 2s
+    blocks = m.reshape(lead + (n, 2 * s, n, 2 * s))
+    diag = jnp.diagonal(blocks, axis1=-4, axis2=-2)  # [..., 2s, 2s, n]
+    cross = jnp.moveaxis(diag, -1, -3)[..., s:, :s]  # [..., n, s, s]: C of each block
+    a_inv, d_inv = inv[..., 0::2, :, :], inv[..., 1::2, :, :]  # [..., n, s, s] each
+    lower = -jnp.matmul(d_inv, jnp.matmul(cross, a_inv))  # [..., n, s, s]
+    top = jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], -1)  # [..., n, s, 2s]
+    inv = jnp.concatenate([top, jnp.concatenate([lower, d_inv], -1)], -2)  # [..., n, 2s, 2s]
+    s *= 2
+  return inv[..., 0, :c, :c]
+
+
 def _solve(m, rhs):
-  """m⁻¹ rhs for the unit lower-triangular m `[..., c, c]`: forward substitution."""
-  return jax.scipy.linalg.solve_triangular(m, rhs, lower=True, unit_diagonal=True)
+  """m⁻¹ rhs for the unit lower-triangular m `[..., c, c]` (`unit_lower_inverse`)."""
+  return jnp.matmul(unit_lower_inverse(m), rhs)
 
 
 def _chunk_terms(q, k, v, beta, g, seg, seg_prev):
