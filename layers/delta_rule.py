@@ -170,7 +170,7 @@ def chunked(q, k, v, beta, g, *, chunk, state=None, segment_ids=None):
 
   Inside a chunk of c tokens the c rank-one updates are folded into one: with
   T = (I + strict_tril(diag(β) K Kᵀ ⊙ Γ))⁻¹ (Γ_ij = exp(gam_i - gam_j)), U = T diag(β) V and
-  W = T diag(β exp(gam)) K (triangular solves), the chunk's writes are U - W S, its outputs
+  W = T diag(β exp(gam)) K (T by `unit_lower_inverse`), the chunk's writes are U - W S, its outputs
   (Q ⊙ exp(gam)) S + tril(Q Kᵀ ⊙ Γ)(U - W S), and the state after it
   exp(gam_c) S + (K ⊙ exp(gam_c - gam))ᵀ (U - W S). Everything but S is computed for all chunks
   at once; `lax.scan` carries S across chunks. A length that c does not divide is padded with
