@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import ROOT
 from tools.sweep import runner as sweep_runner
 
-SWEEP = '''
+CONFIG = '''
 from configs import decoder_only
 
 
@@ -20,7 +20,8 @@ def get_config(arg=None):
   config = decoder_only.get_config('quick')
   config.train.update(steps=4, warmup_steps=0)
   return config
-
+'''
+SWEEP = CONFIG + '''
 
 def get_sweep():
   return {'seeds': list(range(CELLS))}
@@ -130,15 +131,7 @@ def test_two_processes_preparing_one_dataset_at_once_prepare_it_once(config, tmp
   assert features.tree(tmp_path / 'shared') == features.tree(tmp_path / 'alone')
 
 
-TUNED_SWEEP = '''
-from configs import decoder_only
-
-
-def get_config(arg=None):
-  config = decoder_only.get_config('quick')
-  config.train.update(steps=4, warmup_steps=0)
-  return config
-
+TUNED_SWEEP = CONFIG + '''
 
 def get_sweep():
   return {'grid': {'model.norm_position': ['pre', 'post']}, 'seeds': [0, 1]}
