@@ -48,8 +48,7 @@ def test_fine_tune_at_4l_then_evaluate_at_2x_and_passkey(tmp_path):
   assert f'parameters from {imported}' in out.stderr
   rows = metric_rows(tuned)
   assert [r['step'] for r in rows] == [1, 2]
-  # A pretrained start: the loss is that of the imported model on this text, not log V of a
-  # fresh one; both steps finite.
+  # Started from the imported parameters (the line above); both steps' losses finite.
   assert all(math.isfinite(r['loss']) for r in rows), rows
   with open(os.path.join(tuned, 'config.json')) as f:
     model = json.load(f)['model']
