@@ -22,14 +22,15 @@ Compare: python -m tools.compare DIR --baseline=attention=dense \
              [--metrics=attn_sink_share]  (the stability form: --baseline=learning_rate=0.001)
 Smoke:   :quick, :code,quick, :stability,quick (a few steps a cell)
 Pair:    :pair, the recall form's linear attention and Gated DeltaNet alone (extra seeds)
+Hybrid:  :hybrid, the recall form's hybrid against dense alone
 """
 
 from configs import default
 from configs import mqar
 from configs import python_code
 
-CELL_ARGS = ('code', 'stability', 'pair')  # choose the config and the cells
-OTHER_ARGS = ('code', 'code,quick', 'stability', 'stability,quick', 'pair')  # test_sweep.py
+CELL_ARGS = ('code', 'stability', 'pair', 'hybrid')  # choose the config and the cells
+OTHER_ARGS = ('code', 'code,quick', 'stability', 'stability,quick', 'pair', 'hybrid')  # test_sweep.py
 SEEDS = [0, 1, 2]
 HYBRID_RECALL = 'gated_deltanet,dense'  # 2 layers: one recurrent, one dense
 HYBRID_CODE = 'gated_deltanet,gated_deltanet,gated_deltanet,dense'  # Qwen3-Next's 3:1
@@ -69,6 +70,8 @@ def get_sweep(arg=None):
              {'model.layer_pattern': HYBRID_CODE}]
   elif args.get('pair'):  # the recall form's headline pair alone (more seeds where time is short)
     cells = [{'model.attention': 'linear'}, {'model.attention': 'gated_deltanet'}]
+  elif args.get('hybrid'):  # the recall form's hybrid and its baseline alone
+    cells = [{'model.attention': 'dense'}, {'model.layer_pattern': HYBRID_RECALL}]
   else:
     cells = [{'model.attention': 'dense'},
              {'model.attention': 'dense', 'model.num_kv_heads': 2},
