@@ -30,7 +30,8 @@ from configs import mqar
 from configs import python_code
 
 CELL_ARGS = ('code', 'stability', 'pair', 'hybrid')  # choose the config and the cells
-OTHER_ARGS = ('code', 'code,quick', 'stability', 'stability,quick', 'pair', 'hybrid')  # test_sweep.py
+# the forms test_sweep.py expands besides the default and quick
+OTHER_ARGS = ('code', 'code,quick', 'stability', 'stability,quick', 'pair', 'hybrid')
 SEEDS = [0, 1, 2]
 HYBRID_RECALL = 'gated_deltanet,dense'  # 2 layers: one recurrent, one dense
 HYBRID_CODE = 'gated_deltanet,gated_deltanet,gated_deltanet,dense'  # Qwen3-Next's 3:1
