@@ -107,11 +107,20 @@ def cost_estimate(cfg, d, call, itemsize, *, once, per_tile):
   once (q, dO, the outputs) and `per_tile` key-side tiles `[block, H]` read per visited tile.
   """
   tiles = flash_core.visited_tiles(cfg, d.nq, d.nk) * d.b * d.n
-  pairs = tiles * cfg.block_q * cfg.block_k
+  return tile_cost(tiles, (cfg.block_q, cfg.block_k), d, call, itemsize, softcap=bool(cfg.softcap),
+                   once=once, per_tile=per_tile)
+
+
+def tile_cost(tiles, blocks, d, call, itemsize, *, softcap, once, per_tile):
+  """The `pl.CostEstimate` of a call that computes `tiles` (query tile, key tile) pairs of `blocks`
+  = (block_q, block_k), every batch row and query head together: `cost_estimate`'s conventions
+  for a count of tiles made elsewhere (jax's splash kernels count theirs from their block mask)."""
+  block_q, block_k = blocks
+  pairs = tiles * block_q * block_k
   return pl.CostEstimate(
       flops=2 * MATMULS[call] * pairs * d.h,
-      transcendentals=pairs * (2 if cfg.softcap else 1),
-      bytes_accessed=itemsize * d.h * (once * d.b * d.n * d.tp + per_tile * tiles * cfg.block_k))
+      transcendentals=pairs * (2 if softcap else 1),
+      bytes_accessed=itemsize * d.h * (once * d.b * d.n * d.tp + per_tile * tiles * block_k))
 
 
 class Dims(NamedTuple):

@@ -9,7 +9,8 @@ itself; it takes no added terms (ALiBi, a bias or mask array, a bias function) a
 Its layout is per batch row, `[N, T, H]` against `[K, S, H]` (N a multiple of K: GQA and MQA in its
 MHA form, each query head reading its group's key/value head, nothing repeated), so the batch is
 vmapped. It does not scale the scores: q is multiplied by `scale` before the call. The lengths are
-padded to whole 128-blocks; padded keys get a segment id no real query has.
+padded to whole 128-blocks; padded keys get a segment id no real query has. Its calls carry cost
+estimates of the blocks they compute (`attention_splash_cost`), so XLA's cost analysis counts them.
 """
 
 import jax
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from layers import attention_pallas_host as host
+from layers import attention_splash_cost
 from layers import flash_core
 
 # splash's default tiles (BlockSizes.get_default) for the forward, dK/dV and dQ kernels: multiples
@@ -38,14 +40,14 @@ def _mask(t, s, n, is_causal, window):
   return splash.MultiHeadMask([one] * n)
 
 
-def _kernel(t, s, n, is_causal, window, softcap, interpret):
-  """The splash kernel for padded lengths T, S and N query heads. Built inside the trace: its block
-  masks become constants of the program (splash keeps the host's work on them in a cache of its
-  own, `splash_attention_mask_info._process_mask`)."""
+def _kernel(mask, softcap, interpret):
+  """The splash kernel of the MultiHeadMask `mask`. Built inside the trace: its block masks become
+  constants of the program (splash keeps the host's work on them in a cache of its own,
+  `splash_attention_mask_info._process_mask`)."""
   blocks = splash.BlockSizes(block_q=BLOCK, block_kv=BLOCK, block_kv_compute=BLOCK,
                              block_q_dkv=BLOCK, block_kv_dkv=BLOCK, block_kv_dkv_compute=BLOCK,
                              block_q_dq=BLOCK, block_kv_dq=BLOCK)
-  return splash.make_splash_mha(_mask(t, s, n, is_causal, window), block_sizes=blocks,
+  return splash.make_splash_mha(mask, block_sizes=blocks,
                                 head_shards=1, q_seq_shards=1, attn_logits_soft_cap=softcap,
                                 interpret=interpret)
 
@@ -90,9 +92,16 @@ def attention(query, key, value, bias=None, mask=None, *, scale, is_causal=False
   k = flash_core.pad_axis(key, 1, sp).transpose(0, 2, 1, 3)
   v = flash_core.pad_axis(value, 1, sp).transpose(0, 2, 1, 3)
   window = None if window is None else tuple(window)
-  kernel = _kernel(tp, sp, n, bool(is_causal), window, float(softcap) if softcap else None,
-                   bool(interpret))
+  mask = _mask(tp, sp, n, bool(is_causal), window)
+  softcap = float(softcap) if softcap else None
+  # XLA's cost analysis counts splash's calls by these (it passes none of its own).
+  costs = attention_splash_cost.estimates(mask, BLOCK, kv_heads=k.shape[1], head_dim=q.shape[3],
+                                          itemsize=q.dtype.itemsize, softcap=bool(softcap))
+  in_axes = (0, 0, 0, None if segments is None else 0, None)
+
+  def rows(*args):  # the kernel built here, inside whichever trace calls it
+    return jax.vmap(_kernel(mask, softcap, bool(interpret)), in_axes=in_axes)(*args)
+
   sinks = None if sinks is None else sinks.astype(jnp.float32)
-  out = jax.vmap(kernel, in_axes=(0, 0, 0, None if segments is None else 0, None))(
-      q, k, v, segments, sinks)  # [B, N, Tp, H]
+  out = attention_splash_cost.with_costs(rows, costs)(q, k, v, segments, sinks)  # [B, N, Tp, H]
   return out[:, :, :t].transpose(0, 2, 1, 3).astype(query.dtype)  # [B, T, N, H]

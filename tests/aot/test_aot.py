@@ -104,6 +104,18 @@ def test_splash_steps_compile_for_a_tpu_pod(mesh, devices):
     assert 0 < r['bytes']['total'] < aot.hbm_bytes(devices[0])
 
 
+def test_splash_train_step_flops_count_its_kernels(devices):
+  """splash's calls carry cost estimates (`layers.attention_splash_cost`): XLA's FLOPs of the train
+  step at 2,048 tokens agree with the closed form within 10%, as pallas's do (without them XLA
+  counted the rest of the step alone, 0.28 of it for the default model)."""
+  config = _config('decoder_only', MESHES['fsdp8'], **{
+      'model.attention_impl': 'splash', 'data.max_length': 2048, 'data.packing': 'stream'})
+  train = _compile(config, devices, programs=('train',))['train']
+  analytic = aot.analytic_flops(config, accounting.task_vocab_size(config.data), len(devices),
+                                'tpu')
+  assert abs(train['flops'] / analytic - 1) < 0.1, (train['flops'], analytic)
+
+
 def test_compiling_leaves_no_tpu_cluster_variables_behind(devices):
   """libtpu's start-up settings would make every later train.py subprocess join a TPU pod."""
   del devices
