@@ -135,10 +135,20 @@ def one_block_reference(enc, tokens, attention):
 # tensorstore opens many connections at once (a longer queue keeps them from being refused); its
 # media downloads lack the x-goog-generation header that GCS sends and tensorstore's OCDBT needs
 # for its conditional manifest writes ('Malformed StorageGeneration' without it). The handler is
-# wrapped before the server's routes are built from it.
+# wrapped before the server's routes are built from it. On disk (`-d DIR`, to outlive a kill of the
+# emulator), each file is written to a temporary name and renamed in: a kill mid-write leaves its
+# index (.meta, rewritten at every object write) whole, as GCS keeps its objects.
 GCS_LAUNCHER = """
-import http.server, sys
+import http.server, os, sys
+from gcp_storage_emulator import storage
 from gcp_storage_emulator.handlers import objects
+_write_bytes = storage._FileStore.write_bytes
+def write_bytes(self, rel, content):
+  if self._root is None:
+    return _write_bytes(self, rel, content)
+  _write_bytes(self, rel + '.partial', content)
+  os.replace(self._disk_path(rel + '.partial'), self._disk_path(rel))
+storage._FileStore.write_bytes = write_bytes
 http.server.HTTPServer.request_queue_size = 256
 _download = objects.download
 def download(request, response, storage, *args, **kwargs):
@@ -154,40 +164,59 @@ sys.exit(main())
 """
 
 
+def start_gcs_emulator(port, storage=None):
+  """The GCS emulator process on 127.0.0.1:`port` with the bucket `bucket`, once it answers: in
+  memory, or with its objects under the folder `storage` (kept across a kill and a restart)."""
+  where = ['-d', str(storage)] if storage else []
+  proc = subprocess.Popen(
+      [sys.executable, '-c', GCS_LAUNCHER, *where, 'start', f'--port={port}', '--host=127.0.0.1',
+       '--default-bucket=bucket', '-q', *([] if storage else ['--in-memory'])],
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 60
+  while True:  # until it answers
+    try:
+      urllib.request.urlopen(f'http://127.0.0.1:{port}/storage/v1/b', timeout=2).read()
+      return proc
+    except OSError:
+      if proc.poll() is not None or time.time() > deadline:
+        proc.kill()
+        raise RuntimeError(f'the GCS emulator did not start (exit {proc.poll()})') from None
+      time.sleep(0.2)
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def gcs_env(url, **extra_env):
+  """The environment that points google-cloud-storage and gcsfs (hence etils.epath) at the emulator
+  at `url` (STORAGE_EMULATOR_HOST), plus `extra_env` ('{url}' in a value is replaced)."""
+  # gcsfs would ask the storage-control API (not emulated) whether the bucket is hierarchical.
+  return {'STORAGE_EMULATOR_HOST': url, 'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false',
+          **{k: v.format(url=url) for k, v in extra_env.items()}}
+
+
 @contextlib.contextmanager
 def gcs_emulator(**extra_env):
   """An in-memory GCS emulator on loopback with the bucket `bucket`; yields its URL.
 
-  While it runs, os.environ points google-cloud-storage and gcsfs (hence etils.epath) at it
-  (STORAGE_EMULATOR_HOST), plus `extra_env`; both are restored afterwards.
+  While it runs, os.environ is updated with `gcs_env(url, **extra_env)`; it is restored afterwards.
   """
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    port = s.getsockname()[1]
+  port = free_port()
   url = f'http://127.0.0.1:{port}'
-  proc = subprocess.Popen(
-      [sys.executable, '-c', GCS_LAUNCHER, 'start', f'--port={port}', '--host=127.0.0.1',
-       '--default-bucket=bucket', '--in-memory', '-q'],
-      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  # gcsfs would ask the storage-control API (not emulated) whether the bucket is hierarchical.
-  env = {'STORAGE_EMULATOR_HOST': url, 'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false',
-         **{k: v.format(url=url) for k, v in extra_env.items()}}
+  env = gcs_env(url, **extra_env)
   saved = {k: os.environ.get(k) for k in env}
   os.environ.update(env)
+  proc = None
   try:
-    deadline = time.time() + 60
-    while True:  # until it answers
-      try:
-        urllib.request.urlopen(f'{url}/storage/v1/b', timeout=2).read()
-        break
-      except OSError:
-        if proc.poll() is not None or time.time() > deadline:
-          raise RuntimeError(f'the GCS emulator did not start (exit {proc.poll()})') from None
-        time.sleep(0.2)
+    proc = start_gcs_emulator(port)
     yield url
   finally:
-    proc.kill()
-    proc.wait()
+    if proc is not None:
+      proc.kill()
+      proc.wait()
     for k, v in saved.items():
       if v is None:
         os.environ.pop(k, None)

@@ -27,6 +27,10 @@ from training import paths
 
 HEARTBEAT_SECS = 60
 STALE_SECS = 300
+# A heartbeat is one request, given this long: one that fails is retried by the next beat
+# (STALE_SECS leaves room for four to fail). With google-cloud-storage's own retries (up to 120 s)
+# a beat that met an unreachable store held the end of a failing run, which waits for this thread.
+BEAT_TIMEOUT_SECS = 10
 
 
 class WorkdirBusy(checkpointing.IncompatibleResume):
@@ -153,7 +157,8 @@ class ObjectLock:
     while not self.stop.wait(HEARTBEAT_SECS):
       blob = self.bucket.blob(self.name)
       try:
-        blob.upload_from_string(self._text(), if_generation_match=self.generation)
+        blob.upload_from_string(self._text(), if_generation_match=self.generation,
+                                timeout=BEAT_TIMEOUT_SECS, retry=None)
         self.generation = blob.generation
       except exceptions.PreconditionFailed:
         print(f'train: warning: the lock {self.path} was taken over by another run',

@@ -28,21 +28,34 @@ def generate(self, *args, **kwargs):  # called only when TFDS writes the dataset
   print('generating the dataset', file=sys.stderr)
   return _generate(self, *args, **kwargs)
 tfds.core.GeneratorBasedBuilder._download_and_prepare = generate
-config = validation.resolve(config_file.load_config_file(sys.argv[1]))
+config = config_file.load_config_file(sys.argv[1])
+for flag in sys.argv[3:]:  # --config.data.FIELD=VALUE, as train.py takes it
+  field, value = flag.removeprefix('--config.data.').split('=', 1)
+  config.data[field] = value
+config = validation.resolve(config)
 config.data.data_dir = sys.argv[2]
 pipeline.get_tokenizer(config.data)
 '''
 
-# (config, a path fragment that exists only while the preparation writes)
+# A converted Hugging Face checkpoint's tokenizer (tokenizer.json beside its weights, as
+# `python -m tools.hf import` copies it into WORKDIR/tokenizer and configs/pretrained.py passes it).
+HF_TOKENIZER = os.path.join(ROOT, 'tests', 'fixtures', 'hf', 'llama')
+
+# (config, train.py flags, a path fragment that exists only while the preparation writes)
 BUILDERS = {
-    'mqar': ('configs/mqar.py:quick', 'incomplete.'),  # TFDS's temporary dataset folder
-    'python_code': ('configs/python_code.py:quick', '.tmp'),  # text_corpus's temporary folder
+    'mqar': ('configs/mqar.py:quick', (), 'incomplete.'),  # TFDS's temporary dataset folder
+    'python_code': ('configs/python_code.py:quick', (), '.tmp'),  # text_corpus's temporary folder
+    # The code corpus with the HF tokenizer (nothing to train): killed while TFDS writes its
+    # records inside text_corpus's temporary folder.
+    'python_code_hf': ('configs/python_code.py:quick', (f'--config.data.tokenizer={HF_TOKENIZER}',),
+                       'incomplete.'),
 }
 
 
-def prepare(config, data_dir, **kwargs):
-  return subprocess.Popen([sys.executable, '-c', PREPARE, config, str(data_dir)], cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+def prepare(config, data_dir, flags=(), **kwargs):
+  return subprocess.Popen([sys.executable, '-c', PREPARE, config, str(data_dir), *flags],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          **kwargs)
 
 
 def tree(data_dir):
@@ -79,12 +92,12 @@ def kill_when(proc, data_dir, fragment, timeout=120):
 
 @pytest.mark.parametrize('builder', sorted(BUILDERS))
 def test_a_builder_killed_mid_preparation_prepares_afresh(builder, tmp_path):
-  config, fragment = BUILDERS[builder]
-  clean = prepare(config, tmp_path / 'clean')
+  config, flags, fragment = BUILDERS[builder]
+  clean = prepare(config, tmp_path / 'clean', flags)
   assert clean.wait(timeout=300) == 0, clean.stderr.read()[-2000:]
-  killed = prepare(config, tmp_path / 'killed')
+  killed = prepare(config, tmp_path / 'killed', flags)
   assert kill_when(killed, tmp_path / 'killed', fragment), 'the preparation ended before the kill'
-  rerun = prepare(config, tmp_path / 'killed')
+  rerun = prepare(config, tmp_path / 'killed', flags)
   assert rerun.wait(timeout=300) == 0, rerun.stderr.read()[-2000:]
   # The rerun ends with the very files of an uninterrupted preparation: nothing of the killed one
   # is read or kept (its temporary folder is gone).
@@ -99,9 +112,9 @@ def test_a_full_disk_while_preparing_is_one_line_exit_1(builder, tmp_path):
   def limit():
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
-  config, _ = BUILDERS[builder]
+  config, flags, _ = BUILDERS[builder]
   data_dir = tmp_path / 'tfds'
-  out = subprocess.run([sys.executable, 'train.py', f'--config={config}',
+  out = subprocess.run([sys.executable, 'train.py', f'--config={config}', *flags,
                         f'--config.data.data_dir={data_dir}', f'--workdir={tmp_path / "w"}'],
                        cwd=ROOT, capture_output=True, text=True, preexec_fn=limit, timeout=300)
   assert out.returncode == 1, out.stderr[-2000:]

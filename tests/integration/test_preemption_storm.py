@@ -5,10 +5,12 @@ its parameters bit for bit.
 The test tier runs 3 interruptions; the 20-interruption storm whose figures docs/reliability.md
 reports is this file run as a script:
 `python -m tests.integration.test_preemption_storm --interruptions=20 --during_save=2`
-(`--gs`: the workdirs on the local GCS emulator).
+(`--gs`: the workdirs on the local GCS emulator; `--sweep`: the runner of a real tuned sweep,
+`tools.sweep --tune --parallel=2`, SIGKILLed instead).
 """
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -143,12 +145,98 @@ def gs_storm(data_dir, interruptions, seed, scratch):
     return storm('gs://bucket/storm', data_dir, interruptions, 0, seed, poll=0.2)
 
 
+# A real tuned sweep of the quick config: 2 cells x 2 learning rates at seed 0, then each cell's
+# seed 1 at its chosen rate (6 train.py runs).
+SWEEP_STEPS = 6
+SWEEP = '''
+from configs import decoder_only
+
+
+def get_config(arg=None):
+  config = decoder_only.get_config('quick')
+  config.data.data_dir = DATA_DIR
+  config.train.update(steps=STEPS, warmup_steps=0, checkpoint_every=2, log_every=1, eval_every=3)
+  return config
+
+
+def get_sweep():
+  return {'grid': {'model.norm_position': ['pre', 'post']}, 'seeds': [0, 1]}
+'''
+TUNE = 'train.learning_rate:1e-3,1e-2'
+
+
+def sweep_command(spec, sweep_dir):
+  return [sys.executable, '-m', 'tools.sweep', f'--sweep={spec}', f'--sweep_dir={sweep_dir}',
+          f'--tune={TUNE}', '--parallel=2']
+
+
+def run_sweep(spec, sweep_dir, kill_after=None):
+  """Runs the sweep runner, SIGKILLed (the runner alone: its cells get SIGTERM, save and stop)
+  `kill_after` seconds in; (exit status, seconds)."""
+  start = time.monotonic()
+  with open(os.path.join(os.path.dirname(spec), 'runner.log'), 'a') as log:
+    proc = subprocess.Popen(sweep_command(spec, sweep_dir), cwd=ROOT, stdout=log, stderr=log)
+    try:
+      proc.wait(timeout=kill_after)
+    except subprocess.TimeoutExpired:
+      proc.send_signal(signal.SIGKILL)
+      proc.wait()
+  return proc.returncode, time.monotonic() - start
+
+
+def retrained(sweep_dir):
+  """The cells a launch resumed at their final step: trained again once finished."""
+  return [cell for cell in os.listdir(sweep_dir) if os.path.isdir(os.path.join(sweep_dir, cell))
+          and f'resumed from step {SWEEP_STEPS} ' in open(
+              os.path.join(sweep_dir, cell, 'train.log'), errors='replace').read()]
+
+
+def sweep_storm(root, data_dir, interruptions, seed=0):
+  """The tuned sweep uninterrupted in `root`/full, and in `root`/cut with its runner SIGKILLed
+  `interruptions` times at random moments, rerun each time; the figures."""
+  spec = os.path.join(root, 'storm_sweep.py')
+  with open(spec, 'w') as f:
+    f.write(SWEEP.replace('DATA_DIR', repr(str(data_dir))).replace('STEPS', str(SWEEP_STEPS)))
+  full, cut = os.path.join(root, 'full'), os.path.join(root, 'cut')
+  # The stormed sweep first: it compiles into an empty JAX cache, the uninterrupted one after it
+  # finds the programs there, so the time lost is not understated. The kills come within the
+  # first seconds of each rerun (a train.py start is about 10 s here), so that each finds cells
+  # starting, training or saving.
+  rng, runs = random.Random(seed), []
+  for _ in range(interruptions):
+    rc, wall = run_sweep(spec, cut, kill_after=rng.uniform(1, 25))
+    runs.append({'rc': rc, 'wall_s': wall})
+    if rc != -signal.SIGKILL:  # it finished before the kill
+      break
+  rc, wall = run_sweep(spec, cut)
+  assert rc == 0, open(os.path.join(root, 'runner.log')).read()[-3000:]
+  cut_s = sum(r['wall_s'] for r in runs) + wall
+  rc, full_s = run_sweep(spec, full)
+  assert rc == 0, open(os.path.join(root, 'runner.log')).read()[-3000:]
+  cells = sorted(c for c in os.listdir(full) if os.path.isdir(os.path.join(full, c)))
+  assert cells == sorted(c for c in os.listdir(cut) if os.path.isdir(os.path.join(cut, c)))
+  assert len(cells) == 6
+  compared = 0
+  for cell in cells:
+    assert rows(os.path.join(cut, cell)) == rows(os.path.join(full, cell)), cell
+    compared += len(rows(os.path.join(cut, cell)))
+  tuned = [json.load(open(os.path.join(d, 'tune.json'))) for d in (full, cut)]
+  assert tuned[0] == tuned[1]
+  assert retrained(cut) == [] and retrained(full) == []
+  killed = sum(r['rc'] == -signal.SIGKILL for r in runs)
+  return {'interruptions': killed, 'cells': len(cells), 'rows': compared, 'full_s': full_s,
+          'stormed_s': cut_s, 'lost_per_interruption_s': (cut_s - full_s) / max(killed, 1),
+          'runs': runs}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--interruptions', type=int, default=20)
   parser.add_argument('--during_save', type=int, default=2)
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--gs', action='store_true', help='the workdirs on the GCS emulator')
+  parser.add_argument('--sweep', action='store_true',
+                      help='SIGKILL the runner of a tuned sweep (--tune, --parallel=2) instead')
   args = parser.parse_args()
   from training import host
   host.cpu_when_no_accelerator()  # as conftest.py: no libtpu start-up probe on a CPU host
@@ -159,8 +247,12 @@ def main():
     from data import toy_translation
     toy_translation.prepare(os.path.join(root, 'tfds'), 'base')
     data_dir = os.path.join(root, 'tfds')
-    figures = (gs_storm(data_dir, args.interruptions, args.seed, root) if args.gs else
-               storm(root, data_dir, args.interruptions, args.during_save, args.seed))
+    if args.sweep:
+      figures = sweep_storm(root, data_dir, args.interruptions, args.seed)
+    elif args.gs:
+      figures = gs_storm(data_dir, args.interruptions, args.seed, root)
+    else:
+      figures = storm(root, data_dir, args.interruptions, args.during_save, args.seed)
   for run in figures.pop('runs'):
     print(run)
   print(figures)
