@@ -10,7 +10,10 @@ the gradient is, after the forward has returned).
 
 The estimates follow the Mosaic flash kernel's conventions (`attention_pallas_host.tile_cost`): per
 computed (query block, key block) pair, 2·block_q·block_k·H FLOPs per matrix product (forward 2,
-dQ 3, dK/dV 4), an exp per score (and a tanh under the soft cap), and the bytes of the tiles read;
+dQ 3, dK/dV 4), an exp per score (and a tanh under the soft cap), and the bytes of the tiles read
+(plus the [N, T, H] arrays each call reads or writes once: exact for multi-head self-attention; with
+GQA or a cross length the dK/dV call's once-arrays are counted at the query heads' size, as the
+Mosaic kernel's estimate does, an overcount of about 2·(N - K)·S·H·itemsize a row);
 the pairs are the non-empty blocks of splash's own block mask for that call (`MaskInfo.block_mask`,
 the kernels skip the empty ones): the causal band, a window's band.
 """
