@@ -16,7 +16,7 @@ class FakeBlob:
   def __init__(self, bucket, name):
     self.bucket, self.name, self.generation = bucket, name, None
 
-  def upload_from_string(self, text, if_generation_match=None):
+  def upload_from_string(self, text, if_generation_match=None, timeout=None, retry=None):
     current = self.bucket.objects.get(self.name, (None, 0))[1]
     if if_generation_match is not None and if_generation_match != current:
       raise exceptions.PreconditionFailed('generation mismatch')
@@ -42,7 +42,7 @@ class FakeBucket:
     blob.generation = self.objects[name][1]
     return blob
 
-  def delete_blob(self, name, if_generation_match=None):
+  def delete_blob(self, name, if_generation_match=None, timeout=None, retry=None):
     if name not in self.objects:
       raise exceptions.NotFound('no such object')
     if if_generation_match is not None and if_generation_match != self.objects[name][1]:
