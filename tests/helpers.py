@@ -130,16 +130,18 @@ def one_block_reference(enc, tokens, attention):
   x = x + np.asarray(blk.ffn(blk.ffn_norm(jnp.asarray(x, jnp.float32))), np.float64)
   return enc.final_norm(jnp.asarray(x, jnp.float32))
 
-# The GCS emulator (gcp-storage-emulator, from the test extras) as a process, with two departures
+# The GCS emulator (gcp-storage-emulator, from the test extras) as a process, with three departures
 # from real GCS mended: its HTTP server answers one request at a time with a listen queue of 5, and
 # tensorstore opens many connections at once (a longer queue keeps them from being refused); its
 # media downloads lack the x-goog-generation header that GCS sends and tensorstore's OCDBT needs
-# for its conditional manifest writes ('Malformed StorageGeneration' without it). The handler is
-# wrapped before the server's routes are built from it. On disk (`-d DIR`, to outlive a kill of the
+# for its conditional manifest writes ('Malformed StorageGeneration' without it); it ignores the
+# ifGenerationMatch precondition of uploads and deletes, which the gs:// workdir lock relies on
+# (412 when the object's generation differs, 0 meaning absent). The handlers are wrapped before
+# the server's routes are built from them. On disk (`-d DIR`, to outlive a kill of the
 # emulator), each file is written to a temporary name and renamed in: a kill mid-write leaves its
 # index (.meta, rewritten at every object write) whole, as GCS keeps its objects.
 GCS_LAUNCHER = """
-import http.server, os, sys
+import http, http.server, os, sys
 from gcp_storage_emulator import storage
 from gcp_storage_emulator.handlers import objects
 _write_bytes = storage._FileStore.write_bytes
@@ -159,6 +161,23 @@ def download(request, response, storage, *args, **kwargs):
   except Exception:  # not found: the handler set 404
     pass
 objects.download = download
+def _generation(storage, request):
+  name = request.params.get('object_id') or request.query.get('name', [None])[0]
+  if name is None and isinstance(request.data, dict):  # multipart: the name in the metadata
+    name = request.data.get('meta', request.data).get('name')
+  try:
+    return int(storage.get_file_obj(request.params['bucket_name'], name)['generation'])
+  except Exception:  # absent
+    return 0
+def conditional(handler):
+  def checked(request, response, storage, *args, **kwargs):
+    match = request.query.get('ifGenerationMatch')
+    if match and int(match[0]) != _generation(storage, request):
+      response.status = http.HTTPStatus.PRECONDITION_FAILED
+      return
+    return handler(request, response, storage, *args, **kwargs)
+  return checked
+objects.insert, objects.delete = conditional(objects.insert), conditional(objects.delete)
 from gcp_storage_emulator.__main__ import main
 sys.exit(main())
 """
