@@ -30,9 +30,12 @@ from training import paths
 
 HEARTBEAT_SECS = 60
 STALE_SECS = 300
-# A heartbeat is one request, given this long: one that fails is retried by the next beat
-# (STALE_SECS leaves room for four to fail). With google-cloud-storage's own retries (up to 120 s)
-# a beat that met an unreachable store held the end of a failing run, which waits for this thread.
+# A heartbeat is one request, given this long: one that fails is retried by the next beat, which
+# starts HEARTBEAT_SECS after it ended. A lock older than STALE_SECS may be taken over, so three
+# beats in a row may fail at their longest (the renewal after them comes 4 x 70 s = 280 s after
+# the last good one; after four it would come at 350 s, too late). With google-cloud-storage's own
+# retries (up to 120 s) a beat that met an unreachable store held the end of a failing run, which
+# waits for this thread.
 BEAT_TIMEOUT_SECS = 10
 
 
