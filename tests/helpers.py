@@ -139,13 +139,19 @@ def one_block_reference(enc, tokens, attention):
 # (412 when the object's generation differs, 0 meaning absent). The handlers are wrapped before
 # the server's routes are built from them. On disk (`-d DIR`, to outlive a kill of the
 # emulator), each file is written to a temporary name and renamed in: a kill mid-write leaves its
-# index (.meta, rewritten at every object write) whole, as GCS keeps its objects.
+# index (.meta, rewritten at every object write) whole, as GCS keeps its objects. With
+# GCS_DIE_AT_ENV set to 'BUCKET/PREFIX', the emulator exits with status GCS_DIED as it is about to
+# write the first object whose path starts so (the store lost at a chosen moment of a run).
+GCS_DIE_AT_ENV, GCS_DIED = 'ATTNLAB_TEST_GCS_DIE_AT', 86
 GCS_LAUNCHER = """
 import http, http.server, os, sys
 from gcp_storage_emulator import storage
 from gcp_storage_emulator.handlers import objects
 _write_bytes = storage._FileStore.write_bytes
+DIE_AT = os.environ.get('%s')
 def write_bytes(self, rel, content):
+  if DIE_AT and self._norm(rel).startswith(DIE_AT):
+    os._exit(%d)
   if self._root is None:
     return _write_bytes(self, rel, content)
   _write_bytes(self, rel + '.partial', content)
@@ -180,17 +186,20 @@ def conditional(handler):
 objects.insert, objects.delete = conditional(objects.insert), conditional(objects.delete)
 from gcp_storage_emulator.__main__ import main
 sys.exit(main())
-"""
+""" % (GCS_DIE_AT_ENV, GCS_DIED)
 
 
-def start_gcs_emulator(port, storage=None):
+def start_gcs_emulator(port, storage=None, die_at=None):
   """The GCS emulator process on 127.0.0.1:`port` with the bucket `bucket`, once it answers: in
-  memory, or with its objects under the folder `storage` (kept across a kill and a restart)."""
+  memory, or with its objects under the folder `storage` (kept across a kill and a restart). With
+  `die_at` ('bucket/PREFIX'), it exits with status GCS_DIED as it is about to write the first
+  object whose path starts so."""
   where = ['-d', str(storage)] if storage else []
+  env = {**os.environ, GCS_DIE_AT_ENV: die_at} if die_at else None
   proc = subprocess.Popen(
       [sys.executable, '-c', GCS_LAUNCHER, *where, 'start', f'--port={port}', '--host=127.0.0.1',
        '--default-bucket=bucket', '-q', *([] if storage else ['--in-memory'])],
-      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
   deadline = time.time() + 60
   while True:  # until it answers
     try:

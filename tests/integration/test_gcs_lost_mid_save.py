@@ -3,18 +3,18 @@ store and the last confirmed checkpoint (exit 1), no trace on the terminal; once
 the same command resumes and ends with the uninterrupted run's rows.
 
 The local GCS emulator keeps its objects on disk here (tests.helpers.start_gcs_emulator), so that
-it can be killed mid-save and started again on the same port with the objects it had.
+it can die mid-save and be started again on the same port with the objects it had. It dies by
+itself as it is about to write the first object of the step's checkpoint, whatever the load.
 """
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
 
-from tests.helpers import ROOT, free_port, gcs_env, start_gcs_emulator
+from tests.helpers import GCS_DIED, ROOT, free_port, gcs_env, start_gcs_emulator
 from training import lock
 from training import writers
 
@@ -45,21 +45,19 @@ def test_the_store_lost_mid_save_ends_in_one_line_and_the_rerun_resumes(data_dir
                                  GOOGLE_AUTH_TOKEN_FOR_TESTING='emulator',
                                  TENSORSTORE_GCS_REQUEST_CONCURRENCY='8',
                                  ATTNLAB_DATA_CACHE=str(tmp_path / 'cache'))}
-  emulator = start_gcs_emulator(port, storage)
+  # The store dies once the last checkpoint (step 8, after the confirmed step 4) is being
+  # written: the emulator exits itself as it is about to write the step's first object.
+  emulator = start_gcs_emulator(port, storage, die_at='bucket/run/checkpoints/8/')
   try:
     cut = subprocess.Popen(command(data_dir, RUN), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
-    # The store dies once the last checkpoint (step 8, after the confirmed step 4) is being
-    # written: its first object is on the emulator's disk.
-    step_8 = storage / '.cloudstorage' / 'bucket' / 'run' / 'checkpoints' / '8'
-    deadline = time.monotonic() + 300
-    while cut.poll() is None and time.monotonic() < deadline and not (
-        step_8.is_dir() and any(step_8.iterdir())):
-      time.sleep(0.002)
-    assert cut.poll() is None, 'the run ended before the store was lost'
-    emulator.send_signal(signal.SIGKILL)
-    emulator.wait()
+    deadline = time.monotonic() + 600  # against a hang only
+    while emulator.poll() is None and cut.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.05)
     killed = time.monotonic()
+    assert emulator.poll() == GCS_DIED, (
+        f'the store was not lost at step 8 (emulator {emulator.poll()}, run {cut.poll()}): '
+        + (cut.communicate()[1][-3000:] if cut.poll() is not None else ''))
     out, err = cut.communicate(timeout=400)
     print(f'the run ended {time.monotonic() - killed:.0f} s after the store was lost')
     assert cut.returncode == 1, err[-3000:]
