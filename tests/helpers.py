@@ -208,6 +208,7 @@ def start_gcs_emulator(port, storage=None, die_at=None):
     except OSError:
       if proc.poll() is not None or time.time() > deadline:
         proc.kill()
+        proc.wait()
         raise RuntimeError(f'the GCS emulator did not start (exit {proc.poll()})') from None
       time.sleep(0.2)
 

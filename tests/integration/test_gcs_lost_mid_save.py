@@ -47,7 +47,7 @@ def test_the_store_lost_mid_save_ends_in_one_line_and_the_rerun_resumes(data_dir
                                  ATTNLAB_DATA_CACHE=str(tmp_path / 'cache'))}
   # The store dies once the last checkpoint (step 8, after the confirmed step 4) is being
   # written: the emulator exits itself as it is about to write the step's first object.
-  emulator = start_gcs_emulator(port, storage, die_at='bucket/run/checkpoints/8/')
+  emulator, cut = start_gcs_emulator(port, storage, die_at='bucket/run/checkpoints/8/'), None
   try:
     cut = subprocess.Popen(command(data_dir, RUN), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
@@ -81,6 +81,9 @@ def test_the_store_lost_mid_save_ends_in_one_line_and_the_rerun_resumes(data_dir
     # The object as the emulator keeps it on its disk.
     assert rows(storage / '.cloudstorage' / 'bucket' / 'run' / 'metrics.jsonl') == uninterrupted
   finally:
+    if cut is not None and cut.poll() is None:  # a run that outlived its wait
+      cut.kill()
+      cut.wait()
     emulator.kill()
     emulator.wait()
 
