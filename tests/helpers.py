@@ -138,13 +138,15 @@ def one_block_reference(enc, tokens, attention):
 # ifGenerationMatch precondition of uploads and deletes, which the gs:// workdir lock relies on
 # (412 when the object's generation differs, 0 meaning absent). The handlers are wrapped before
 # the server's routes are built from them. On disk (`-d DIR`, to outlive a kill of the
-# emulator), each file is written to a temporary name and renamed in: a kill mid-write leaves its
-# index (.meta, rewritten at every object write) whole, as GCS keeps its objects. With
-# GCS_DIE_AT_ENV set to 'BUCKET/PREFIX', the emulator exits with status GCS_DIED as it is about to
-# write the first object whose path starts so (the store lost at a chosen moment of a run).
+# emulator), each file is written to a temporary file in a folder beside the store
+# (DIR/.cloudstorage.writing) and renamed in: a kill mid-write leaves its index (.meta, rewritten
+# at every object write) whole, as GCS keeps its objects, and no object's name can meet a
+# temporary one. With GCS_DIE_AT_ENV set to 'BUCKET/PREFIX', the emulator exits with status
+# GCS_DIED as it is about to write the first object whose path starts so (the store lost at a
+# chosen moment of a run).
 GCS_DIE_AT_ENV, GCS_DIED = 'ATTNLAB_TEST_GCS_DIE_AT', 86
 GCS_LAUNCHER = """
-import http, http.server, os, sys
+import http, http.server, os, sys, tempfile
 from gcp_storage_emulator import storage
 from gcp_storage_emulator.handlers import objects
 _write_bytes = storage._FileStore.write_bytes
@@ -154,8 +156,15 @@ def write_bytes(self, rel, content):
     os._exit(%d)
   if self._root is None:
     return _write_bytes(self, rel, content)
-  _write_bytes(self, rel + '.partial', content)
-  os.replace(self._disk_path(rel + '.partial'), self._disk_path(rel))
+  # Written in a folder beside the store, where no object's file can be, then renamed in.
+  writing = self._root.parent / (self._root.name + '.writing')
+  writing.mkdir(exist_ok=True)
+  fd, temp = tempfile.mkstemp(dir=writing)
+  with os.fdopen(fd, 'wb') as f:
+    f.write(content)
+  path = self._disk_path(rel)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  os.replace(temp, path)
 storage._FileStore.write_bytes = write_bytes
 http.server.HTTPServer.request_queue_size = 256
 _download = objects.download

@@ -109,3 +109,22 @@ def test_a_lock_heartbeat_against_a_lost_store_does_not_hold_a_failing_exit(monk
   exiting.start()
   exiting.join(timeout=60)
   assert not exiting.is_alive(), 'the exit waited on the heartbeat\'s retries'
+
+
+def test_the_emulator_on_disk_keeps_an_object_and_one_named_like_a_temporary_file_apart(
+    monkeypatch, tmp_path):
+  """Each write goes through a temporary file, named where no object's file can be."""
+  port = free_port()
+  for key, value in gcs_env(f'http://127.0.0.1:{port}').items():
+    monkeypatch.setenv(key, value)
+  emulator = start_gcs_emulator(port, tmp_path / 'store')
+  try:
+    from google.cloud import storage
+    bucket = storage.Client().bucket('bucket')
+    names = ('run/x.partial', 'run/x', 'run/x.tmp')
+    for name in names:
+      bucket.blob(name).upload_from_string(name)
+    assert [bucket.blob(name).download_as_text() for name in names] == list(names)
+  finally:
+    emulator.kill()
+    emulator.wait()
