@@ -130,24 +130,41 @@ def one_block_reference(enc, tokens, attention):
   x = x + np.asarray(blk.ffn(blk.ffn_norm(jnp.asarray(x, jnp.float32))), np.float64)
   return enc.final_norm(jnp.asarray(x, jnp.float32))
 
-# The GCS emulator (gcp-storage-emulator, from the test extras) as a process, with two departures
+# The GCS emulator (gcp-storage-emulator, from the test extras) as a process, with three departures
 # from real GCS mended: its HTTP server answers one request at a time with a listen queue of 5, and
 # tensorstore opens many connections at once (a longer queue keeps them from being refused); its
 # media downloads lack the x-goog-generation header that GCS sends and tensorstore's OCDBT needs
-# for its conditional manifest writes ('Malformed StorageGeneration' without it). The handler is
-# wrapped before the server's routes are built from it. On disk (`-d DIR`, to outlive a kill of the
-# emulator), each file is written to a temporary name and renamed in: a kill mid-write leaves its
-# index (.meta, rewritten at every object write) whole, as GCS keeps its objects.
+# for its conditional manifest writes ('Malformed StorageGeneration' without it); it ignores the
+# ifGenerationMatch precondition of uploads and deletes, which the gs:// workdir lock relies on
+# (412 when the object's generation differs, 0 meaning absent). The handlers are wrapped before
+# the server's routes are built from them. On disk (`-d DIR`, to outlive a kill of the
+# emulator), each file is written to a temporary file in a folder beside the store
+# (DIR/.cloudstorage.writing) and renamed in: a kill mid-write leaves its index (.meta, rewritten
+# at every object write) whole, as GCS keeps its objects, and no object's name can meet a
+# temporary one. With GCS_DIE_AT_ENV set to 'BUCKET/PREFIX', the emulator exits with status
+# GCS_DIED as it is about to write the first object whose path starts so (the store lost at a
+# chosen moment of a run).
+GCS_DIE_AT_ENV, GCS_DIED = 'ATTNLAB_TEST_GCS_DIE_AT', 86
 GCS_LAUNCHER = """
-import http.server, os, sys
+import http, http.server, os, sys, tempfile
 from gcp_storage_emulator import storage
 from gcp_storage_emulator.handlers import objects
 _write_bytes = storage._FileStore.write_bytes
+DIE_AT = os.environ.get('%s')
 def write_bytes(self, rel, content):
+  if DIE_AT and self._norm(rel).startswith(DIE_AT):
+    os._exit(%d)
   if self._root is None:
     return _write_bytes(self, rel, content)
-  _write_bytes(self, rel + '.partial', content)
-  os.replace(self._disk_path(rel + '.partial'), self._disk_path(rel))
+  # Written in a folder beside the store, where no object's file can be, then renamed in.
+  writing = self._root.parent / (self._root.name + '.writing')
+  writing.mkdir(exist_ok=True)
+  fd, temp = tempfile.mkstemp(dir=writing)
+  with os.fdopen(fd, 'wb') as f:
+    f.write(content)
+  path = self._disk_path(rel)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  os.replace(temp, path)
 storage._FileStore.write_bytes = write_bytes
 http.server.HTTPServer.request_queue_size = 256
 _download = objects.download
@@ -159,19 +176,39 @@ def download(request, response, storage, *args, **kwargs):
   except Exception:  # not found: the handler set 404
     pass
 objects.download = download
+def _generation(storage, request):
+  name = request.params.get('object_id') or request.query.get('name', [None])[0]
+  if name is None and isinstance(request.data, dict):  # multipart: the name in the metadata
+    name = request.data.get('meta', request.data).get('name')
+  try:
+    return int(storage.get_file_obj(request.params['bucket_name'], name)['generation'])
+  except Exception:  # absent
+    return 0
+def conditional(handler):
+  def checked(request, response, storage, *args, **kwargs):
+    match = request.query.get('ifGenerationMatch')
+    if match and int(match[0]) != _generation(storage, request):
+      response.status = http.HTTPStatus.PRECONDITION_FAILED
+      return
+    return handler(request, response, storage, *args, **kwargs)
+  return checked
+objects.insert, objects.delete = conditional(objects.insert), conditional(objects.delete)
 from gcp_storage_emulator.__main__ import main
 sys.exit(main())
-"""
+""" % (GCS_DIE_AT_ENV, GCS_DIED)
 
 
-def start_gcs_emulator(port, storage=None):
+def start_gcs_emulator(port, storage=None, die_at=None):
   """The GCS emulator process on 127.0.0.1:`port` with the bucket `bucket`, once it answers: in
-  memory, or with its objects under the folder `storage` (kept across a kill and a restart)."""
+  memory, or with its objects under the folder `storage` (kept across a kill and a restart). With
+  `die_at` ('bucket/PREFIX'), it exits with status GCS_DIED as it is about to write the first
+  object whose path starts so."""
   where = ['-d', str(storage)] if storage else []
+  env = {**os.environ, GCS_DIE_AT_ENV: die_at} if die_at else None
   proc = subprocess.Popen(
       [sys.executable, '-c', GCS_LAUNCHER, *where, 'start', f'--port={port}', '--host=127.0.0.1',
        '--default-bucket=bucket', '-q', *([] if storage else ['--in-memory'])],
-      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
   deadline = time.time() + 60
   while True:  # until it answers
     try:
@@ -180,6 +217,7 @@ def start_gcs_emulator(port, storage=None):
     except OSError:
       if proc.poll() is not None or time.time() > deadline:
         proc.kill()
+        proc.wait()
         raise RuntimeError(f'the GCS emulator did not start (exit {proc.poll()})') from None
       time.sleep(0.2)
 

@@ -11,7 +11,10 @@ A gs:// workdir has no file locks: its lock is the object WORKDIR/lock (`ObjectL
 if absent (a generation precondition, so two runs starting together cannot both create it),
 holding 'PID HOST TIME'. The holder rewrites it every HEARTBEAT_SECS and deletes it at exit. A lock
 object whose time is older than STALE_SECS belongs to a run that died without deleting it (killed,
-its VM preempted) and is taken over with a note, as is one of a dead PID on this host.
+its VM preempted) and is taken over with a note, as is one of a dead PID on this host. A write
+whose reply was lost may still have landed: when the next conditional write or delete then finds
+the generation changed, the object is read back, and if it holds a text this run wrote, its
+generation is taken up; only another run's text is a takeover.
 """
 
 import errno
@@ -27,9 +30,12 @@ from training import paths
 
 HEARTBEAT_SECS = 60
 STALE_SECS = 300
-# A heartbeat is one request, given this long: one that fails is retried by the next beat
-# (STALE_SECS leaves room for four to fail). With google-cloud-storage's own retries (up to 120 s)
-# a beat that met an unreachable store held the end of a failing run, which waits for this thread.
+# A heartbeat is one request, given this long: one that fails is retried by the next beat, which
+# starts HEARTBEAT_SECS after it ended. A lock older than STALE_SECS may be taken over, so three
+# beats in a row may fail at their longest (the renewal after them comes 4 x 70 s = 280 s after
+# the last good one; after four it would come at 350 s, too late). With google-cloud-storage's own
+# retries (up to 120 s) a beat that met an unreachable store held the end of a failing run, which
+# waits for this thread.
 BEAT_TIMEOUT_SECS = 10
 
 
@@ -110,6 +116,7 @@ class ObjectLock:
     from google.cloud import storage
     self.bucket = storage.Client().bucket(bucket)
     self.generation, self.stop = None, threading.Event()
+    self.pending = []  # the texts written since the last write known to have landed
     self.thread = None
 
   def _text(self):
@@ -125,13 +132,12 @@ class ObjectLock:
                     f'{time.time() - float(holder[2]):.0f} s ago' if len(holder) >= 3 else
                     'another run')
     try:
-      new = self.bucket.blob(self.name)
       # Only if the object is still the one read (or still absent): a run that took it meanwhile
       # wins, and this one is refused.
-      new.upload_from_string(self._text(), if_generation_match=blob.generation if blob else 0)
+      self._write(blob.generation if blob else 0)
     except exceptions.PreconditionFailed:
-      raise _busy(self.workdir, self.path, 'another run (it took the lock just now)') from None
-    self.generation = new.generation
+      if not self._adopt():  # not this run's own write, landed before a retry
+        raise _busy(self.workdir, self.path, 'another run (it took the lock just now)') from None
     self.thread = threading.Thread(target=self._heartbeat, daemon=True, name='workdir-lock')
     self.thread.start()
     return self
@@ -152,36 +158,68 @@ class ObjectLock:
           file=sys.stderr)
     return True
 
+  def _write(self, generation, **request):
+    """Writes 'PID HOST TIME' if the object is at `generation` (0: absent); keeps the new one."""
+    text = self._text()
+    self.pending.append(text)
+    blob = self.bucket.blob(self.name)
+    blob.upload_from_string(text, if_generation_match=generation, **request)
+    self.generation, self.pending = blob.generation, []
+
+  def _adopt(self, **request):
+    """After a precondition failed: whether the object is one that this run wrote while its
+    generation was not known (a write that landed but whose reply was lost, or a retry after it),
+    its generation then taken up. Anything else is another run's lock."""
+    blob = self.bucket.get_blob(self.name, **request)
+    if blob is None or blob.download_as_text(**request) not in self.pending:
+      return False
+    self.generation, self.pending = blob.generation, []
+    return True
+
   def _heartbeat(self):
-    from google.api_core import exceptions
     while not self.stop.wait(HEARTBEAT_SECS):
-      blob = self.bucket.blob(self.name)
-      try:
-        blob.upload_from_string(self._text(), if_generation_match=self.generation,
-                                timeout=BEAT_TIMEOUT_SECS, retry=None)
-        self.generation = blob.generation
-      except exceptions.PreconditionFailed:
+      if not self._beat():
         print(f'train: warning: the lock {self.path} was taken over by another run',
               file=sys.stderr)
         return
-      except Exception:  # noqa: BLE001
-        pass
+
+  def _beat(self):
+    """One renewal: False once another run holds the lock. Each request is one try of at most
+    BEAT_TIMEOUT_SECS; a beat that fails otherwise is retried by the next one."""
+    from google.api_core import exceptions
+    one_try = {'timeout': BEAT_TIMEOUT_SECS, 'retry': None}
+    try:
+      try:
+        self._write(self.generation, **one_try)
+      except exceptions.PreconditionFailed:
+        if not self._adopt(**one_try):
+          return False
+        self._write(self.generation, **one_try)
+    except Exception:  # noqa: BLE001
+      pass
+    return True
 
   def __exit__(self, *exc):
-    from google.api_core import exceptions
     self.stop.set()
     if self.thread is not None:
       self.thread.join()
+    failing = bool(exc) and exc[0] is not None
     try:
-      if exc and exc[0] is not None:  # failing (the store unreachable, say): one try, no retries
-        self.bucket.delete_blob(self.name, if_generation_match=self.generation, timeout=10,
-                                retry=None)
-      else:
-        self.bucket.delete_blob(self.name, if_generation_match=self.generation)
-    except (exceptions.NotFound, exceptions.PreconditionFailed):
-      pass  # taken over (the heartbeat said so), or already gone
+      # Failing (the store unreachable, say): one try, no retries.
+      self._delete(**({'timeout': BEAT_TIMEOUT_SECS, 'retry': None} if failing else {}))
     except Exception:
-      if not exc or exc[0] is None:
+      if not failing:
         raise
       # Left behind: the rerun on this host takes it over (its PID is dead), any other after
       # STALE_SECS; the failure already propagating says what went wrong.
+
+  def _delete(self, **request):
+    from google.api_core import exceptions
+    try:
+      try:
+        self.bucket.delete_blob(self.name, if_generation_match=self.generation, **request)
+      except exceptions.PreconditionFailed:
+        if self._adopt(**request):  # the last beat landed, its reply lost
+          self.bucket.delete_blob(self.name, if_generation_match=self.generation, **request)
+    except (exceptions.NotFound, exceptions.PreconditionFailed):
+      pass  # taken over (the heartbeat said so), or already gone

@@ -3,9 +3,9 @@ test extras) on loopback stands in for gs://, so that nothing reaches the intern
 
 The clients are pointed at it by their own settings: STORAGE_EMULATOR_HOST (google-cloud-storage
 and gcsfs, hence etils.epath and the workdir lock), TENSORSTORE_GCS_HTTP_URL and a fixed test token
-(tensorstore, hence Orbax). The emulator does not implement generation preconditions, so this
-checks everything but the lock's race between two runs starting at the same moment
-(training.lock.ObjectLock).
+(tensorstore, hence Orbax). The emulator honours the generation preconditions of uploads and
+deletes (tests.helpers.GCS_LAUNCHER); the lock's own cases are in test_gcs_lock.py and
+tests/unit/test_object_lock.py.
 """
 
 import io

@@ -3,18 +3,18 @@ store and the last confirmed checkpoint (exit 1), no trace on the terminal; once
 the same command resumes and ends with the uninterrupted run's rows.
 
 The local GCS emulator keeps its objects on disk here (tests.helpers.start_gcs_emulator), so that
-it can be killed mid-save and started again on the same port with the objects it had.
+it can die mid-save and be started again on the same port with the objects it had. It dies by
+itself as it is about to write the first object of the step's checkpoint, whatever the load.
 """
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
 
-from tests.helpers import ROOT, free_port, gcs_env, start_gcs_emulator
+from tests.helpers import GCS_DIED, ROOT, free_port, gcs_env, start_gcs_emulator
 from training import lock
 from training import writers
 
@@ -45,21 +45,19 @@ def test_the_store_lost_mid_save_ends_in_one_line_and_the_rerun_resumes(data_dir
                                  GOOGLE_AUTH_TOKEN_FOR_TESTING='emulator',
                                  TENSORSTORE_GCS_REQUEST_CONCURRENCY='8',
                                  ATTNLAB_DATA_CACHE=str(tmp_path / 'cache'))}
-  emulator = start_gcs_emulator(port, storage)
+  # The store dies once the last checkpoint (step 8, after the confirmed step 4) is being
+  # written: the emulator exits itself as it is about to write the step's first object.
+  emulator, cut = start_gcs_emulator(port, storage, die_at='bucket/run/checkpoints/8/'), None
   try:
     cut = subprocess.Popen(command(data_dir, RUN), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
-    # The store dies once the last checkpoint (step 8, after the confirmed step 4) is being
-    # written: its first object is on the emulator's disk.
-    step_8 = storage / '.cloudstorage' / 'bucket' / 'run' / 'checkpoints' / '8'
-    deadline = time.monotonic() + 300
-    while cut.poll() is None and time.monotonic() < deadline and not (
-        step_8.is_dir() and any(step_8.iterdir())):
-      time.sleep(0.002)
-    assert cut.poll() is None, 'the run ended before the store was lost'
-    emulator.send_signal(signal.SIGKILL)
-    emulator.wait()
+    deadline = time.monotonic() + 600  # against a hang only
+    while emulator.poll() is None and cut.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.05)
     killed = time.monotonic()
+    assert emulator.poll() == GCS_DIED, (
+        f'the store was not lost at step 8 (emulator {emulator.poll()}, run {cut.poll()}): '
+        + (cut.communicate()[1][-3000:] if cut.poll() is not None else ''))
     out, err = cut.communicate(timeout=400)
     print(f'the run ended {time.monotonic() - killed:.0f} s after the store was lost')
     assert cut.returncode == 1, err[-3000:]
@@ -83,6 +81,9 @@ def test_the_store_lost_mid_save_ends_in_one_line_and_the_rerun_resumes(data_dir
     # The object as the emulator keeps it on its disk.
     assert rows(storage / '.cloudstorage' / 'bucket' / 'run' / 'metrics.jsonl') == uninterrupted
   finally:
+    if cut is not None and cut.poll() is None:  # a run that outlived its wait
+      cut.kill()
+      cut.wait()
     emulator.kill()
     emulator.wait()
 
@@ -108,3 +109,22 @@ def test_a_lock_heartbeat_against_a_lost_store_does_not_hold_a_failing_exit(monk
   exiting.start()
   exiting.join(timeout=60)
   assert not exiting.is_alive(), 'the exit waited on the heartbeat\'s retries'
+
+
+def test_the_emulator_on_disk_keeps_an_object_and_one_named_like_a_temporary_file_apart(
+    monkeypatch, tmp_path):
+  """Each write goes through a temporary file, named where no object's file can be."""
+  port = free_port()
+  for key, value in gcs_env(f'http://127.0.0.1:{port}').items():
+    monkeypatch.setenv(key, value)
+  emulator = start_gcs_emulator(port, tmp_path / 'store')
+  try:
+    from google.cloud import storage
+    bucket = storage.Client().bucket('bucket')
+    names = ('run/x.partial', 'run/x', 'run/x.tmp')
+    for name in names:
+      bucket.blob(name).upload_from_string(name)
+    assert [bucket.blob(name).download_as_text() for name in names] == list(names)
+  finally:
+    emulator.kill()
+    emulator.wait()

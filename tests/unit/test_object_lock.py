@@ -1,6 +1,6 @@
 """training.lock.ObjectLock, the lock of a gs:// workdir, against an in-memory bucket that honours
-generation preconditions as GCS does (the emulator of tests/integration/test_gcs.py ignores
-them)."""
+generation preconditions as GCS does (its heartbeat against the emulator:
+tests/integration/test_gcs_lock.py)."""
 
 import os
 import socket
@@ -16,7 +16,7 @@ class FakeBlob:
   def __init__(self, bucket, name):
     self.bucket, self.name, self.generation = bucket, name, None
 
-  def upload_from_string(self, text, if_generation_match=None):
+  def upload_from_string(self, text, if_generation_match=None, timeout=None, retry=None):
     current = self.bucket.objects.get(self.name, (None, 0))[1]
     if if_generation_match is not None and if_generation_match != current:
       raise exceptions.PreconditionFailed('generation mismatch')
@@ -24,7 +24,7 @@ class FakeBlob:
     self.bucket.objects[self.name] = (text, self.bucket.counter)
     self.generation = self.bucket.counter
 
-  def download_as_text(self):
+  def download_as_text(self, timeout=None, retry=None):
     return self.bucket.objects[self.name][0]
 
 
@@ -35,14 +35,14 @@ class FakeBucket:
   def blob(self, name):
     return FakeBlob(self, name)
 
-  def get_blob(self, name):
+  def get_blob(self, name, timeout=None, retry=None):
     if name not in self.objects:
       return None
     blob = FakeBlob(self, name)
     blob.generation = self.objects[name][1]
     return blob
 
-  def delete_blob(self, name, if_generation_match=None):
+  def delete_blob(self, name, if_generation_match=None, timeout=None, retry=None):
     if name not in self.objects:
       raise exceptions.NotFound('no such object')
     if if_generation_match is not None and if_generation_match != self.objects[name][1]:
@@ -99,4 +99,19 @@ def test_the_holder_renews_the_lock(bucket, monkeypatch):
     first = bucket.objects['run/lock'][1]
     time.sleep(0.3)
     assert bucket.objects['run/lock'][1] > first  # rewritten, each time on its own generation
+  assert 'run/lock' not in bucket.objects
+
+
+def test_a_create_whose_retry_meets_its_own_landed_write_holds_the_lock(bucket, monkeypatch):
+  """The first write lands but its reply is lost; the client's retry then meets the object at a
+  generation it did not expect: this run's own text, so the lock is held, not refused."""
+  real = FakeBlob.upload_from_string
+
+  def landed_then_retried(self, text, **kwargs):
+    real(self, text, **kwargs)
+    monkeypatch.setattr(FakeBlob, 'upload_from_string', real)
+    raise exceptions.PreconditionFailed('generation mismatch')
+  monkeypatch.setattr(FakeBlob, 'upload_from_string', landed_then_retried)
+  with lock.WorkdirLock('gs://b/run') as held:
+    assert held.generation == bucket.objects['run/lock'][1]
   assert 'run/lock' not in bucket.objects
