@@ -1,9 +1,13 @@
 """The output projection and cross-entropy computed a tile at a time (`train.loss_chunk`).
 
 The plain path materialises the logits `[B, T, V]` in float32 and, for the backward pass, their
-gradient: at V = 32k and T = 2k that alone dominates memory. Here the B·T tokens are cut into tiles
-of R = B·T·C / V tokens, so that a tile's logits `[R, V]` hold as many numbers as C vocabulary rows
-of the batch would (`[B, T, C]`): memory O(B·T·C) instead of O(B·T·V). A `lax.scan` over the tiles
+gradient: at V = 32k and T = 2k that alone dominates memory. Here each row's T positions are cut
+into tiles of T_c = T·C / V positions, so that a tile's logits `[B, T_c, V]` (R = B·T_c tokens)
+hold as many numbers as C vocabulary rows of the batch would (`[B, T, C]`): memory O(B·T·C)
+instead of O(B·T·V). The tiles cut the length, never the batch: a tile holds every row, so the
+rows stay split over the mesh's batch axes and each device computes the logits of its own rows
+(tiles of the flattened B·T tokens would put each tile on one device's rows, and every device
+would compute every tile, its hidden states gathered). A `lax.scan` over the tiles
 computes each tile's logits against the whole tied embedding `[V, D]`, its log-sum-exp, loss and
 accuracy, and (a custom VJP) at once the gradient of the summed loss with respect to the tile's
 hidden states and, accumulated over the tiles, the embedding: `w · (softmax - onehot)` multiplied
@@ -29,67 +33,82 @@ import jax
 import jax.numpy as jnp
 
 
+def tile_length(length, vocab, chunk):
+  """T_c, the positions of each row per tile: as many logits as `chunk` vocabulary rows of the
+  batch (at least 1)."""
+  return max(1, length * chunk // vocab)
+
+
 def tile_tokens(batch, length, vocab, chunk):
-  """R, the tokens per tile: as many logits as `chunk` vocabulary rows of the batch (at least 1)."""
-  return max(1, batch * length * chunk // vocab)
+  """R = B·T_c, the tokens per tile (every row's T_c positions)."""
+  return batch * tile_length(length, vocab, chunk)
 
 
-def _tiles(x, rows, fill=0):
-  """`[N, ...]` -> `[n, R, ...]`, padded with `fill` up to a multiple of R rows."""
-  n = -(-x.shape[0] // rows)
-  pad = n * rows - x.shape[0]
+def _tiles(x, cols, fill=0):
+  """`[B, T, ...]` -> `[n, B, T_c, ...]` (T_c = `cols`), T padded with `fill` up to a multiple of
+  T_c: the tiles cut the length, the batch axis stays whole in each."""
+  b, t = x.shape[:2]
+  n = -(-t // cols)
+  pad = n * cols - t
   if pad:
-    x = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)
-  return x.reshape(n, rows, *x.shape[1:])
+    x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), constant_values=fill)
+  return jnp.moveaxis(x.reshape(b, n, cols, *x.shape[2:]), 1, 0)
 
 
-def _scan(hidden, table, targets, weights, rows, head, with_grads):
+def _untile(x, t):
+  """`[n, B, T_c, ...]` -> `[B, T, ...]`, the padding dropped."""
+  x = jnp.moveaxis(x, 0, 1)
+  return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :t]
+
+
+def _scan(hidden, table, targets, weights, cols, head, with_grads):
   """Per token the cross-entropy, whether the argmax is the target, and log Z (the log-sum-exp of
   the logits); with `with_grads` also the gradient of the objective sum(w · (cross-entropy +
   z · (log Z)²)) with respect to `hidden` and `table`. `head` = (c, z): the logits are
   c·tanh(hidden @ table.T / c) when c > 0 (models.stack.softcap), z the z-loss coefficient."""
   cap, z_loss = head
-  b, t, d = hidden.shape
+  t = hidden.shape[1]
   v = table.shape[0]
-  tiles = (_tiles(hidden.reshape(b * t, d), rows), _tiles(targets.reshape(b * t), rows),
-           _tiles(weights.reshape(b * t), rows))  # [n, R, D], [n, R], [n, R]
+  tiles = (_tiles(hidden, cols), _tiles(targets, cols),
+           _tiles(weights, cols))  # [n, B, T_c, D], [n, B, T_c], [n, B, T_c]
 
   def tile(dtable, inputs):
-    h, y, w = inputs  # [R, D], [R], [R]
-    logits = jnp.einsum('RD,VD->RV', h, table, preferred_element_type=jnp.float32)  # [R, V]
+    h, y, w = inputs  # [B, T_c, D], [B, T_c], [B, T_c]
+    logits = jnp.einsum('BRD,VD->BRV', h, table, preferred_element_type=jnp.float32)  # [B, T_c, V]
     if cap:
-      capped = jnp.tanh(logits / cap)  # [R, V]
+      capped = jnp.tanh(logits / cap)  # [B, T_c, V]
       logits = cap * capped
-    m = jnp.max(logits, -1)  # [R]
+    m = jnp.max(logits, -1)  # [B, T_c]
     # The softmax as jax.nn.softmax forms it, exp(l - m) / s: no exp overflows.
-    e = jnp.exp(logits - m[:, None])  # [R, V]
-    s = jnp.sum(e, -1)  # [R]
-    log_z = m + jnp.log(s)  # [R]
-    target_logit = jnp.take_along_axis(logits, y[:, None], -1)[:, 0]  # [R]
-    ce = log_z - target_logit  # [R]
+    e = jnp.exp(logits - m[..., None])  # [B, T_c, V]
+    s = jnp.sum(e, -1)  # [B, T_c]
+    log_z = m + jnp.log(s)  # [B, T_c]
+    target_logit = jnp.take_along_axis(logits, y[..., None], -1)[..., 0]  # [B, T_c]
+    ce = log_z - target_logit  # [B, T_c]
     correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)  # first of tied maxima
     if not with_grads:
       return dtable, (ce, correct, log_z)
-    onehot = (y[:, None] == jnp.arange(v)).astype(jnp.float32)  # [R, V]
+    onehot = (y[..., None] == jnp.arange(v)).astype(jnp.float32)  # [B, T_c, V]
     # d sum(w · ce) / d logits = w · (softmax - onehot); the z-loss adds w · 2z · log Z · softmax.
-    p = e * (1.0 / s)[:, None]  # [R, V]
+    p = e * (1.0 / s)[..., None]  # [B, T_c, V]
     if z_loss:
-      p = p * (1.0 + 2.0 * z_loss * log_z)[:, None]
-    dlogits = w[:, None] * (p - onehot)  # [R, V]
+      p = p * (1.0 + 2.0 * z_loss * log_z)[..., None]
+    dlogits = w[..., None] * (p - onehot)  # [B, T_c, V]
     if cap:  # through the cap: d c·tanh(x / c) / dx = 1 - tanh²(x / c)
       dlogits = dlogits * (1.0 - capped * capped)
     # In the compute dtype, as the plain path's backward matmuls are.
-    dlogits = dlogits.astype(hidden.dtype)  # [R, V]
-    dh = jnp.einsum('RV,VD->RD', dlogits, table, preferred_element_type=jnp.float32)  # [R, D]
-    dtable = dtable + jnp.einsum('RV,RD->VD', dlogits, h, preferred_element_type=jnp.float32)
+    dlogits = dlogits.astype(hidden.dtype)  # [B, T_c, V]
+    dh = jnp.einsum('BRV,VD->BRD', dlogits, table,
+                    preferred_element_type=jnp.float32)  # [B, T_c, D]
+    dtable = dtable + jnp.einsum('BRV,BRD->VD', dlogits, h, preferred_element_type=jnp.float32)
     return dtable, (ce, correct, log_z, dh)
 
   init = jnp.zeros(table.shape, jnp.float32) if with_grads else None  # [V, D]
   dtable, out = jax.lax.scan(tile, init, tiles)
-  ce, correct, log_z = (x.reshape(-1)[:b * t].reshape(b, t) for x in out[:3])  # [B, T] each
+  ce, correct, log_z = (_untile(x, t) for x in out[:3])  # [B, T] each
   if not with_grads:
     return ce, correct, log_z
-  dh = out[3].reshape(-1, d)[:b * t].reshape(b, t, d)  # [B, T, D]
+  dh = _untile(out[3], t)  # [B, T, D]
   return ce, correct, log_z, dh.astype(hidden.dtype), dtable.astype(table.dtype)
 
 
@@ -101,25 +120,25 @@ def _sums(ce, correct, log_z, weights, z_loss):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _objective(hidden, table, targets, weights, rows, head):
+def _objective(hidden, table, targets, weights, cols, head):
   """(sum of w · (cross-entropy + z · (log Z)²), (sum of w · cross-entropy, sum of w · [argmax ==
   target], sum of w · (log Z)²)); differentiable in the first alone (the caller stops the rest)."""
-  ce, correct, log_z = _scan(hidden, table, targets, weights, rows, head, with_grads=False)
+  ce, correct, log_z = _scan(hidden, table, targets, weights, cols, head, with_grads=False)
   return _sums(ce, correct, log_z, weights, head[1])
 
 
-def _objective_fwd(hidden, table, targets, weights, rows, head):
-  ce, correct, log_z, dh, dtable = _scan(hidden, table, targets, weights, rows, head,
+def _objective_fwd(hidden, table, targets, weights, cols, head):
+  ce, correct, log_z, dh, dtable = _scan(hidden, table, targets, weights, cols, head,
                                          with_grads=True)
   z_loss = head[1]
   dweights = ce + z_loss * jnp.square(log_z) if z_loss else ce  # [B, T]
   return _sums(ce, correct, log_z, weights, z_loss), (dh, dtable, dweights)
 
 
-def _objective_bwd(rows, head, residuals, cotangents):
+def _objective_bwd(cols, head, residuals, cotangents):
   """The gradients formed in the forward pass, scaled by the objective's cotangent; the sums
   beside it carry none (`chunked_metrics` stops their gradients)."""
-  del rows, head
+  del cols, head
   dh, dtable, dweights = residuals
   g = cotangents[0]
   return (g * dh).astype(dh.dtype), (g * dtable).astype(dtable.dtype), None, g * dweights
@@ -136,8 +155,9 @@ def chunked_metrics(hidden, table, targets, weights, chunk, softcap=0.0, z_loss=
     table: `[V, D]` the output embedding (tied with the input embedding).
     targets: `[B, T]` int token ids.
     weights: `[B, T]` loss weights (0 on padding).
-    chunk: C: each tile holds the logits of B·T·C / V tokens over the whole vocabulary, as many
-      numbers as C vocabulary rows of the batch (the tokens are padded up to a multiple of it).
+    chunk: C: each tile holds the logits of T·C / V positions of every row over the whole
+      vocabulary, as many numbers as C vocabulary rows of the batch (the length is padded up to a
+      multiple of it).
     softcap: c > 0: the logits are c·tanh(hidden @ table.T / c) (models.stack.softcap); 0 = none.
     z_loss: z > 0: PaLM's z-loss, z · (log Z)² per token of weight, joins the objective.
 
@@ -148,9 +168,8 @@ def chunked_metrics(hidden, table, targets, weights, chunk, softcap=0.0, z_loss=
     ('loss_sum' + z · 'z_loss_sum'): then the objective alone is differentiable (the gradient
     is formed for it in the forward pass) and the other sums are values.
   """
-  b, t = targets.shape
-  rows = tile_tokens(b, t, table.shape[0], chunk)
-  objective, stats = _objective(hidden, table, targets, weights, rows,
+  cols = tile_length(targets.shape[1], table.shape[0], chunk)
+  objective, stats = _objective(hidden, table, targets, weights, cols,
                                 (float(softcap), float(z_loss)))
   loss_sum, correct_sum, z_sum = jax.lax.stop_gradient(stats)
   sums = {'loss_sum': objective if not z_loss else loss_sum, 'correct_sum': correct_sum,

@@ -21,9 +21,11 @@ def plain(hidden, table, targets, weights):
   return steps_lib.compute_metrics(logits, targets, weights)
 
 
-@pytest.mark.parametrize('chunk', [1, 7, 16, 50, 64])
+@pytest.mark.parametrize('chunk', [1, 7, 20, 30, 50, 64])
 def test_tiled_loss_equals_plain_forward_and_gradient(chunk):
-  b, t, d, v = 2, 5, 8, 50  # 50 = 7 tiles of 7 + 1: the last tile is padded
+  # T_c = 5·C/50 positions a tile: 1 (C 1, 7), 2 and 3 (C 20, 30: the last tile padded), 5, 6
+  # (padded beyond the row)
+  b, t, d, v = 2, 5, 8, 50
   k = jax.random.split(jax.random.key(0), 3)
   hidden = jax.random.normal(k[0], (b, t, d))
   table = jax.random.normal(k[1], (v, d)) * 2.0
@@ -128,3 +130,33 @@ def test_train_step_with_loss_chunk_equals_the_plain_step(data_dir, arch, head):
   np.testing.assert_allclose(optax.global_norm(jax.tree.map(jnp.subtract, s1['params'],
                                                             s0['params'])),
                              0.0, atol=1e-6)
+
+
+def test_tiles_cut_the_length_so_each_device_computes_its_own_rows():
+  """Under a mesh that splits the batch, the compiled tiled loss holds each device's rows only:
+  its logits tiles are [B/P, T_c, V] per device, never the whole batch's (tiles of the flattened
+  B·T tokens would sit on one device's rows each, and every device would compute every tile)."""
+  p = 4
+  devices = np.asarray(jax.devices()[:p])
+  mesh = jax.sharding.Mesh(devices, ('data',))
+  b, t, d, v, chunk = 8, 12, 16, 48, 16  # T_c = 12·16/48 = 4: 3 tiles
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  k = jax.random.split(jax.random.key(1), 3)
+  hidden = jax.device_put(jax.random.normal(k[0], (b, t, d)), rows)
+  table = jax.device_put(jax.random.normal(k[1], (v, d)), whole)
+  targets = jax.device_put(jax.random.randint(k[2], (b, t), 0, v), rows)
+  weights = jax.device_put(jnp.ones((b, t)), rows)
+
+  def loss(h, w):
+    return losses.chunked_metrics(h, w, targets, weights, chunk)['loss_sum']
+
+  text = jax.jit(jax.grad(loss, (0, 1))).lower(hidden, table).compile().as_text()
+  tc = losses.tile_length(t, v, chunk)
+  assert f'f32[{b // p},{tc},{v}]' in text  # a device's tile of logits: its own rows
+  assert f'f32[{b},{tc},{v}]' not in text and f'f32[{b * tc},{v}]' not in text
+  want = jax.grad(lambda h, w: plain(h, w, targets, weights)['loss_sum'], (0, 1))(
+      np.asarray(hidden), np.asarray(table))
+  got = jax.jit(jax.grad(loss, (0, 1)))(hidden, table)
+  for a, e in zip(got, want):
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
