@@ -138,7 +138,8 @@ def describe(summary, name):
              f'{"?" if hbm is None else gib(hbm)} GiB of HBM.')
   if flops and summary['flops_per_chip']:
     full = summary.get('analytic_flops_full_per_chip')
-    out.append(f'Train step FLOPs per chip: XLA {summary["flops_per_chip"]:.4g}, '
+    out.append(f'Train step FLOPs per chip: XLA {summary["flops_per_chip"]:.4g}'
+               f'{loops_text(summary)}, '
                f'models.accounting {flops:.4g} counted for the kernel (its score products over '
                'the tiles it visits)' + (f', {full:.4g} with full score matrices x3 (the MFU\'s '
                'count)' if full and abs(full / flops - 1) > 1e-3 else '') + '.')
@@ -148,6 +149,21 @@ def describe(summary, name):
   return '\n'.join(out)
 
 
+def loops_text(summary):
+  """What the XLA count of a program with loops is (training.hlo_cost), or '' without loops."""
+  runs = [n for n in summary.get('loops', {}).values() if n > 1]
+  once = summary.get('flops_counted_once_per_chip')
+  if not runs:
+    return ''
+  if not summary.get('loops_counted', True):
+    return (' (each loop body counted once: the bodies\' costs could not be read, so the FLOPs '
+            'and the estimate undercount the loops)')
+  trips = ', '.join(f'{n}' for n in sorted(runs))
+  return (f' (XLA\'s count with loop bodies times their trip counts: {len(runs)} '
+          f'{"loop" if len(runs) == 1 else "loops"} of {trips} runs a step; {once:.4g} with each '
+          'body once)')
+
+
 def ms(seconds):
   return f'{seconds * 1e3:.3g} ms'
 
@@ -155,7 +171,8 @@ def ms(seconds):
 def estimate_line(e, what):
   """One line of a program's roofline estimate (training.roofline)."""
   mfu = '' if e['mfu'] is None else f', MFU {100 * e["mfu"]:.1f}% at that time'
-  compiler = '' if e['compiler_s'] is None else f'; libtpu\'s own estimate {ms(e["compiler_s"])}'
+  compiler = ('; libtpu\'s own estimate unavailable' if e.get('compiler_unavailable') else
+              '' if e['compiler_s'] is None else f'; libtpu\'s own estimate {ms(e["compiler_s"])}')
   return (f'Estimated {what} (from the compiled program, not a measurement): {ms(e["step_s"])}, '
           f'bound by {e["bound"]} (compute {ms(e["compute_s"])}, memory {ms(e["memory_s"])}, '
           f'collectives {ms(e["collective_s"])} for '

@@ -28,6 +28,7 @@ from layers import attention
 from layers import sharding
 import models
 from training import diagnostics
+from training import hlo_cost
 from training import roofline
 from training import loop
 from training import state as state_lib
@@ -195,10 +196,13 @@ def hlo_counts(text):
 
 def analyse(compiled, devices=(), model_flops=None):
   """Per-chip figures of one compiled program: bytes (arguments, outputs, temporaries, aliased,
-  total = arguments + outputs + temporaries - aliased), XLA's FLOPs (None where the compiler
-  gives none), collectives, custom calls, and the roofline estimate (training.roofline; None
-  where the chip or the cost analysis is unknown) on `devices`, the mesh's devices in order, with
-  `model_flops` per chip for its MFU."""
+  total = arguments + outputs + temporaries - aliased), XLA's FLOPs with each loop body counted
+  as many times as it runs (training.hlo_cost; None where the compiler gives none), XLA's own
+  count with each body once (`flops_counted_once`), the loops ({body: runs per step}) and whether
+  their bodies' costs were read (`loops_counted`), collectives, custom calls, and the roofline
+  estimate (training.roofline, from the corrected FLOPs and bytes; None where the chip or the cost
+  analysis is unknown) on `devices`, the mesh's devices in order, with `model_flops` per chip for
+  its MFU."""
   mem = compiled.memory_analysis()
   sizes = {'argument': mem.argument_size_in_bytes, 'output': mem.output_size_in_bytes,
            'temp': mem.temp_size_in_bytes, 'alias': mem.alias_size_in_bytes}
@@ -206,14 +210,18 @@ def analyse(compiled, devices=(), model_flops=None):
   sizes['total'] = sizes['argument'] + sizes['output'] + sizes['temp'] - sizes['alias']
   cost = compiled.cost_analysis()  # None for a compile-only GPU executable
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  flops = None if not cost or 'flops' not in cost else float(cost['flops'])
   text = compiled.as_text()
+  cost, loops, counted = hlo_cost.loop_corrected(cost, text)
+  flops = None if not cost or 'flops' not in cost else float(cost['flops'])
   collectives, calls = hlo_counts(text)
   estimate = None
   if devices:
     estimate = roofline.estimate(target_generation(devices[0]), cost, text, devices, model_flops)
-  return {'bytes': sizes, 'flops': flops, 'collectives': collectives, 'custom_calls': calls,
-          'estimate': estimate}
+  return {'bytes': sizes, 'flops': flops,
+          'flops_counted_once': None if flops is None else float(
+              cost.get('flops_counted_once', flops)),
+          'loops': loops, 'loops_counted': counted,
+          'collectives': collectives, 'custom_calls': calls, 'estimate': estimate}
 
 
 def compile_config(config, devices, *, vocab_size, special_ids=None,
@@ -349,6 +357,9 @@ def summary(config, devices, report, vocab_size):
       'per_chip_bytes': int(need),
       'params': param_count(config, vocab_size),
       'flops_per_chip': train['flops'],
+      'flops_counted_once_per_chip': train.get('flops_counted_once'),
+      'loops': train.get('loops', {}),
+      'loops_counted': train.get('loops_counted', True),
       'analytic_flops_per_chip': analytic_flops(config, vocab_size, len(devices),
                                                 lowering_platform(devices[0])),
       'analytic_flops_full_per_chip': analytic_flops(config, vocab_size, len(devices),

@@ -13,7 +13,7 @@ published peak of the chip (`PEAKS`):
   the array for a permute), over the bandwidth of the links its group spans: on a TPU torus each
   dimension the group varies along contributes two links (both directions), of the chip's
   `ports`; on GPUs NVLink's per-GPU bandwidth. A collective inside a loop counts once per trip
-  (the trip counts XLA knows, `known_trip_count`).
+  (XLA's `known_trip_count`, or the count the loop's counter shows: `inferred_trip_count`).
 
 The step time is the largest of the three (compute, memory and collectives perfectly overlapped: a
 lower bound), `serial_s` their sum (nothing overlapped: an upper bound); the bound is the largest
@@ -23,9 +23,12 @@ jax.experimental.roofline was considered: it reads a jaxpr, so it sees only the 
 program writes (shard_map) and none that GSPMD inserts for fsdp or tensor sharding, which are most
 of this project's; the compiled program holds them all.
 
-What it cannot see: a Pallas kernel without a cost estimate counts 0 FLOPs and bytes; XLA's cost
-analysis counts a loop body once (so a scanned layer stack is undercounted by its depth, like the
-FLOPs column beside it); latency, launch overheads and the compiler's own overlap are not modelled.
+XLA's cost analysis counts a loop body once; `cost` here is the count with each body times its
+runs (training.hlo_cost), so a scanned layer stack counts all its layers.
+
+What it cannot see: a Pallas kernel without a cost estimate counts 0 FLOPs and bytes; a loop whose
+trip count the program does not show counts once; latency, launch overheads and the compiler's own
+overlap are not modelled.
 """
 
 import math
@@ -66,6 +69,15 @@ _COMPUTATION = re.compile(r'^(?:ENTRY )?%?([\w.\-]+) (?:\(.*\) -> .*)?\{$')
 _CALLEE = re.compile(r'(body|condition|calls|to_apply)=%?([\w.\-]+)|'
                      r'branch_computations=\{([^}]*)\}')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+# One instruction's parts, for the trip count of a loop XLA does not annotate.
+_DEF = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ')
+_WHILE = re.compile(r' while\(%?([\w.\-]+)\), condition=%?([\w.\-]+), body=%?([\w.\-]+)')
+_COPY = re.compile(r' (?:copy|bitcast|convert)\(%?([\w.\-]+)\)')
+_CONSTANT = re.compile(r' constant\((-?\d+)\)')
+_GTE = re.compile(r' get-tuple-element\(%?([\w.\-]+)\), index=(\d+)')
+_COMPARE = re.compile(r' compare\(%?([\w.\-]+), %?([\w.\-]+)\), direction=(\w+)')
+_TUPLE = re.compile(r' tuple\((.*?)\)(?:,|$)')
+_ADD = re.compile(r' add\(%?([\w.\-]+), %?([\w.\-]+)\)')
 
 
 def _array_bytes(text):
@@ -92,9 +104,73 @@ def _computations(text):
   return comps, entry
 
 
+def _defs(lines):
+  """{instruction name: its line} of one computation."""
+  return {m.group(1): line for line in lines if (m := _DEF.match(line))}
+
+
+def _through_copies(defs, name):
+  """The instruction `name` is a copy, bitcast or convert of (transitively), or `name`."""
+  for _ in range(8):
+    m = _COPY.search(defs.get(name, ''))
+    if not m:
+      break
+    name = m.group(1)
+  return name
+
+
+def _int_constant(defs, name):
+  m = _CONSTANT.search(defs.get(_through_copies(defs, name), ''))
+  return None if m is None else int(m.group(1))
+
+
+def inferred_trip_count(comps, parent, line):
+  """The trip count of the while loop on `line` (in computation `parent`), from the pattern jax's
+  scans and fori_loops compile to: the condition's root compares a counter of the loop's tuple
+  (element k) with a constant, the counter starts at a constant (the while operand's element k)
+  and the body adds a constant to it. None where the program does not show all three (libtpu's
+  while loops carry no `known_trip_count`, XLA:GPU's do)."""
+  m = _WHILE.search(line)
+  if not m:
+    return None
+  cond, body = comps.get(m.group(2), ()), comps.get(m.group(3), ())
+  root = next((x for x in cond if x.lstrip().startswith('ROOT ')), '')
+  cmp = _COMPARE.search(root)
+  if not cmp:
+    return None
+  cdefs, bdefs, pdefs = _defs(cond), _defs(body), _defs(comps.get(parent, ()))
+  a, b, direction = cmp.groups()
+  if _int_constant(cdefs, a) is not None:  # `N > i` is `i < N`
+    a, b = b, a
+    direction = {'GT': 'LT', 'GE': 'LE', 'LT': 'GT', 'LE': 'GE'}.get(direction, direction)
+  gte, limit = _GTE.search(cdefs.get(_through_copies(cdefs, a), '')), _int_constant(cdefs, b)
+  if not gte or limit is None or direction not in ('LT', 'LE'):
+    return None
+  index = int(gte.group(2))
+  init_tuple = _TUPLE.search(pdefs.get(_through_copies(pdefs, m.group(1)), ''))
+  body_root = _TUPLE.search(next((x for x in body if x.lstrip().startswith('ROOT ')), ''))
+  if not init_tuple or not body_root:
+    return None
+  operands = lambda t: [o.strip().lstrip('%') for o in re.sub(r'/\*.*?\*/', '', t).split(',')]
+  init = _int_constant(pdefs, operands(init_tuple.group(1))[index])
+  add = _ADD.search(bdefs.get(_through_copies(bdefs, operands(body_root.group(1))[index]), ''))
+  if init is None or not add:
+    return None
+  def is_counter(name):  # the body's own counter, through copies
+    gte = _GTE.search(bdefs.get(_through_copies(bdefs, name), ''))
+    return gte is not None and int(gte.group(2)) == index
+  steps = [_int_constant(bdefs, x) for x in add.groups()]
+  step = next((s for s, other in zip(steps, reversed(add.groups()))
+               if s is not None and is_counter(other)), None)
+  if not step or step <= 0:
+    return None
+  return max(0, -(-(limit + (direction == 'LE') - init) // step))
+
+
 def trip_multipliers(text):
   """{computation: how many times it runs per execution of the entry}: a while body its loop's
-  known trip count times its caller's, any other callee its caller's (1 where unknown)."""
+  trip count (XLA's `known_trip_count`, else `inferred_trip_count`) times its caller's, any other
+  callee its caller's (1 where unknown)."""
   comps, entry = _computations(text)
   mult = {entry: 1}
   stack = [entry]
@@ -102,11 +178,13 @@ def trip_multipliers(text):
     parent = stack.pop()
     for line in comps.get(parent, ()):
       trip = _TRIP.search(line)
+      trip = int(trip.group(1)) if trip else (
+          inferred_trip_count(comps, parent, line) if ' while(' in line else None)
       for kind, name, branches in _CALLEE.findall(line):
         for callee in [name] if name else re.split(r'[,\s%]+', branches):
           if callee not in comps:
             continue
-          m = mult[parent] * (int(trip.group(1)) if kind == 'body' and trip else 1)
+          m = mult[parent] * (trip if kind == 'body' and trip is not None else 1)
           if m > mult.get(callee, 0):
             mult[callee] = m
             stack.append(callee)
@@ -198,18 +276,24 @@ def estimate(generation, cost, hlo_text, devices, model_flops=None):
 
   Args:
     generation: 'v5p', 'h100', ...
-    cost: the program's `compiled.cost_analysis()` dict (FLOPs, 'bytes accessed').
+    cost: the program's `compiled.cost_analysis()` dict (FLOPs, 'bytes accessed'), its loop
+      bodies counted by their trip counts (`hlo_cost.loop_corrected`).
     hlo_text: `compiled.as_text()`.
     devices: the program's devices in mesh order (`mesh.devices.flat`), for the groups' links.
     model_flops: the model's FLOPs per chip of the step (for the MFU), or None.
 
   Returns:
     {'step_s', 'serial_s', 'bound', 'mfu', 'compute_s', 'memory_s', 'collective_s',
-     'collective_bytes', 'compiler_s'} (compiler_s: libtpu's own `optimal_seconds`, where given).
+     'collective_bytes', 'compiler_s', 'compiler_unavailable'} (compiler_s: libtpu's own
+     `optimal_seconds`, where positive; it counts each loop body once; compiler_unavailable: it
+     gave a time <= 0).
   """
   chip = PEAKS.get(generation)
   if chip is None or not cost or 'flops' not in cost:
     return None
+  # libtpu's own estimate, where it gives a positive one (it prints negative times for some
+  # scanned programs: no estimate).
+  compiler = float(cost['optimal_seconds']) if 'optimal_seconds' in cost else None
   terms = {'compute_s': float(cost['flops']) / chip['flops'],
            'memory_s': float(cost.get('bytes accessed', 0.0)) / chip['hbm_bw']}
   terms['collective_s'], sent = collective_seconds(hlo_text, devices, chip)
@@ -218,4 +302,5 @@ def estimate(generation, cost, hlo_text, devices, model_flops=None):
   mfu = None if not model_flops or step <= 0 else model_flops / (step * chip['flops'])
   return {**terms, 'step_s': step, 'serial_s': sum(terms.values()), 'bound': bound,
           'mfu': mfu, 'collective_bytes': sent,
-          'compiler_s': float(cost['optimal_seconds']) if 'optimal_seconds' in cost else None}
+          'compiler_s': compiler if compiler is not None and compiler > 0 else None,
+          'compiler_unavailable': compiler is not None and compiler <= 0}
