@@ -157,9 +157,12 @@ def test_hf_import_killed_mid_write_leaves_no_workdir_and_the_rerun_completes(tm
 
 @pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM])
 def test_aot_sweep_interrupted_is_one_line_and_no_partial_report(signum):
+  # SIGINT as a terminal delivers it: a test run started in the background of a non-interactive
+  # shell (`cmd &`) inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored.
   proc = subprocess.Popen([sys.executable, '-m', 'tools.aot', '--topology=v5p:2x2x1',
                            '--sweep=configs/ablations/ffn_norm.py:quick', '--json'], cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   time.sleep(12)  # libtpu is up and the first cells compile
   assert proc.poll() is None, 'the sweep compiled before the signal'
   proc.send_signal(signum)
