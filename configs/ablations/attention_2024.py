@@ -23,15 +23,16 @@ Compare: python -m tools.compare DIR --baseline=attention=dense \
 Smoke:   :quick, :code,quick, :stability,quick (a few steps a cell)
 Pair:    :pair, the recall form's linear attention and Gated DeltaNet alone (extra seeds)
 Hybrid:  :hybrid, the recall form's hybrid against dense alone
+Softmax: :softmax, the recall form's GQA, MLA and differential alone (extra seeds)
 """
 
 from configs import default
 from configs import mqar
 from configs import python_code
 
-CELL_ARGS = ('code', 'stability', 'pair', 'hybrid')  # choose the config and the cells
+CELL_ARGS = ('code', 'stability', 'pair', 'hybrid', 'softmax')  # choose the config and the cells
 # the forms test_sweep.py expands besides the default and quick
-OTHER_ARGS = ('code', 'code,quick', 'stability', 'stability,quick', 'pair', 'hybrid')
+OTHER_ARGS = ('code', 'code,quick', 'stability', 'stability,quick', 'pair', 'hybrid', 'softmax')
 SEEDS = [0, 1, 2]
 HYBRID_RECALL = 'gated_deltanet,dense'  # 2 layers: one recurrent, one dense
 HYBRID_CODE = 'gated_deltanet,gated_deltanet,gated_deltanet,dense'  # Qwen3-Next's 3:1
@@ -74,10 +75,12 @@ def get_sweep(arg=None):
   elif args.get('hybrid'):  # the recall form's hybrid and its baseline alone
     cells = [{'model.attention': 'dense'}, {'model.layer_pattern': HYBRID_RECALL}]
   else:
-    cells = [{'model.attention': 'dense'},
-             {'model.attention': 'dense', 'model.num_kv_heads': 2},
-             {'model.attention': 'mla', 'model.mla_kv_rank': MLA_RECALL_RANK},
-             {'model.attention': 'differential'},
+    softmax = [{'model.attention': 'dense', 'model.num_kv_heads': 2},
+               {'model.attention': 'mla', 'model.mla_kv_rank': MLA_RECALL_RANK},
+               {'model.attention': 'differential'}]
+    if args.get('softmax'):  # the recall form's variants of 2024 alone (more seeds)
+      return {'cells': softmax, 'seeds': SEEDS, 'eval_flags': []}
+    cells = [{'model.attention': 'dense'}, *softmax,
              {'model.attention': 'linear'},
              {'model.attention': 'gated_deltanet'},
              {'model.layer_pattern': HYBRID_RECALL}]
