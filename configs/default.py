@@ -110,6 +110,9 @@ def get_config(arg=None):  # long: one commented line per config field, read top
   model.moe_z_loss = 0.0  # router z-loss coefficient (ST-MoE: mean logsumexp(logits)^2)
   model.moe_bias_rate = 0.0  # gamma > 0: auxiliary-loss-free balancing (DeepSeek-V3), a selection
   #                             bias per expert, += gamma · sign(mean load - load) after each step
+  model.moe_buffer_factor = 0.0  # f >= 1: dropless under mesh.expert > 1, training: a device
+  #                                 receives at most f·(its tokens)·k assignments, overflow dropped
+  #                                 (MaxText's ragged_buffer_factor); 0 = worst case, none dropped
   # Position conventions, for converting checkpoints. rope rotates pairs (x_i, x_{i+H/2})
   # ("rotate half", as GPT-NeoX and HF transformers' Llama); a checkpoint trained with interleaved
   # pairs (x_2i, x_2i+1: RoFormer, Meta's Llama) needs the output columns of its q and k

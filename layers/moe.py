@@ -20,6 +20,7 @@ DEFAULTS = {
     'moe_experts': 0, 'moe_d_ff': 0, 'moe_top_k': 2, 'moe_capacity_factor': 0.0,
     'moe_routing': 'tokens', 'moe_router_jitter': 0.0, 'moe_shared_experts': 0, 'moe_every': 1,
     'moe_first_dense': 0, 'moe_aux_loss': 0.01, 'moe_z_loss': 0.0, 'moe_bias_rate': 0.0,
+    'moe_buffer_factor': 0.0,
 }
 # What each MoE layer sows (nnx.Intermediate 'moe'), one scalar each; training.steps averages
 # them over the MoE layers.
@@ -126,13 +127,14 @@ class MoE(nnx.Module, options.Configurable):
   options = tuple(DEFAULTS)
 
   def __init__(self, d_model, d_ff, num_experts, ffn='relu', *, top_k=2, capacity_factor=0.0,
-               routing='tokens', jitter=0.0, shared_experts=0, bias_rate=0.0, kernel_init=None,
-               rngs):
+               routing='tokens', jitter=0.0, shared_experts=0, bias_rate=0.0, buffer_factor=0.0,
+               kernel_init=None, rngs):
     ffn_entry = options.lookup('model.ffn', feed_forward.FFNS, ffn)
     self.activation = ffn_entry.activation  # the dense FFN's, not a copy
     self.gated = ffn_entry.module is feed_forward.GatedFeedForward
     self.num_experts, self.top_k, self.routing = num_experts, top_k, routing
     self.capacity_factor, self.jitter, self.bias_rate = capacity_factor, jitter, bias_rate
+    self.buffer_factor = buffer_factor
     self.router_bias = RouterBias(jnp.zeros((num_experts,), jnp.float32)) if bias_rate else None
     init = kernel_init or nnx.initializers.lecun_normal()
     e, d, f = num_experts, d_model, d_ff
@@ -155,8 +157,9 @@ class MoE(nnx.Module, options.Configurable):
                top_k=cfg.get('moe_top_k', 2), capacity_factor=cfg.get('moe_capacity_factor', 0.0),
                routing=cfg.get('moe_routing', 'tokens'), jitter=cfg.get('moe_router_jitter', 0.0),
                shared_experts=cfg.get('moe_shared_experts', 0),
-               bias_rate=cfg.get('moe_bias_rate', 0.0), kernel_init=initializers.kernel_init(cfg),
-               rngs=rngs)
+               bias_rate=cfg.get('moe_bias_rate', 0.0),
+               buffer_factor=cfg.get('moe_buffer_factor', 0.0),
+               kernel_init=initializers.kernel_init(cfg), rngs=rngs)
 
   @classmethod
   def check_options(cls, model_cfg):
@@ -169,8 +172,12 @@ class MoE(nnx.Module, options.Configurable):
       if not isinstance(get(name), int) or isinstance(get(name), bool) or get(name) < 1:
         raise options.ConfigError(f'model.{name}={get(name)!r} must be a positive integer')
     for name in ('moe_capacity_factor', 'moe_router_jitter', 'moe_aux_loss', 'moe_z_loss',
-                 'moe_bias_rate'):
+                 'moe_bias_rate', 'moe_buffer_factor'):
       options.positive(f'model.{name}', get(name), zero_ok=True)
+    if 0 < get('moe_buffer_factor') < 1:
+      raise options.ConfigError(f'model.moe_buffer_factor={get("moe_buffer_factor")!r} would drop '
+                                'assignments of a balanced load; valid values: 0 (worst case) '
+                                'or >= 1')
     if get('moe_router_jitter') >= 1:
       raise options.ConfigError(f'model.moe_router_jitter={get("moe_router_jitter")!r} must be '
                                 'in [0, 1)')
@@ -208,6 +215,10 @@ class MoE(nnx.Module, options.Configurable):
       raise options.ConfigError("model.moe_bias_rate balances token choice; expert choice "
                                 "(model.moe_routing='experts') is balanced by construction; "
                                 "valid values: 0")
+    if m.get('moe_buffer_factor', 0.0) and (m.moe_capacity_factor or m.moe_routing != 'tokens'):
+      raise options.ConfigError(f'model.moe_buffer_factor={m.moe_buffer_factor!r} sizes the '
+                                'dropless receive buffer; valid values: 0 with '
+                                "model.moe_capacity_factor > 0 or model.moe_routing='experts'")
     if m.moe_routing == 'experts' and m.moe_capacity_factor == 0:
       raise options.ConfigError("model.moe_capacity_factor=0 (dropless) has no capacity for "
                                 "model.moe_routing='experts' to fill; valid values: > 0")
@@ -241,7 +252,8 @@ class MoE(nnx.Module, options.Configurable):
       y, stats = self.expert_choice(x, logits)
     else:
       dropless = rngs is None or self.capacity_factor == 0
-      y, stats = self.token_choice(x, logits, None if dropless else self.capacity_factor)
+      y, stats = self.token_choice(x, logits, None if dropless else self.capacity_factor,
+                                   buffer_factor=0.0 if rngs is None else self.buffer_factor)
     if self.shared is not None:
       y = y + self.shared(x)
     if sow:
@@ -285,8 +297,9 @@ class MoE(nnx.Module, options.Configurable):
       hidden = hidden * mm(h, params['up'])
     return sharding.constrain(mm(hidden, params['wo']), EXPERT_SLOTS)
 
-  def token_choice(self, x, logits, capacity_factor=None):
-    """Token choice of `x` `[B, T, D]` by `logits` `[B, T, E]`; `capacity_factor` None: dropless.
+  def token_choice(self, x, logits, capacity_factor=None, *, buffer_factor=0.0):
+    """Token choice of `x` `[B, T, D]` by `logits` `[B, T, E]`; `capacity_factor` None: dropless
+    (with `buffer_factor` > 0, under expert parallelism, up to that receive buffer).
 
     Returns:
       (`[B, T, D]`, the layer's `STATS`).
@@ -305,8 +318,7 @@ class MoE(nnx.Module, options.Configurable):
     chosen = jax.nn.one_hot(top_i, e, dtype=jnp.float32)  # [B, T, k, E]
     load = jnp.sum(chosen, (0, 1, 2))  # [E]
     if capacity_factor is None:
-      y = self._dropless(x, top_i, weights)
-      kept = jnp.asarray(b * t * k, jnp.float32)
+      y, kept = self._dropless(x, top_i, weights, buffer_factor)
     else:
       y, kept = self._with_capacity(x, chosen, weights, capacity(capacity_factor, k, t, e))
     stats = router_stats(logits.reshape(-1, e), probs.reshape(-1, e), load, k)
@@ -315,13 +327,16 @@ class MoE(nnx.Module, options.Configurable):
       stats['load'] = load  # for update_bias (training.steps), not a log metric
     return y, stats
 
-  def _dropless(self, x, top_i, weights):
+  def _dropless(self, x, top_i, weights, buffer_factor=0.0):
     """Every assignment, sorted by expert and run through grouped matmuls: per device under
-    expert parallelism (layers.moe_sharded), else on the whole batch."""
+    expert parallelism (layers.moe_sharded; up to its receive buffer), else on the whole batch.
+    Returns the output and the number of assignments kept."""
     params = self.expert_params(x.dtype)
-    y = moe_sharded.dropless(x, top_i, weights, params, self.grouped_experts, self.num_experts)
-    if y is not None:
-      return y
+    found = moe_sharded.dropless(x, top_i, weights, params, self.grouped_experts,
+                                 self.num_experts, buffer_factor)
+    if found is not None:
+      y, kept = found
+      return y, kept.astype(jnp.float32)
     b, t, d = x.shape
     k = self.top_k
     flat = top_i.reshape(-1)  # [M = B·T·k]
@@ -330,7 +345,8 @@ class MoE(nnx.Module, options.Configurable):
     rows = x.reshape(-1, d)[order // k]  # [M, D] token of each sorted assignment
     out = self.grouped_experts(rows, sizes, params)  # [M, D]
     out = jnp.zeros_like(out).at[order].set(out).reshape(b, t, k, d)  # back in token order
-    return jnp.einsum('BTKD,BTK->BTD', out, weights.astype(x.dtype))
+    return (jnp.einsum('BTKD,BTK->BTD', out, weights.astype(x.dtype)),
+            jnp.asarray(b * t * k, jnp.float32))
 
   def _with_capacity(self, x, chosen, weights, cap):
     """Assignments up to `cap` per expert and row, in GShard's order (all first choices by

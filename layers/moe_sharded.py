@@ -7,7 +7,9 @@ dropless path runs per device under `jax.shard_map`, as MaxText's `sparse_matmul
      contiguous, so each destination's share is one contiguous run);
   2. a ragged all-to-all over the expert axes sends each run to the device holding its experts,
      into a buffer of the worst case (every assignment of the expert group on one device:
-     P · tokens · min(k, E/P) rows), so nothing is ever dropped;
+     P · tokens · min(k, E/P) rows), so nothing is ever dropped; or, with a buffer factor f > 0
+     (MaxText's `ragged_buffer_factor`), of f times the balanced load (tokens · k rows), the
+     assignments past it dropped in arrival order (sender by sender, each sender's by expert);
   3. the device sorts what it received by its local expert and runs its experts' FFN as grouped
      matmuls over the rows it received (megablox on TPU, `ragged_dot` elsewhere);
   4. the results go back by the reverse ragged all-to-all, and each token sums its k outputs.
@@ -20,6 +22,7 @@ fsdp/tensor shards, as FSDP gathers a dense layer's).
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -73,14 +76,26 @@ def _exclusive_cumsum(a, axis):
   return jnp.cumsum(a, axis) - a
 
 
-def _plans(traffic, me):
+def _plans(routed, kept, me):
   """The ragged all-to-all arguments (input offsets, send sizes, output offsets, receive sizes)
-  there and back, from `traffic` `[P, P]`: rows sender i sends to receiver j; `me` this device."""
-  there = (_exclusive_cumsum(traffic[me], 0), traffic[me],
-           _exclusive_cumsum(traffic, 0)[me], traffic[:, me])
-  back = (_exclusive_cumsum(traffic[:, me], 0), traffic[:, me],
-          _exclusive_cumsum(traffic, 1)[:, me], traffic[me])
+  there and back, from `[P, P]` row counts sender i -> receiver j: `routed` (where sender i's
+  runs start in its sorted rows) and `kept` (each run's prefix that fits the receiver's buffer);
+  `me` this device."""
+  there = (_exclusive_cumsum(routed[me], 0), kept[me],
+           _exclusive_cumsum(kept, 0)[me], kept[:, me])
+  back = (_exclusive_cumsum(kept[:, me], 0), kept[:, me],
+          _exclusive_cumsum(routed, 1)[:, me], kept[me])
   return there, back
+
+
+def kept_counts(counts, buffer):
+  """`counts` `[sender, receiver, local expert]` clipped so that each receiver takes at most
+  `buffer` rows, in arrival order (sender by sender, each sender's rows by expert): the rows of
+  one sender to one receiver that are kept are a prefix of its run."""
+  p, _, local = counts.shape
+  arrivals = jnp.swapaxes(counts, 0, 1).reshape(p, p * local)  # [receiver, (sender, expert)]
+  room = jnp.maximum(buffer - _exclusive_cumsum(arrivals, 1), 0)
+  return jnp.swapaxes(jnp.minimum(arrivals, room).reshape(p, p, local), 0, 1)
 
 
 def static_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -104,9 +119,17 @@ def _exchange(operand, rows, plan, *, axes, cap):
   return lax.platform_dependent(operand, output, *plan, tpu=ragged, default=static)
 
 
-def _local(x, top_i, weights, params, *, ffn, axes, num_experts):
+def buffer_rows(tokens, k, local, p, buffer_factor):
+  """The rows one device can receive: the worst case P · tokens · min(k, E/P) (nothing dropped)
+  for `buffer_factor` 0, else ceil(f · tokens · k) (f times the balanced load), at most that."""
+  worst = p * tokens * min(k, local)
+  return worst if not buffer_factor else min(worst, math.ceil(buffer_factor * tokens * k))
+
+
+def _local(x, top_i, weights, params, *, ffn, axes, token_axes, num_experts, buffer_factor):
   """One device's share (inside shard_map): `x` `[B, T, D]`, `top_i`/`weights` `[B, T, k]` its
-  tokens, `params` its experts' weights `[E/P, ...]`; returns `[B, T, D]`."""
+  tokens, `params` its experts' weights `[E/P, ...]`; returns `[B, T, D]` and the assignments
+  kept over the whole mesh."""
   b, t, d = x.shape
   k = top_i.shape[-1]
   local = params['wi'].shape[0]
@@ -117,9 +140,12 @@ def _local(x, top_i, weights, params, *, ffn, axes, num_experts):
   sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
   counts = lax.all_gather(sizes, axes).reshape(p, p, local)  # [sender, receiver, local expert]
   me = lax.axis_index(axes)
-  there, back = _plans(jnp.sum(counts, -1), me)
+  buffer = buffer_rows(b * t, k, local, p, buffer_factor)
+  routed = jnp.sum(counts, -1)  # [P, P] rows sender i routes to receiver j
+  counts = kept_counts(counts, buffer)  # those that fit; all of them at the worst-case buffer
+  kept = jnp.sum(counts, -1)
+  there, back = _plans(routed, kept, me)
   cap = b * t * min(k, local)  # the most rows one device can send to one other
-  buffer = p * cap  # the most rows one device can receive: nothing is dropped
   got = _exchange(rows, buffer, there, axes=axes, cap=cap)  # [buffer, D] by sender, then expert
   mine = counts[:, me]  # [P, E/P] rows from each sender for each local expert
   expert = jnp.repeat(jnp.append(jnp.tile(jnp.arange(local), p), local),
@@ -130,10 +156,11 @@ def _local(x, top_i, weights, params, *, ffn, axes, num_experts):
   out = jnp.zeros_like(out).at[by_expert].set(out)  # back in arrival order
   out = _exchange(out, flat.shape[0], back, axes=axes, cap=cap)  # [M, D] sorted by expert
   out = jnp.zeros_like(out).at[order].set(out).reshape(b, t, k, d)  # in token order
-  return jnp.einsum('BTKD,BTK->BTD', out, weights.astype(x.dtype))
+  y = jnp.einsum('BTKD,BTK->BTD', out, weights.astype(x.dtype))
+  return y, lax.psum(jnp.sum(kept[me]), token_axes)
 
 
-def dropless(x, top_i, weights, params, ffn, num_experts):
+def dropless(x, top_i, weights, params, ffn, num_experts, buffer_factor=0.0):
   """Dropless token choice on the mesh in context, or None where `layout` says it does not apply.
 
   Args:
@@ -143,9 +170,11 @@ def dropless(x, top_i, weights, params, ffn, num_experts):
     ffn: `ffn(rows [M, D], group_sizes [G], params) -> [M, D]`, the experts on rows sorted by
       expert with `grouped_matmul`.
     num_experts: E.
+    buffer_factor: 0 for the worst-case receive buffer (nothing dropped), else f > 0: f times
+      the balanced load, overflow dropped (`buffer_rows`).
 
   Returns:
-    `[B, T, D]`, or None.
+    (`[B, T, D]`, the number of assignments kept), or None.
   """
   mesh = sharding.active_mesh()
   if mesh is None or mesh.size == 1:
@@ -155,7 +184,10 @@ def dropless(x, top_i, weights, params, ffn, num_experts):
     return None
   tokens, axes = found
   expert_spec = jax.tree.map(lambda w: P(axes, *(None,) * (w.ndim - 1)), params)
-  per_device = functools.partial(_local, ffn=ffn, axes=axes, num_experts=num_experts)
+  token_axes = tuple(a for dim in tokens if dim is not None
+                     for a in ((dim,) if isinstance(dim, str) else dim))
+  per_device = functools.partial(_local, ffn=ffn, axes=axes, token_axes=token_axes,
+                                 num_experts=num_experts, buffer_factor=buffer_factor)
   # check_vma off: megablox's pallas_call carries no varying-axes annotation for its outputs.
   return jax.shard_map(per_device, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_spec),
-                       out_specs=tokens, check_vma=False)(x, top_i, weights, params)
+                       out_specs=(tokens, P()), check_vma=False)(x, top_i, weights, params)

@@ -207,6 +207,10 @@ BAD = [
     (dict(moe_experts=4, moe_top_k=1, moe_routing='experts', moe_capacity_factor=1.0,
           moe_bias_rate=1e-3, arch='encoder_only'), r'^model.moe_bias_rate balances token choice'),
     (dict(moe_bias_rate=1e-3), r'^model.moe_bias_rate=0.001 is set but model.moe_experts=0'),
+    (dict(moe_experts=2, moe_buffer_factor=0.5),
+     r'^model.moe_buffer_factor=0.5 would drop assignments of a balanced load'),
+    (dict(moe_experts=2, moe_buffer_factor=1.25, moe_capacity_factor=1.0),
+     r'^model.moe_buffer_factor=1.25 sizes the dropless receive buffer'),
 ]
 
 

@@ -109,3 +109,67 @@ def test_static_all_to_all_moves_rows_where_the_ragged_one_would():
   got = quick_jit(jax.shard_map(per_device, mesh=mesh, in_specs=P('x'), out_specs=P('x')))(
       operand, in_off, send, out_off, send.T.copy())
   np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_kept_counts_clip_each_receiver_in_arrival_order():
+  counts = np.array([[[3, 1], [2, 0]], [[1, 2], [4, 4]]], np.int32)  # [sender, receiver, expert]
+  kept = np.asarray(moe_sharded.kept_counts(jnp.asarray(counts), 5))
+  # Receiver 0 gets 3, 1 (sender 0), then 1, 2 (sender 1): room for 5 keeps 3, 1, 1, 0.
+  # Receiver 1 gets 2, 0, then 4, 4: keeps 2, 0, 3, 0.
+  np.testing.assert_array_equal(kept, [[[3, 1], [2, 0]], [[1, 0], [3, 0]]])
+  np.testing.assert_array_equal(moe_sharded.kept_counts(jnp.asarray(counts), 16), counts)
+
+
+def _dropped_reference(top_i, experts, buffer, group=2, rows_per_device=1):
+  """Which assignments a receive buffer of `buffer` rows keeps, by the rule written out: tokens
+  split over 8 devices in row order (data, fsdp, expert), expert groups of `group` devices (the
+  expert axis is last), each sender's assignments sorted by expert (stably), each receiver taking
+  senders in order and each sender's rows by expert until its buffer is full."""
+  top_i = np.asarray(top_i)
+  kept = np.zeros(top_i.shape, bool)
+  local = experts // group
+  devices = top_i.shape[0] // rows_per_device
+  for first in range(0, devices, group):  # one expert group: devices first .. first + group - 1
+    room = {j: buffer for j in range(group)}
+    for sender in range(group):
+      rows = slice((first + sender) * rows_per_device, (first + sender + 1) * rows_per_device)
+      flat = top_i[rows].reshape(-1)
+      for idx in np.argsort(flat, kind='stable'):
+        receiver = flat[idx] // local
+        if room[receiver] > 0:
+          room[receiver] -= 1
+          kept[rows].reshape(-1)[idx] = True  # a view: rows of one device are contiguous
+  return kept
+
+
+def test_a_receive_buffer_drops_the_overflow_and_counts_it():
+  """moe_buffer_factor 1: each device receives at most T·k assignments; the sharded output and
+  gradients equal a one-device computation with exactly the assignments the rule drops removed,
+  and drop_fraction is their share."""
+  m = moe.MoE(D, F, 4, 'relu', top_k=2, buffer_factor=1.0, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (B, T, D), jnp.float32)
+  logits = jnp.einsum('BTD,DE->BTE', x, m.router[...])
+  _, top_i = jax.lax.top_k(jax.nn.softmax(logits, -1), 2)
+  keep = _dropped_reference(top_i, 4, T * 2)
+  assert 0 < (~keep).sum() < keep.size  # the routing overflows some buffer, not all
+
+  def reference(params, x):
+    model = nnx.merge(graphdef, params)
+    probs = jax.nn.softmax(jnp.einsum('BTD,DE->BTE', x, model.router[...]), -1)
+    top_p = jnp.take_along_axis(probs, top_i, -1)
+    w = top_p / jnp.sum(top_p, -1, keepdims=True) * keep
+    wi, wo = model.wi[...][top_i], model.wo[...][top_i]  # [B, T, k, D, F], [B, T, k, F, D]
+    out = jnp.einsum('BTKF,BTKFD->BTKD', jax.nn.relu(jnp.einsum('BTD,BTKDF->BTKF', x, wi)), wo)
+    return jnp.sum(jnp.sin(jnp.einsum('BTKD,BTK->BTD', out, w)))
+
+  graphdef, params = nnx.split(m, nnx.Param)
+  want = jax.value_and_grad(reference, (0, 1))(params, x)
+  value, _, grads = loss_and_grads(m, x, mesh_of(data=2, fsdp=2, expert=2))
+  np.testing.assert_allclose(value, want[0], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want[1])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+  mesh = mesh_of(data=2, fsdp=2, expert=2)
+  with sharding.use_rules(mesh, sharding.DEFAULT_RULES):
+    _, stats = jax.jit(lambda x, l: m.token_choice(x, l, buffer_factor=1.0))(x, logits)
+  np.testing.assert_allclose(stats['drop_fraction'], (~keep).mean(), rtol=1e-6)
