@@ -78,6 +78,9 @@ _GTE = re.compile(r' get-tuple-element\(%?([\w.\-]+)\), index=(\d+)')
 _COMPARE = re.compile(r' compare\(%?([\w.\-]+), %?([\w.\-]+)\), direction=(\w+)')
 _TUPLE = re.compile(r' tuple\((.*?)\)(?:,|$)')
 _ADD = re.compile(r' add\(%?([\w.\-]+), %?([\w.\-]+)\)')
+# A bracket, or a string (its closing quote in group 1, empty where it runs on to the next line).
+_BRACKET_OR_STRING = re.compile(r'"(?:[^"\\]|\\.)*("?)|[{}()\[\]]')
+_STRING_REST = re.compile(r'(?:[^"\\]|\\.)*"')
 
 
 def _array_bytes(text):
@@ -89,10 +92,36 @@ def _array_bytes(text):
   return out
 
 
+def _still_open(line, depth, in_string):
+  """(brackets still open, whether a string is) after `line`, given those before it; brackets in
+  strings do not count."""
+  pos = 0
+  if in_string:
+    m = _STRING_REST.match(line)
+    if not m:
+      return depth, True
+    pos = m.end()
+  for m in _BRACKET_OR_STRING.finditer(line, pos):
+    token = m.group(0)
+    if token[0] == '"':
+      if not m.group(1):
+        return depth, True
+    else:
+      depth += 1 if token in '{([' else -1
+  return depth, False
+
+
 def _computations(text):
-  """{computation name: its instruction lines} of an HLO module's text, and the entry's name."""
-  comps, name, entry = {}, None, None
+  """{computation name: its instructions, one line each} of an HLO module's text, and the entry's
+  name. An instruction XLA prints over several lines (libtpu's splash kernels: a newline inside
+  their frontend_attributes, before their backend_config and its cost_estimate) is joined into
+  one, the lines after its first read up to where its brackets close."""
+  comps, name, entry, depth, in_string = {}, None, None, 0, False
   for line in text.splitlines():
+    if name is not None and (depth > 0 or in_string):  # the instruction continues
+      comps[name][-1] += ' ' + line
+      depth, in_string = _still_open(line, depth, in_string)
+      continue
     m = _COMPUTATION.match(line)
     if m:
       name = m.group(1)
@@ -101,6 +130,7 @@ def _computations(text):
         entry = name
     elif name is not None:
       comps[name].append(line)
+      depth, in_string = _still_open(line, 0, False)
   return comps, entry
 
 

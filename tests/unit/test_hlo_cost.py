@@ -1,7 +1,7 @@
 """training.hlo_cost and the loops of training.roofline: a loop body counted as many times as it
 runs, the trip count read from a loop XLA does not annotate (libtpu's), and libtpu's negative
 estimate reported as none."""
-# ruff: noqa: E501  (HLO instructions are one line each, as XLA prints them)
+# ruff: noqa: E501  (HLO instructions are one line each, as XLA prints most of them)
 
 import jax
 import jax.numpy as jnp
@@ -93,3 +93,38 @@ def test_negative_libtpu_estimate_is_unavailable():
   e = roofline.estimate('v5p', {'flops': 1e12, 'bytes accessed': 1e9,
                                 'optimal_seconds': -12.9}, HLO, [None] * 8)
   assert e['compiler_s'] is None and e['compiler_unavailable']
+
+
+# The body of HLO's loop with a kernel as libtpu prints splash attention's: a newline inside its
+# frontend_attributes, so its backend_config (the cost_estimate) is on the instruction's third line.
+KERNEL = ('  %k = f32[8]{0} custom-call(%y), custom_call_target="tpu_custom_call", '
+          'frontend_attributes={kernel_metadata={\n'
+          '"xprof_metadata":"{\\"block_q\\": 128, \\"q_layout\\": 1}"\n'
+          '}}, metadata={op_name="splash_mha_fwd/pallas_call"}, backend_config={"custom_call_config":'
+          '{"body":"TUzvUg","cost_estimate":{"flops":"1000","transcendentals":"0",'
+          '"bytes_accessed":"64"}}}\n')
+ADD = '''%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+'''
+HLO_KERNEL = HLO.replace(
+    '  ROOT %t = (s32[]{:T(128)}, f32[8]{0}) tuple(%next, /*index=1*/%y)',
+    KERNEL + '  ROOT %t = (s32[]{:T(128)}, f32[8]{0}) tuple(%next, /*index=1*/%k)').replace(
+        '%cond.1 ', ADD + '%cond.1 ')  # the all-reduce's reduction, for XLA's parser
+
+
+def test_kernel_printed_over_several_lines_counts_per_run():
+  """Its three lines read as one instruction: the kernel's 1000 FLOPs count in each of the 5 runs
+  (read line by line, its cost_estimate was not on the custom-call's line and counted 0)."""
+  comps, _ = roofline._computations(HLO_KERNEL)
+  call = [x for x in comps['body.1'] if ' custom-call(' in x]
+  assert len(call) == 1 and hlo_cost._custom_call_costs(call) == (1000.0, 64.0)
+  assert 'ROOT' not in call[0] and call[0].endswith('"64"}}}')  # its lines, and no more
+  cost, loops, counted = hlo_cost.loop_corrected({'flops': 1e6, 'bytes accessed': 1e3},
+                                                 HLO_KERNEL)
+  body = hlo_cost._generic_cost(HLO_KERNEL, 'body.1')['flops']
+  assert counted and loops == {'body.1': 5}
+  assert cost['flops'] == pytest.approx(1e6 + 4 * (body + 1000))
