@@ -229,3 +229,23 @@ def test_a_crowded_receive_buffer_keeps_each_runs_prefix(sizes, rows_per_device)
   want_grads = jax.grad(reference, (0, 1))(x, params)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_evaluation_keeps_the_worst_case_buffer():
+  """Without rngs (evaluation, decoding) `buffer_factor` does not apply: the routing that
+  overflows a training buffer above (4 assignments) gives the one-device output, nothing dropped."""
+  m = moe.MoE(D, F, 4, 'relu', top_k=2, buffer_factor=1.0, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (B, T, D), jnp.float32)
+  graphdef, state = nnx.split(m)
+
+  def fn(state, x):
+    y, sown = nnx.capture(lambda m: m(x), nnx.Intermediate)(nnx.merge(graphdef, state))
+    return y, {jax.tree_util.keystr(k): v for k, v in jax.tree.leaves_with_path(sown)}
+
+  one = lambda state, x: fn(state, x)  # noqa: E731  a new function: jit caches by function
+  want = quick_jit(one)(state, x)[0]  # one device: no buffer
+  with sharding.use_rules(mesh_of(data=2, fsdp=2, expert=2), sharding.DEFAULT_RULES):
+    y, sown = quick_jit(fn)(state, x)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=1e-5, rtol=1e-5)
+  [drop] = [v for k, v in sown.items() if 'drop_fraction' in k]
+  assert float(drop) == 0.0
