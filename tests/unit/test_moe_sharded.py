@@ -173,3 +173,79 @@ def test_a_receive_buffer_drops_the_overflow_and_counts_it():
   with sharding.use_rules(mesh, sharding.DEFAULT_RULES):
     _, stats = jax.jit(lambda x, l: m.token_choice(x, l, buffer_factor=1.0))(x, logits)
   np.testing.assert_allclose(stats['drop_fraction'], (~keep).mean(), rtol=1e-6)
+
+
+# Each device's 6 tokens' (first, second) experts, E = 4 on expert 2: experts 0-1 on the first
+# device of each expert group, 2-3 on the second; one row per device under data 2 x fsdp 2.
+CROWDED = np.array([
+    [(0, 1), (1, 0), (0, 1), (0, 2), (3, 0), (2, 3)],  # group 0, sender 0: 8 rows to receiver 0
+    [(0, 1), (1, 0), (0, 2), (3, 0), (0, 2), (0, 3)],  # sender 1: 6 + 2 rows to 0 (4 fit), 4 to 1
+    [(2, 3), (3, 2), (2, 3), (2, 3), (2, 0), (3, 1)],  # group 1, sender 0: 10 rows to receiver 1
+    [(3, 2), (3, 2), (2, 3), (2, 0), (3, 1), (1, 0)],  # sender 1: 4 + 4 to 1 (2 fit), 4 to 0
+    [(0, 2), (1, 3), (0, 2), (1, 3), (0, 2), (1, 3)],  # group 2: balanced, nothing dropped
+    [(2, 0), (3, 1), (2, 0), (3, 1), (2, 0), (3, 1)],
+    [(0, 1)] * 6,  # group 3: both senders' 12 rows to receiver 0, the second's all dropped
+    [(1, 0)] * 6,
+], np.int32)
+
+
+@pytest.mark.parametrize('sizes,rows_per_device', [
+    (dict(data=2, fsdp=2, expert=2), 1),
+    (dict(data=2, expert=2, tensor=2), 2),  # the tensor axis replicates the tokens
+])
+def test_a_crowded_receive_buffer_keeps_each_runs_prefix(sizes, rows_per_device):
+  """Overflow mid-run: a sender's run cut inside one expert with a later run to another device
+  behind it, a run dropped whole, an empty receiver. The sharded output, its gradients and the
+  kept count equal a float64 computation of exactly the assignments the rule keeps; the kept
+  count is not multiplied by axes that replicate the tokens."""
+  m = moe.MoE(D, F, 4, 'relu', top_k=2, rngs=nnx.Rngs(0))
+  params = m.expert_params(jnp.float32)
+  x = jax.random.normal(jax.random.key(1), (B, T, D), jnp.float32)
+  weights = jax.random.uniform(jax.random.key(2), (B, T, 2), jnp.float32, 0.1, 1.0)
+  keep = _dropped_reference(CROWDED, 4, T * 2 * rows_per_device, rows_per_device=rows_per_device)
+  if rows_per_device == 1:  # the case as laid out above
+    np.testing.assert_array_equal((~keep).sum((1, 2)), [0, 4, 0, 6, 0, 0, 0, 12])
+  assert 0 < (~keep).sum() < keep.size
+
+  def sharded(x, params):
+    y, kept = moe_sharded.dropless(x, jnp.asarray(CROWDED), weights, params, m.grouped_experts,
+                                   4, buffer_factor=1.0)
+    return jnp.sum(jnp.sin(y)), (y, kept)
+
+  def reference(x, params):
+    h = jax.nn.relu(jnp.einsum('BTD,BTKDF->BTKF', x, params['wi'][CROWDED]))
+    out = jnp.einsum('BTKF,BTKFD->BTKD', h, params['wo'][CROWDED])
+    return jnp.sum(jnp.sin(jnp.einsum('BTKD,BTK->BTD', out, weights * keep)))
+
+  with sharding.use_rules(mesh_of(**sizes), sharding.DEFAULT_RULES):
+    (_, (y, kept)), grads = quick_jit(jax.value_and_grad(sharded, (0, 1), has_aux=True))(
+        x, params)
+  wi, wo = (np.asarray(params[n], np.float64)[CROWDED] for n in ('wi', 'wo'))
+  h = np.maximum(np.einsum('BTD,BTKDF->BTKF', np.asarray(x, np.float64), wi), 0)
+  want = np.einsum('BTKD,BTK->BTD', np.einsum('BTKF,BTKFD->BTKD', h, wo),
+                   np.asarray(weights, np.float64) * keep)
+  np.testing.assert_allclose(np.asarray(y), want, atol=1e-5, rtol=1e-5)
+  assert int(kept) == keep.sum()
+  want_grads = jax.grad(reference, (0, 1))(x, params)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_evaluation_keeps_the_worst_case_buffer():
+  """Without rngs (evaluation, decoding) `buffer_factor` does not apply: the routing that
+  overflows a training buffer above (4 assignments) gives the one-device output, nothing dropped."""
+  m = moe.MoE(D, F, 4, 'relu', top_k=2, buffer_factor=1.0, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (B, T, D), jnp.float32)
+  graphdef, state = nnx.split(m)
+
+  def fn(state, x):
+    y, sown = nnx.capture(lambda m: m(x), nnx.Intermediate)(nnx.merge(graphdef, state))
+    return y, {jax.tree_util.keystr(k): v for k, v in jax.tree.leaves_with_path(sown)}
+
+  one = lambda state, x: fn(state, x)  # noqa: E731  a new function: jit caches by function
+  want = quick_jit(one)(state, x)[0]  # one device: no buffer
+  with sharding.use_rules(mesh_of(data=2, fsdp=2, expert=2), sharding.DEFAULT_RULES):
+    y, sown = quick_jit(fn)(state, x)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=1e-5, rtol=1e-5)
+  [drop] = [v for k, v in sown.items() if 'drop_fraction' in k]
+  assert float(drop) == 0.0
