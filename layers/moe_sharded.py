@@ -59,17 +59,25 @@ def grouped_matmul(lhs, rhs, group_sizes):
                                 default=lambda a, w, sizes: lax.ragged_dot(a, w, sizes))
 
 
+def _axes(dim):
+  """The mesh axes of one entry of a PartitionSpec, as a tuple."""
+  return () if dim is None else (dim,) if isinstance(dim, str) else tuple(dim)
+
+
+def _token_axes(tokens):
+  """The mesh axes a PartitionSpec `tokens` splits the tokens over, in order."""
+  return tuple(a for dim in tokens for a in _axes(dim))
+
+
 def layout(mesh, rules, x_shape, num_experts):
   """The mesh axes of the tokens `[B, T, D]` and of the experts, or None where this path does
   not apply (no expert axis splits the experts, or it does not also split the tokens: then every
   device of the expert axis holds the same tokens, and GSPMD's ragged_dot stands)."""
   tokens = sharding.spec(('batch', 'length', None), x_shape, mesh, rules)
   experts = sharding.spec(('expert',), (num_experts,), mesh, rules)[0]
-  as_tuple = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)  # noqa: E731
-  token_axes = {a for dim in tokens for a in as_tuple(dim)}
-  if not as_tuple(experts) or not set(as_tuple(experts)) <= token_axes:
+  if not _axes(experts) or not set(_axes(experts)) <= set(_token_axes(tokens)):
     return None
-  return tokens, as_tuple(experts)
+  return tokens, _axes(experts)
 
 
 def _exclusive_cumsum(a, axis):
@@ -126,7 +134,7 @@ def buffer_rows(tokens, k, local, p, buffer_factor):
   return worst if not buffer_factor else min(worst, math.ceil(buffer_factor * tokens * k))
 
 
-def _local(x, top_i, weights, params, *, ffn, axes, token_axes, num_experts, buffer_factor):
+def _local(x, top_i, weights, params, *, ffn, axes, split, num_experts, buffer_factor):
   """One device's share (inside shard_map): `x` `[B, T, D]`, `top_i`/`weights` `[B, T, k]` its
   tokens, `params` its experts' weights `[E/P, ...]`; returns `[B, T, D]` and the assignments
   kept over the whole mesh."""
@@ -157,7 +165,7 @@ def _local(x, top_i, weights, params, *, ffn, axes, token_axes, num_experts, buf
   out = _exchange(out, flat.shape[0], back, axes=axes, cap=cap)  # [M, D] sorted by expert
   out = jnp.zeros_like(out).at[order].set(out).reshape(b, t, k, d)  # in token order
   y = jnp.einsum('BTKD,BTK->BTD', out, weights.astype(x.dtype))
-  return y, lax.psum(jnp.sum(kept[me]), token_axes)
+  return y, lax.psum(jnp.sum(kept[me]), split)  # over the axes that split the tokens
 
 
 def dropless(x, top_i, weights, params, ffn, num_experts, buffer_factor=0.0):
@@ -184,9 +192,7 @@ def dropless(x, top_i, weights, params, ffn, num_experts, buffer_factor=0.0):
     return None
   tokens, axes = found
   expert_spec = jax.tree.map(lambda w: P(axes, *(None,) * (w.ndim - 1)), params)
-  token_axes = tuple(a for dim in tokens if dim is not None
-                     for a in ((dim,) if isinstance(dim, str) else dim))
-  per_device = functools.partial(_local, ffn=ffn, axes=axes, token_axes=token_axes,
+  per_device = functools.partial(_local, ffn=ffn, axes=axes, split=_token_axes(tokens),
                                  num_experts=num_experts, buffer_factor=buffer_factor)
   # check_vma off: megablox's pallas_call carries no varying-axes annotation for its outputs.
   return jax.shard_map(per_device, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_spec),

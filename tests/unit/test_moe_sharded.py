@@ -142,6 +142,13 @@ def _dropped_reference(top_i, experts, buffer, group=2, rows_per_device=1):
   return kept
 
 
+def _experts_by_hand(xp, x, wi, wo, top_i, w):
+  """Each token's chosen ReLU experts, weighted by `w` `[B, T, k]` and summed, in `xp` (jnp for
+  gradients, np for a float64 forward): the reference the sharded path is held to."""
+  h = xp.maximum(xp.einsum('BTD,BTKDF->BTKF', x, wi[top_i]), 0)
+  return xp.einsum('BTKD,BTK->BTD', xp.einsum('BTKF,BTKFD->BTKD', h, wo[top_i]), w)
+
+
 def test_a_receive_buffer_drops_the_overflow_and_counts_it():
   """moe_buffer_factor 1: each device receives at most T·k assignments; the sharded output and
   gradients equal a one-device computation with exactly the assignments the rule drops removed,
@@ -158,9 +165,7 @@ def test_a_receive_buffer_drops_the_overflow_and_counts_it():
     probs = jax.nn.softmax(jnp.einsum('BTD,DE->BTE', x, model.router[...]), -1)
     top_p = jnp.take_along_axis(probs, top_i, -1)
     w = top_p / jnp.sum(top_p, -1, keepdims=True) * keep
-    wi, wo = model.wi[...][top_i], model.wo[...][top_i]  # [B, T, k, D, F], [B, T, k, F, D]
-    out = jnp.einsum('BTKF,BTKFD->BTKD', jax.nn.relu(jnp.einsum('BTD,BTKDF->BTKF', x, wi)), wo)
-    return jnp.sum(jnp.sin(jnp.einsum('BTKD,BTK->BTD', out, w)))
+    return jnp.sum(jnp.sin(_experts_by_hand(jnp, x, model.wi[...], model.wo[...], top_i, w)))
 
   graphdef, params = nnx.split(m, nnx.Param)
   want = jax.value_and_grad(reference, (0, 1))(params, x)
@@ -213,17 +218,15 @@ def test_a_crowded_receive_buffer_keeps_each_runs_prefix(sizes, rows_per_device)
     return jnp.sum(jnp.sin(y)), (y, kept)
 
   def reference(x, params):
-    h = jax.nn.relu(jnp.einsum('BTD,BTKDF->BTKF', x, params['wi'][CROWDED]))
-    out = jnp.einsum('BTKF,BTKFD->BTKD', h, params['wo'][CROWDED])
-    return jnp.sum(jnp.sin(jnp.einsum('BTKD,BTK->BTD', out, weights * keep)))
+    return jnp.sum(jnp.sin(_experts_by_hand(jnp, x, params['wi'], params['wo'], CROWDED,
+                                            weights * keep)))
 
   with sharding.use_rules(mesh_of(**sizes), sharding.DEFAULT_RULES):
     (_, (y, kept)), grads = quick_jit(jax.value_and_grad(sharded, (0, 1), has_aux=True))(
         x, params)
-  wi, wo = (np.asarray(params[n], np.float64)[CROWDED] for n in ('wi', 'wo'))
-  h = np.maximum(np.einsum('BTD,BTKDF->BTKF', np.asarray(x, np.float64), wi), 0)
-  want = np.einsum('BTKD,BTK->BTD', np.einsum('BTKF,BTKFD->BTKD', h, wo),
-                   np.asarray(weights, np.float64) * keep)
+  f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+  want = _experts_by_hand(np, f64(x), f64(params['wi']), f64(params['wo']), CROWDED,
+                          f64(weights) * keep)
   np.testing.assert_allclose(np.asarray(y), want, atol=1e-5, rtol=1e-5)
   assert int(kept) == keep.sum()
   want_grads = jax.grad(reference, (0, 1))(x, params)
