@@ -24,9 +24,10 @@ Smoke:   :quick, :code,quick, :stability,quick (a few steps a cell)
 Pair:    :pair, the recall form's linear attention and Gated DeltaNet alone (extra seeds)
 Hybrid:  :hybrid, the recall form's hybrid against dense alone
 Softmax: :softmax, the recall form's GQA, MLA and differential alone (extra seeds)
-Sinks:   :sinks, the code form's dense, gate and sinks cells alone at a budget a 2-core machine
-         runs in minutes (batch 8: 2,048 tokens a step, 1,000 steps; the full form takes about an
-         hour a cell there)
+Short:   :code,short and :stability,short, the code and stability forms at a budget a 2-core
+         machine runs in minutes (batch 8: 2,048 tokens a step, 1,000 steps; the full code form
+         takes about an hour a cell there)
+Sinks:   :sinks, the short code form's dense, gate and sinks cells alone
 """
 
 from configs import default
@@ -34,17 +35,18 @@ from configs import mqar
 from configs import python_code
 
 # choose the config and the cells
-CELL_ARGS = ('code', 'stability', 'pair', 'hybrid', 'softmax', 'sinks')
+CELL_ARGS = ('code', 'stability', 'pair', 'hybrid', 'softmax', 'sinks', 'short')
 # the forms test_sweep.py expands besides the default and quick
-OTHER_ARGS = ('code', 'code,quick', 'stability', 'stability,quick', 'pair', 'hybrid', 'softmax',
-              'sinks')
+OTHER_ARGS = ('code', 'code,quick', 'code,short', 'stability', 'stability,quick', 'stability,short',
+              'pair', 'hybrid', 'softmax', 'sinks')
 SEEDS = [0, 1, 2]
 HYBRID_RECALL = 'gated_deltanet,dense'  # 2 layers: one recurrent, one dense
 HYBRID_CODE = 'gated_deltanet,gated_deltanet,gated_deltanet,dense'  # Qwen3-Next's 3:1
 MLA_RECALL_RANK = 32  # d_c at D = 64: with the rotary key (H/2 = 8), 40 numbers a token
 MLA_CODE_RANK = 64  # d_c at D = 128: the layer's parameters within 3% of dense's
 LEARNING_RATES = (1e-3, 4e-3, 8e-3)  # :stability: the tuned rate, 4x and 8x
-SINKS_BATCH, SINKS_STEPS = 8, 1000  # :sinks: a quarter of :code's tokens a step, half its steps
+# the short forms and :sinks: a quarter of :code's tokens a step, half its steps
+SHORT_BATCH, SHORT_STEPS = 8, 1000
 
 
 def get_config(arg=None):
@@ -56,10 +58,11 @@ def get_config(arg=None):
                     if k in ('quick', 'size')) or None
   if args.get('code') or args.get('stability') or args.get('sinks'):
     config = python_code.get_config(passed)
-    if args.get('sinks') and not args.get('quick'):
-      config.train.batch_size = SINKS_BATCH
-      config.train.steps = SINKS_STEPS
-      config.train.warmup_steps = SINKS_STEPS // 10
+    short = args.get('sinks') or args.get('short')
+    if short and not args.get('quick'):
+      config.train.batch_size = SHORT_BATCH
+      config.train.steps = SHORT_STEPS
+      config.train.warmup_steps = SHORT_STEPS // 10
   else:
     config = mqar.get_config(passed)
   config.train.diagnostics = True  # the sink share of every softmax layer
@@ -72,11 +75,7 @@ def get_sweep(arg=None):
   if args.get('stability'):
     cells = [{'train.learning_rate': lr, **extra} for lr in LEARNING_RATES
              for extra in ({}, {'model.qk_norm': 'rmsnorm'}, {'model.attn_logit_softcap': 50.0})]
-  elif args.get('sinks'):
-    cells = [{'model.attention': 'dense'},
-             {'model.attention_gate': 'elementwise'},
-             {'model.attention_sinks': True}]
-  elif args.get('code'):
+  elif args.get('code') or args.get('sinks'):
     cells = [{'model.attention': 'dense'},
              {'model.attention_gate': 'elementwise'},
              {'model.attention_sinks': True},
@@ -84,6 +83,8 @@ def get_sweep(arg=None):
              {'model.attention': 'differential'},
              {'model.attention': 'mla', 'model.mla_kv_rank': MLA_CODE_RANK},
              {'model.layer_pattern': HYBRID_CODE}]
+    if args.get('sinks'):  # dense, the gate and the sinks alone
+      cells = cells[:3]
   elif args.get('pair'):  # the recall form's headline pair alone (more seeds where time is short)
     cells = [{'model.attention': 'linear'}, {'model.attention': 'gated_deltanet'}]
   elif args.get('hybrid'):  # the recall form's hybrid and its baseline alone

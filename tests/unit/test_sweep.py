@@ -257,3 +257,30 @@ def test_compare_fills_fields_added_since_with_their_defaults(tmp_path):
   first = table.split('\n\n')[0]  # the summary table (the statistics table follows)
   rows = [line for line in first.splitlines() if line.startswith('| ') and '---' not in line][1:]
   assert len(rows) == 1 and rows[0].split(' | ')[1] == '2', table
+
+
+def test_short_forms_keep_the_full_forms_cells_at_a_smaller_budget():
+  """attention_2024's `short` forms run the `code` and `stability` cells with fewer tokens a step
+  and fewer steps, and nothing else changed; `sinks` is the short code form's first three cells
+  (whose finished runs a short code sweep into the same directory then skips)."""
+  module = sweep_spec.load_sweep_module(os.path.join(ROOT, 'configs', 'ablations',
+                                                     'attention_2024.py'))
+  for form in ('code', 'stability'):
+    full, short = (sweep_spec.expand(sweep_spec.get_sweep(module, arg))
+                   for arg in (form, f'{form},short'))
+    assert [c['name'] for c in short] == [c['name'] for c in full]
+    full_config, short_config = (sweep_spec.cell_config(module, arg, short[0])
+                                 for arg in (form, f'{form},short'))
+    assert (short_config.train.batch_size, short_config.train.steps) == (
+        module.SHORT_BATCH, module.SHORT_STEPS)
+    assert short_config.train.steps < full_config.train.steps
+    assert short_config.train.batch_size < full_config.train.batch_size
+    for config in (full_config, short_config):
+      config.train.batch_size = config.train.steps = config.train.warmup_steps = 0
+    assert short_config == full_config
+  sinks = sweep_spec.expand(sweep_spec.get_sweep(module, 'sinks'))
+  short_code = sweep_spec.expand(sweep_spec.get_sweep(module, 'code,short'))
+  assert len(sinks) == 9  # dense, the gate and the sinks, 3 seeds each
+  assert [c['name'] for c in sinks] == [c['name'] for c in short_code][:len(sinks)]
+  assert (sweep_spec.cell_config(module, 'sinks', sinks[0]) ==
+          sweep_spec.cell_config(module, 'code,short', sinks[0]))
