@@ -8,10 +8,11 @@ Four forms, each 3 seeds (tools.compare gives 95% intervals and tests against th
   a hybrid (`gated_deltanet,dense`: one layer of each at this depth). Expected from the papers:
   the delta rule recalls far better than linear attention with a state of the same size, and the
   hybrid comes close to dense.
-- `:code`: configs/python_code.py (4 layers, D = 128, the stdlib's code): dense against the output
-  gate (elementwise, Qiu et al.'s best), the sinks, QK-norm with the logit soft cap at 50,
-  differential, MLA at the dense layer's parameters (latent 64: 67,648 against 65,536 per layer)
-  and Qwen3-Next's 3:1 hybrid. The diagnostics log the first-token attention share
+- `:code`: configs/python_code.py (4 layers, D = 128, the stdlib's code), loss and loss by
+  position (eval.py --lengths=1: each position of the windows of the training length): dense
+  against the output gate (elementwise, Qiu et al.'s best), the sinks, QK-norm with the logit soft
+  cap at 50, differential, MLA at the dense layer's parameters (latent 64: 67,648 against 65,536
+  per layer) and Qwen3-Next's 3:1 hybrid. The diagnostics log the first-token attention share
   (attn_sink_share) of every softmax layer: does the gate remove the sink, do the sinks take it?
 - `:stability`: configs/python_code.py at 1x, 4x and 8x the learning rate (1e-3) for dense,
   QK-norm and the soft cap: does either train where dense diverges?
@@ -75,7 +76,7 @@ def get_sweep(arg=None):
   if args.get('stability'):
     cells = [{'train.learning_rate': lr, **extra} for lr in LEARNING_RATES
              for extra in ({}, {'model.qk_norm': 'rmsnorm'}, {'model.attn_logit_softcap': 50.0})]
-  elif args.get('code') or args.get('sinks'):
+  elif args.get('code') or args.get('sinks'):  # loss and loss by position
     cells = [{'model.attention': 'dense'},
              {'model.attention_gate': 'elementwise'},
              {'model.attention_sinks': True},
@@ -85,6 +86,9 @@ def get_sweep(arg=None):
              {'model.layer_pattern': HYBRID_CODE}]
     if args.get('sinks'):  # dense, the gate and the sinks alone
       cells = cells[:3]
+    # the loss at each position of the training length's windows (tools.compare: loss_pos@a-b)
+    return {'cells': cells, 'seeds': SEEDS,
+            'eval_flags': ['--lengths=1', '--modes=non_overlapping']}
   elif args.get('pair'):  # the recall form's headline pair alone (more seeds where time is short)
     cells = [{'model.attention': 'linear'}, {'model.attention': 'gated_deltanet'}]
   elif args.get('hybrid'):  # the recall form's hybrid and its baseline alone

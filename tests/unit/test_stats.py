@@ -94,3 +94,29 @@ def test_eval_metrics_join_the_statistics(tmp_path):
   assert found['accuracy.test']['verdict'] == 'worse' and found['accuracy.test']['test'] == 'paired'
   assert found['recall_pairs@4']['verdict'] == 'worse'
   assert found['loss.test']['verdict'] == 'n.s.' and found['recall_distance@2-3']['p'] == 1.0
+
+
+def test_the_loss_by_position_joins_the_statistics_in_buckets_four_times_wider(tmp_path):
+  """eval.py --lengths=1 keeps the loss at every position of the training length's windows; the
+  statistics take its means over positions 0-3, 4-15, 16-63, 64-79 (the window's end)."""
+  length = 80
+  _cells(tmp_path, {'a': 2.0, 'b': 2.0}, 0.01, seeds=3)
+  curve_a = np.linspace(5.0, 3.0, length)
+  for run in (tmp_path / 'sw').iterdir():
+    seed = int(run.name.rsplit('seed=', 1)[1])
+    curve = curve_a + 0.01 * seed
+    if 'norm_position=b' in run.name:
+      curve[:16] += 0.5 + 0.01 * seed  # b is worse at the first 16 positions only
+    (run / 'eval.json').write_text(json.dumps({
+        'extrapolation': [{'multiple': 1.0, 'length': length, 'mode': 'non_overlapping',
+                           'loss': float(curve.mean())}],
+        'extrapolation_per_position': {str(length): curve.tolist()}}))
+  compare.compare([str(tmp_path / 'sw')], str(tmp_path / 'c.png'), baseline='norm_position=a')
+  found = json.loads((tmp_path / 'c_stats.json').read_text())
+  b = found['norm_position=b']
+  assert [m for m in b if m.startswith('loss_pos@')] == [
+      'loss_pos@0-3', 'loss_pos@4-15', 'loss_pos@16-63', 'loss_pos@64-79']
+  assert b['loss_pos@0-3']['verdict'] == b['loss_pos@4-15']['verdict'] == 'worse'
+  assert b['loss_pos@16-63']['verdict'] == b['loss_pos@64-79']['verdict'] == 'n.s.'
+  a = found['norm_position=a']['loss_pos@64-79']['mean']
+  assert np.isclose(a, curve_a[64:].mean() + 0.01)  # the mean over seeds 0, 1, 2

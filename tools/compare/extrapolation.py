@@ -2,7 +2,8 @@
 loss per window position with seed bands, from each workdir's eval.json (eval.py --lengths).
 
 Per run, from the non-overlapping windows: the loss at the training length L, the ratios
-r_k = loss(k L) / loss(L) for k = 2, 4, 8, and the loss on target tokens only at 4L and 8L. A
+r_k = loss(k L) / loss(L) for k = 2, 4, 8, the loss on target tokens only at 4L and 8L, and the
+loss by position within windows of L (`position_losses`: positions 0-3, 4-15, 16-63, ... ). A
 cell's evaluation variants (a sweep's eval_variants, kept as eval_<flag>.json) get rows of their
 own, `cell [eval rope_scaling=ntk_4]`.
 
@@ -51,6 +52,23 @@ def run_metrics(result):
     out[f'r{k}'] = loss / base if loss is not None and base else None
   for k in TARGET_AT:
     out[f'target_{k}L'] = _row(rows, k, 'target_loss')
+  return out
+
+
+def position_losses(result):
+  """{'loss_pos@a-b': the mean loss at positions a..b of the non-overlapping windows of the training
+  length} of one eval.json, in buckets 4 times wider each time: 0-3, 4-15, 16-63, 64-255, ... up
+  to the window's last position; {} without that length's per-position losses."""
+  rows = (result or {}).get('extrapolation') or []
+  length = _row(rows, 1, 'length')
+  curve = ((result or {}).get('extrapolation_per_position') or {}).get(str(length))
+  if not curve:
+    return {}
+  curve, out, lo = np.asarray(curve, np.float64), {}, 0
+  while lo < len(curve):
+    hi = min(4 * max(lo, 1), len(curve))  # 0-3, 4-15, 16-63, ...
+    out[f'loss_pos@{lo}-{hi - 1}'] = float(curve[lo:hi].mean())
+    lo = hi
   return out
 
 

@@ -10,7 +10,8 @@ is Welch's t-test (unequal variances). A cell with a single seed has no interval
 Metrics (each with the direction that counts as better):
 - final_valid: the last validation loss of the run (lower);
 - from eval.json: loss.<split> (lower), accuracy.<split> (higher), the extrapolation ratios
-  r2, r4, r8 (loss at kL / loss at L: lower), passkey retrieval@<length> (mean over depths:
+  r2, r4, r8 (loss at kL / loss at L: lower), the loss by position loss_pos@<a-b> (positions a to
+  b of the windows of the training length: lower), passkey retrieval@<length> (mean over depths:
   higher), mqar recall_pairs@<P> and recall_distance@<lo-hi> (higher).
 """
 
@@ -23,7 +24,7 @@ from training import paths as paths_lib
 from tools.compare import extrapolation as extrapolation_compare
 
 ALPHA = 0.05
-LOWER_IS_BETTER = ('final_valid', 'loss.', 'r2', 'r4', 'r8', 'loss_L')
+LOWER_IS_BETTER = ('final_valid', 'loss.', 'r2', 'r4', 'r8', 'loss_L', 'loss_pos@')
 
 
 def lower_is_better(metric: str) -> bool:
@@ -96,6 +97,7 @@ def run_metrics(run):
     for name, value in extrapolation_compare.run_metrics(result).items():
       if value is not None and (name.startswith('r') or name == 'loss_L'):
         out[name] = float(value)
+    out.update(extrapolation_compare.position_losses(result))
   for length, by_depth in (result.get('retrieval') or {}).items():
     out[f'retrieval@{length}'] = float(np.mean(list(by_depth.values())))
   recall = result.get('recall') or {}
