@@ -57,6 +57,9 @@ def get_config(arg=None):
     args.get(name)
   passed = ','.join(k if v is True else f'{k}={v}' for k, v in args.items()
                     if k in ('quick', 'size')) or None
+  if args.get('short') and not (args.get('code') or args.get('stability')):
+    raise ValueError("short shortens the code and stability forms; valid: 'code,short', "
+                     "'stability,short'")
   if args.get('code') or args.get('stability') or args.get('sinks'):
     config = python_code.get_config(passed)
     short = args.get('sinks') or args.get('short')

@@ -284,3 +284,6 @@ def test_short_forms_keep_the_full_forms_cells_at_a_smaller_budget():
   assert [c['name'] for c in sinks] == [c['name'] for c in short_code][:len(sinks)]
   assert (sweep_spec.cell_config(module, 'sinks', sinks[0]) ==
           sweep_spec.cell_config(module, 'code,short', sinks[0]))
+  with pytest.raises(ValueError, match="short shortens the code and stability forms; valid: "
+                     "'code,short', 'stability,short'"):
+    module.get_config('short')  # the recall form has no short budget: not silently the full one
