@@ -83,8 +83,19 @@ def pytest_runtest_setup(item):
   _compiling_for[0] = tier
 
 
-def pytest_collection_modifyitems(items):
-  """Every test carries its tier's marker, from its folder: `-m unit` runs the fast tier."""
+def pytest_addoption(parser):
+  parser.addoption('--slow', action='store_true',
+                   help='also run the tests marked slow (CI leaves them out)')
+
+
+def pytest_collection_modifyitems(config, items):
+  """Every test carries its tier's marker, from its folder: `-m unit` runs the fast tier. The tests
+  marked `slow` are deselected unless --slow is given."""
+  if not config.getoption('--slow'):
+    slow = [item for item in items if item.get_closest_marker('slow')]
+    if slow:
+      config.hook.pytest_deselected(items=slow)
+      items[:] = [item for item in items if not item.get_closest_marker('slow')]
   for item in items:
     parts = item.path.parts
     if 'integration' in parts:

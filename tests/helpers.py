@@ -90,6 +90,11 @@ def write_run(workdir, train, valid=(), *, steps=100, seed=0, fields=None, entro
 
 
 
+# XLA options for a quick compile rather than a quick run (quick_jit).
+QUICK_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expensive_passes': True,
+                 'xla_cpu_use_fusion_emitters': False}
+
+
 def quick_jit(fn, **jit_kwargs):
   """`jax.jit(fn)` compiled for a quick compile rather than a quick run: without LLVM's optimisation
   passes, and with XLA:CPU's elemental emitters instead of its MLIR fusion emitters (half the
@@ -97,9 +102,7 @@ def quick_jit(fn, **jit_kwargs):
   once, so compiling was most of their run time. Jitting a whole check also compiles it once
   instead of once per eager op (the CPU is slow and shared)."""
   import jax
-  return jax.jit(fn, compiler_options={'xla_backend_optimization_level': 0,
-                                       'xla_llvm_disable_expensive_passes': True,
-                                       'xla_cpu_use_fusion_emitters': False}, **jit_kwargs)
+  return jax.jit(fn, compiler_options=QUICK_COMPILE, **jit_kwargs)
 
 
 def jitted_forward(model):

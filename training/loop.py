@@ -85,22 +85,22 @@ def store_lost(error, good, workdir):
       f'{checkpointing.background_log(workdir)})')
 
 
-def jit_train_step(config, graphdef, tx, state, mesh, leaf_groups):
+def jit_train_step(config, graphdef, tx, state, mesh, leaf_groups, compiler_options=None):
   """The jitted `steps.train_step` of `config.train` (state donated): the state keeps its layout
   (`state`'s shardings, concrete or abstract) step after step, the metrics come back replicated.
-  Call it (or lower it) under `jax.set_mesh(mesh)` and `layers.sharding.use_rules`."""
+  Call it (or lower it) under `jax.set_mesh(mesh)` and `layers.sharding.use_rules`.
+  `compiler_options`: XLA's, as `jax.jit` takes them (None: XLA's defaults, as train.py runs)."""
   t = config.train
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   return jax.jit(
       functools.partial(steps.train_step, graphdef, tx, jax.random.key(t.seed),
                         leaf_groups=leaf_groups if t.diagnostics else None,
-                        skip_nonfinite=t.skip_nonfinite, accum_steps=t.get('grad_accum_steps', 1),
-                        compute_dtype=t.get('compute_dtype', 'float32'),
-                        loss_chunk=t.get('loss_chunk', 0),
-                        moe_loss=(config.model.get('moe_aux_loss', 0.0),
-                                  config.model.get('moe_z_loss', 0.0)),
-                        z_loss=t.get('z_loss', 0.0)),
-      donate_argnums=(0,), out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated))
+                        skip_nonfinite=t.skip_nonfinite, accum_steps=t.grad_accum_steps,
+                        compute_dtype=t.compute_dtype, loss_chunk=t.loss_chunk,
+                        moe_loss=(config.model.moe_aux_loss, config.model.moe_z_loss),
+                        z_loss=t.z_loss),
+      donate_argnums=(0,), out_shardings=(jax.tree.map(lambda x: x.sharding, state), replicated),
+      compiler_options=compiler_options)
 
 
 def train_and_evaluate(config, workdir, hooks=()):
