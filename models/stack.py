@@ -181,7 +181,9 @@ class Stack(nnx.Module):
       positions = positions_lib.random_positions(rngs.dropout(), positions,
                                                  self.random_positions_max)
     x = self.embed(tokens) * self.embed_scale  # [B, T, D]
-    x = self.position.embed(x, positions)
+    # The residual stream in the parameters' dtype (the compute dtype: bfloat16 under
+    # train.compute_dtype), whatever the scale's and the position table's dtypes.
+    x = self.position.embed(x, positions).astype(self.embed.embedding.dtype)
     x = self.dropout(x, deterministic=rngs is None, rngs=rngs)
     names = ('batch', 'length', 'act_embed')  # the residual stream (layers.sharding)
     x = sharding.constrain(x, names)
