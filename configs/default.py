@@ -284,7 +284,10 @@ def get_config(arg=None):  # long: one commented line per config field, read top
     model.num_layers, model.d_model, model.num_heads, model.d_ff = SIZES['tiny']
     train.steps = 20
     train.batch_size = 8
-    train.warmup_steps = 5
+    # A constant rate without warmup: the step's program then holds no step count, so quick runs
+    # of any length (and their resumes with more steps) compile one program and share its cache.
+    train.schedule = 'constant'
+    train.warmup_steps = 0
     train.checkpoint_every = 10
     train.eval_every = 10
     train.eval_batches = 2

@@ -188,7 +188,7 @@ def test_checkpoint_of_the_old_layout_resumes_to_its_losses(tmp_path, data_dir):
   config.data.data_dir = str(data_dir)
   config.model.update(num_layers=1, d_model=32, num_heads=2, num_kv_heads=2, d_ff=64)
   config.train.update(steps=4, warmup_steps=0, checkpoint_every=2, log_every=1, eval_every=4,
-                      batch_size=4)
+                      batch_size=4, schedule='cosine')  # that run's schedule
   validation.validate(config)
   loop.train_and_evaluate(config, str(workdir))
   with open(os.path.join(fixture, 'expected_metrics.jsonl')) as f:
