@@ -153,9 +153,18 @@ def test_lambda_init_follows_the_depth():
   np.testing.assert_allclose(got, [0.2, 0.8 - 0.6 * np.exp(-0.3), 0.8 - 0.6 * np.exp(-0.6)],
                              rtol=1e-12)
   np.testing.assert_allclose(got, [0.2, 0.35550907, 0.47071302], atol=1e-8)
-  # λ at initialisation is λ_init plus exp(~0) - exp(~0): small vectors of std 0.1.
+  # λ = exp(λ_q1·λ_k1) - exp(λ_q2·λ_k2) + λ_init, from the layer's own vectors in float64; the
+  # exp terms matter at this precision (the same without them, or with one, is off by > 1e-5).
   lam = [float(b.self_attention.lam()) for b in model.decoder.blocks]
-  np.testing.assert_allclose(lam, got, atol=0.1)
+  dots = [[float(np.dot(np.asarray(getattr(b.self_attention, q)[...], np.float64),
+                        np.asarray(getattr(b.self_attention, k)[...], np.float64)))
+           for q, k in (('lambda_q1', 'lambda_k1'), ('lambda_q2', 'lambda_k2'))]
+          for b in model.decoder.blocks]
+  want = [np.exp(a) - np.exp(b) + init for (a, b), init in zip(dots, got)]
+  np.testing.assert_allclose(lam, want, rtol=0, atol=1e-6)
+  for broken in ([a - b + init for (a, b), init in zip(dots, got)],
+                 [np.exp(a) - b + init for (a, b), init in zip(dots, got)]):
+    assert np.max(np.abs(np.subtract(broken, want))) > 1e-5
 
 
 @pytest.mark.parametrize('position,extra', [
