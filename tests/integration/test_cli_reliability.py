@@ -74,7 +74,21 @@ TRAIN_CASES = [
 ]
 
 
-@pytest.mark.parametrize('args,needles', TRAIN_CASES,
+# Each refusal's message is checked in-process (tests/unit/test_bad_inputs.py); CI runs through a
+# process one case of each way train.py refuses: a config file that cannot load, an override of a
+# missing field, absl's value error, a validation error, the devices, an unknown flag, an empty data
+# directory (checked here only). The rest are `slow`.
+IN_CI = {"model has no field 'foo'", 'syntax error in', "model.d_model='abc'",
+         'train.learning_rate=nan', 'mesh.data=2', "Unknown command line flag 'nosuchflag'",
+         "data.data_dir=''"}
+
+
+def _in_ci(cases):
+  return [case if case[1][0] in IN_CI else pytest.param(*case, marks=pytest.mark.slow)
+          for case in cases]
+
+
+@pytest.mark.parametrize('args,needles', _in_ci(TRAIN_CASES),
                          ids=[' '.join(a)[-60:] for a, _ in TRAIN_CASES])
 def test_train_bad_input_is_one_line_exit_2(tmp_path, bad_files, args, needles):
   workdir = tmp_path / 'w'
@@ -117,7 +131,14 @@ def learned_run(tmp_path_factory, data_dir):
   return workdir
 
 
-@pytest.mark.parametrize('flag,needle', EVAL_CASES, ids=[f for f, _ in EVAL_CASES])
+# In-process: tests/unit/test_bad_inputs.py (the flags) and test_eval_lengths_beyond_the_model_or_
+# the_stream_are_refused (the table); CI runs the run-dependent one and absl's value error.
+EVAL_IN_CI = ('--lengths=1000', '--num_beams=abc')
+
+
+@pytest.mark.parametrize('flag,needle', [
+    case if case[0] in EVAL_IN_CI else pytest.param(*case, marks=pytest.mark.slow)
+    for case in EVAL_CASES], ids=[f for f, _ in EVAL_CASES])
 def test_eval_bad_flag_is_one_line_exit_2_before_evaluating(learned_run, flag, needle):
   out = cli(EVAL, f'--workdir={learned_run}', flag)
   assert_one_line(out, 2, needle)

@@ -7,6 +7,8 @@ import io
 import json
 import os
 
+import pytest
+
 from tests.helpers import ROOT
 from tools.compare import comparison as compare
 from tools.sweep import runner as sweep_runner
@@ -39,6 +41,13 @@ def _wrapped(tmp_path, name, data_dir, keep=''):
   return f'{path}:quick'
 
 
+@pytest.fixture(scope='module')
+def study_data(tmp_path_factory):
+  """One data directory for the studies' datasets (each task its own, prepared on first use):
+  the two code studies share the code corpus."""
+  return tmp_path_factory.mktemp('study_tfds')
+
+
 def _run(spec, sweep_dir, **kwargs):
   out = io.StringIO()
   sweep_runner.run_sweep(spec, str(sweep_dir), out=out, **kwargs)
@@ -46,9 +55,9 @@ def _run(spec, sweep_dir, **kwargs):
   return out.getvalue()
 
 
-def test_passkey_study_smoke(tmp_path):
+def test_passkey_study_smoke(tmp_path, study_data):
   sweep_dir = tmp_path / 'passkey'
-  _run(_wrapped(tmp_path, 'passkey_positions', tmp_path / 'tfds'), sweep_dir, run_eval=True)
+  _run(_wrapped(tmp_path, 'passkey_positions', study_data), sweep_dir, run_eval=True)
   cells = sorted(os.listdir(sweep_dir))
   assert len(cells) == 3, cells  # rope, randomized rope, the YaRN fine-tune
   randomized = sweep_dir / 'model.position=rope,model.random_positions_max=512,seed=0'
@@ -80,13 +89,13 @@ def test_deepnorm_long_smoke(tmp_path, data_dir):
   assert '| deepnorm | 1 |' in table, table  # one group, named by its directory; one run
 
 
-def test_mqar_attention_study_smoke(tmp_path):
+def test_mqar_attention_study_smoke(tmp_path, study_data):
   """Dense and linear attention on the quick MQAR rows, evaluated (recall by pairs and distance),
   then compared against the dense cell with the statistics table and its JSON."""
   sweep_dir = tmp_path / 'mqar'
   keep = ("(lambda sweep: dict(sweep, cells=[c for c in sweep['cells'] if c['model.attention'] "
           "in ('dense', 'linear') and 'model.num_kv_heads' not in c]))")
-  _run(_wrapped(tmp_path, 'mqar_attention', tmp_path / 'tfds', keep), sweep_dir, seeds=[0],
+  _run(_wrapped(tmp_path, 'mqar_attention', study_data, keep), sweep_dir, seeds=[0],
        run_eval=True)
   cells = sorted(os.listdir(sweep_dir))
   assert cells == ['model.attention=dense,seed=0', 'model.attention=linear,seed=0'], cells
@@ -103,12 +112,12 @@ def test_mqar_attention_study_smoke(tmp_path):
   assert '| accuracy.test | attention=linear |' in table
 
 
-def test_memorize_moe_study_smoke(tmp_path):
+def test_memorize_moe_study_smoke(tmp_path, study_data):
   """The dense 256 and MoE top-1 cells of the memorisation study, evaluated and compared."""
   sweep_dir = tmp_path / 'memorize'
   keep = ("(lambda sweep: dict(sweep, cells=[c for c in sweep['cells'] if c['model.d_ff'] == 256 "
           "and c.get('model.moe_top_k', 1) == 1]))")
-  _run(_wrapped(tmp_path, 'memorize_moe', tmp_path / 'tfds', keep), sweep_dir, seeds=[0],
+  _run(_wrapped(tmp_path, 'memorize_moe', study_data, keep), sweep_dir, seeds=[0],
        run_eval=True)
   cells = sorted(os.listdir(sweep_dir))
   assert cells == ['model.d_ff=256,model.moe_capacity_factor=2.0,model.moe_experts=4,'
@@ -120,12 +129,12 @@ def test_memorize_moe_study_smoke(tmp_path):
   assert '| accuracy.test |' in table and os.path.getsize(tmp_path / 'cmp_intervals.png') > 5_000
 
 
-def test_code_positions_study_smoke(tmp_path):
+def test_code_positions_study_smoke(tmp_path, study_data):
   """The position study on real code: RoPE, randomized RoPE (also at its training-style ids) and
   the RoPE reference trained at 4L, each evaluated at the same two lengths, then compared against
   RoPE (the labels name every field that differs, the derived Linformer length too)."""
   sweep_dir = tmp_path / 'code_positions'
-  spec = _wrapped(tmp_path, 'rope_vs_alibi', tmp_path / 'tfds').replace(':quick', ':code,quick')
+  spec = _wrapped(tmp_path, 'rope_vs_alibi', study_data).replace(':quick', ':code,quick')
   _run(spec, sweep_dir, seeds=[0], run_eval=True)
   cells = sorted(os.listdir(sweep_dir))
   assert cells == ['data.max_length=256,model.position=rope,train.batch_size=8,seed=0',
@@ -145,12 +154,12 @@ def test_code_positions_study_smoke(tmp_path):
   assert os.path.getsize(tmp_path / 'cmp_extrapolation.png') > 10_000
 
 
-def test_code_postln_study_smoke(tmp_path):
+def test_code_postln_study_smoke(tmp_path, study_data):
   """Post-LN and Pre-LN at 6 layers without warmup on real code, compared with verdicts."""
   sweep_dir = tmp_path / 'code_postln'
   keep = ("(lambda sweep: dict(sweep, cells=[c for c in sweep['cells'] if c['model.num_layers'] "
           "== 6 and c['train.warmup_steps'] == 0]))")
-  spec = _wrapped(tmp_path, 'postln_vs_preln', tmp_path / 'tfds', keep)
+  spec = _wrapped(tmp_path, 'postln_vs_preln', study_data, keep)
   _run(spec.replace(':quick', ':code,quick'), sweep_dir, seeds=[0])
   cells = sorted(os.listdir(sweep_dir))
   assert [c.split(',')[0] for c in cells] == ['model.norm_position=post',
