@@ -56,6 +56,25 @@ def own_data_dir(data_dir, tmp_path):
 _compiling_for = [None]  # the tier this process compiles for now: 'unit', 'integration' or 'aot'
 
 
+def _unit_compile_options():
+  """Every program the unit tier compiles, jitted by the tests or inside the library (the real
+  train step of the combination cases among them), gets tests.helpers.QUICK_COMPILE's emitters:
+  XLA:CPU's elemental emitters instead of its MLIR fusion emitters, half the compile time of these
+  tiny programs (the rest of QUICK_COMPILE is what jax_disable_most_optimizations sets)."""
+  from jax._src import compiler
+  plain = compiler.get_compile_options
+
+  def get_compile_options(*args, env_options_overrides=None, **kwargs):
+    if _compiling_for[0] == 'unit':
+      env_options_overrides = {'xla_cpu_use_fusion_emitters': False,
+                               **(env_options_overrides or {})}
+    return plain(*args, env_options_overrides=env_options_overrides, **kwargs)
+  compiler.get_compile_options = get_compile_options
+
+
+_unit_compile_options()
+
+
 @pytest.hookimpl(tryfirst=True)  # before the fixtures are set up: they compile too
 def pytest_runtest_setup(item):
   """This process compiles as the test's tier needs.
