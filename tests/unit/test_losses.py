@@ -123,13 +123,16 @@ def test_train_step_with_loss_chunk_equals_the_plain_step(data_dir, arch, head):
         config, tokenizer.vocab_size, special_ids=models.SpecialIds.from_tokenizer(tokenizer))
     step = functools.partial(steps_lib.train_step, graphdef, tx, jax.random.key(0),
                              loss_chunk=chunk, z_loss=z_loss)
-    results.append(quick_jit(step)(state, batch))
+    results.append(quick_jit(step)(dict(state), batch))
   (s0, m0), (s1, m1) = results
   for key in ('loss_sum', 'correct_sum', 'grad_norm') + (('z_loss_sum',) if z_loss else ()):
     np.testing.assert_allclose(m1[key], m0[key], rtol=1e-5)
-  np.testing.assert_allclose(optax.global_norm(jax.tree.map(jnp.subtract, s1['params'],
-                                                            s0['params'])),
-                             0.0, atol=1e-6)
+  # The updates agree: the first step moves every parameter by about the rate (norm ~0.7 here),
+  # the two steps' parameters by 1e-4 of that (Adam's normalised update magnifies float noise
+  # where a gradient is near zero; a wrong gradient in the tiles moves them by O(update)).
+  update = optax.global_norm(jax.tree.map(jnp.subtract, s0['params'], state['params']))
+  assert update > 1e-2
+  assert optax.global_norm(jax.tree.map(jnp.subtract, s1['params'], s0['params'])) < 1e-3 * update
 
 
 def test_tiles_cut_the_length_so_each_device_computes_its_own_rows():
