@@ -152,31 +152,90 @@ def _params(workdir):
   return step, jax.tree.leaves(variables)
 
 
+def _committed_and_written(workdir):
+  """{name: step} of the step folders in WORKDIR/checkpoints: committed (`4`) or being written
+  (Orbax's `4.orbax-checkpoint-tmp`, renamed to `4` once complete)."""
+  try:
+    names = os.listdir(os.path.join(workdir, 'checkpoints'))
+  except FileNotFoundError:
+    return {}
+  return {n: int(m.group(1)) for n in names for m in [re.match(r'(\d+)(\.|$)', n)] if m}
+
+
+def _logged_steps(workdir):
+  """The train rows' steps in metrics.jsonl (a last line being written is not counted)."""
+  try:
+    text = (workdir / 'metrics.jsonl').read_text()
+  except FileNotFoundError:
+    return []
+  rows = [json.loads(line) for line in text.split('\n')[:-1]]
+  return [r['step'] for r in rows if r['split'] == 'train']
+
+
+def _inode(path):
+  try:
+    return os.stat(path).st_ino
+  except FileNotFoundError:
+    return None
+
+
 def test_sigkill_at_ten_random_moments_resumes_to_the_uninterrupted_run(data_dir, tmp_path):
-  """Killed (SIGKILL) ten times at random moments, among them checkpoint writes and the metrics
-  rewrite at start-up, and rerun each time: the final metrics.jsonl and parameters are the
-  uninterrupted run's."""
+  """Killed (SIGKILL) ten times, each at a moment drawn at random (fixed seed) and waited for:
+  right after the start-up rewrite of metrics.jsonl, right after the train row of a drawn step, or
+  as a drawn checkpoint step's folder appears (being written, or just committed); rerun each time.
+  Every kill lands while the run is still going, and the final metrics.jsonl and parameters are
+  the uninterrupted run's."""
+  steps, every, log_every, kills = 60, 3, 2, 10
   flags = ['--config=configs/decoder_only.py:quick', f'--config.data.data_dir={data_dir}',
-           '--config.train.steps=60', '--config.train.checkpoint_every=3',
-           '--config.train.log_every=2', '--config.train.eval_every=20',
+           f'--config.train.steps={steps}', f'--config.train.checkpoint_every={every}',
+           f'--config.train.log_every={log_every}', '--config.train.eval_every=20',
            '--config.train.keep_checkpoints=2']
   run = lambda w: [sys.executable, 'train.py', *flags, f'--workdir={w}']  # noqa: E731
   full = subprocess.run(run(tmp_path / 'full'), cwd=ROOT, capture_output=True, text=True)
   assert full.returncode == 0, full.stderr[-2000:]
+  cut = tmp_path / 'cut'
+  last_target = steps - 10  # the last moment drawn is well before the run's end
   rng = random.Random(0)
-  kills = 0
-  while kills < 10:
-    proc = subprocess.Popen(run(tmp_path / 'cut'), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    time.sleep(rng.uniform(1.0, 6.0))
-    if proc.poll() is not None:
-      break  # finished before the kill
+  landed = []
+  for kill in range(kills):
+    logged = max(_logged_steps(cut), default=0)
+    committed = max((s for n, s in _committed_and_written(cut).items() if n.isdigit()), default=0)
+    kinds = (['row'] * (logged + 4 * log_every <= last_target) +
+             ['save'] * (committed + 2 * every <= last_target))
+    kinds += ['rewrite'] * (logged > 0)  # the rows after the checkpoint are dropped at start-up
+    kind = rng.choice(kinds)
+    if kind == 'row':  # a train row of a step not logged yet
+      target = logged + log_every * rng.randint(1, 4)
+    elif kind == 'save':  # a checkpoint step not saved yet
+      target = committed + every * rng.randint(1, 2)
+    else:
+      target = _inode(cut / 'metrics.jsonl')
+    before = set(_committed_and_written(cut))
+    log = open(tmp_path / f'run{kill}.stderr', 'w')
+    proc = subprocess.Popen(run(cut), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
+    started = time.time()
+    deadline = started + 240
+    while True:
+      if kind == 'row':
+        seen = max(_logged_steps(cut), default=0) >= target
+      elif kind == 'save':
+        seen = [n for n, s in _committed_and_written(cut).items()
+                if s == target and n not in before]
+      else:
+        seen = _inode(cut / 'metrics.jsonl') != target
+      if seen or proc.poll() is not None or time.time() > deadline:
+        break
+      time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    kills += 1
-  last = subprocess.run(run(tmp_path / 'cut'), cwd=ROOT, capture_output=True, text=True)
+    log.close()
+    landed.append((kind, target, seen, proc.returncode, round(time.time() - started, 1)))
+    assert proc.returncode == -signal.SIGKILL and seen, (
+        landed, (tmp_path / f'run{kill}.stderr').read_text()[-2000:])
+  # Every kill landed inside the run, at the moment drawn for it.
+  assert len(landed) == kills and all(r == -signal.SIGKILL for *_, r, _ in landed), landed
+  last = subprocess.run(run(cut), cwd=ROOT, capture_output=True, text=True)
   assert last.returncode == 0, last.stderr[-2000:]
-  assert kills >= 5  # most of the kills landed inside the run
   keys = ('step', 'split', 'loss', 'accuracy', 'grad_norm', 'param_norm', 'learning_rate')
   rows = lambda w: [tuple(r.get(k) for k in keys)  # noqa: E731
                     for r in map(json.loads,

@@ -7,9 +7,15 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 from configs import passkey as passkey_config
+from data import passkey
+from data import pipeline
 from tests.helpers import ROOT, metric_rows
 from training import evaluation
 from training import loop
@@ -70,8 +76,44 @@ def test_fine_tuning_at_4l_with_each_rope_scaling_runs(tmp_path, scalings, capsy
     assert [r['step'] for r in metric_rows(tmp_path / scaling)] == [1, 2]
     # It started from the base run's parameters (at step 0), not from a fresh draw.
     assert f'train: parameters from {tmp_path / "base"} (its step 2)' in capsys.readouterr().err
-  result, _ = evaluation.evaluate_run(str(tmp_path / 'yarn'), ['validation'], lengths=[1.0],
-                                      retrieval_examples=1)
+  result, run = evaluation.evaluate_run(str(tmp_path / 'yarn'), ['validation'], lengths=[1.0],
+                                        retrieval_examples=1)
   assert list(result['retrieval']) == [str(4 * L)]
-  assert all(0.0 <= a <= 1.0 for a in result['retrieval'][str(4 * L)].values())
-  assert 0.0 <= result['accuracy']['validation'] <= 1.0
+  assert result['retrieval'][str(4 * L)] == _retrieved(run, 4 * L)
+  assert result['accuracy']['validation'] == _value_accuracy(run, 'validation')
+
+
+def _retrieved(run, length):
+  """{depth: 1.0 or 0.0} of the one retrieval example per depth at `length`: whether the argmax
+  of the model's logits at the value's positions of the row `<bos> prompt value[:-1]` (exactly
+  `length` tokens) is the value."""
+  spec = passkey.spec_from_config(run.config.data)
+  tok = run.tokenizer
+  out = {}
+  for depth in passkey.EVAL_DEPTHS:
+    (prompt, value), = passkey.retrieval_examples(spec, length, depth, 1)
+    value = tok.encode(' '.join(value))
+    inputs = [tok.bos_id, *tok.encode(' '.join(prompt)), *value][:-1]
+    assert len(inputs) == length
+    logits = run.model({'inputs': jnp.asarray([inputs])})[0]  # [length, V]
+    predicted = np.asarray(jnp.argmax(logits[length - len(value):], -1)).tolist()
+    out[f'{depth:.1f}'] = 1.0 if predicted == value else 0.0
+  return out
+
+
+def _value_accuracy(run, split):
+  """k / n over every row of `split`: n value tokens (weight 1), k of them the argmax of the
+  model's logits at their position."""
+  config = run.config
+  graphdef, params = nnx.split(run.model)
+  argmax_of = jax.jit(lambda p, batch: jnp.argmax(nnx.merge(graphdef, p)(batch), -1))
+  hits = total = 0
+  for batch in pipeline.make_iterator(config.data, split, config.train.batch_size,
+                                      shuffle=False, repeat=False, drop_remainder=False):
+    weights = np.asarray(batch['weights'])
+    assert set(np.unique(weights)) <= {0.0, 1.0}
+    predicted = np.asarray(argmax_of(params, {k: jnp.asarray(v) for k, v in batch.items()}))
+    hits += int(np.sum((predicted == batch['targets']) * weights))
+    total += int(np.sum(weights))
+  assert total == passkey.SPLITS[split]  # one value token a row
+  return hits / total
