@@ -30,7 +30,7 @@ def _tile_logits(q, k, i, j, cfg, *, bias=None, mask=None, slope=None, q_seg=Non
   """
   bq, bk = q.shape[0], k.shape[0]
   return flash_core.tile_logits(
-      jnp.dot(q, k.T, preferred_element_type=jnp.float32),  # [bq, bk]
+      flash_core.tile_dot(q, k, (((1,), (1,)), ((), ()))),  # [bq, bk]
       i * cfg.block_q + lax.broadcasted_iota(jnp.int32, (bq, 1), 0),  # [bq, 1]
       j * cfg.block_k + lax.broadcasted_iota(jnp.int32, (1, bk), 1),  # [1, bk]
       scale=cfg.scale, is_causal=cfg.is_causal, window=cfg.window,

@@ -48,7 +48,7 @@ def _logits(q, k, i, j, cfg, *, slope=None, q_seg=None, kv_seg=None):
   if q_seg is not None:
     q_seg = jnp.tile(q_seg, (1, bk // LANES))  # [bq, bk]
   return flash_core.tile_logits(
-      lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32),  # [bq, bk]
+      flash_core.tile_dot(q, k, _NT),  # [bq, bk]
       # Mosaic has no 1-D iota: positions are [bq, bk] tiles.
       i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0),
       j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1),

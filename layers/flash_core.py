@@ -188,12 +188,21 @@ def _across(stat, tile):
   return jnp.tile(stat, (1,) * (stat.ndim - 1) + (width // lanes,))
 
 
+def tile_dot(x, y, dims):
+  """`lax.dot_general` of two tiles with float32 accumulation. Below float32 the precision is
+  pinned to DEFAULT: under `jax.default_matmul_precision('highest')` a bfloat16 product would
+  otherwise ask Mosaic for an fp32-contract matmul, which it refuses ("Bad lhs type"); a product
+  of two bfloat16 values is exact in float32 either way."""
+  precision = None if x.dtype == jnp.float32 else lax.Precision.DEFAULT
+  return lax.dot_general(x, y, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
 def _times_v(p, v):
   """p `[..., bq, bk]` @ v `[..., bk, H]` in float32; v's leading axes are p's leading batch axes
   (p may have more, e.g. the G query heads of a key/value head): `[..., bq, H]`."""
   batch = tuple(range(v.ndim - 2))
   dims = (((p.ndim - 1,), (v.ndim - 2,)), (batch, batch))
-  return lax.dot_general(p.astype(v.dtype), v, dims, preferred_element_type=jnp.float32)
+  return tile_dot(p.astype(v.dtype), v, dims)
 
 
 def init_carry(rows, width):
@@ -281,7 +290,7 @@ def _times_t(x, y):
   `[..., bq, bk]`. One NT `dot_general`, which both Triton and Mosaic lower without a transpose."""
   batch = tuple(range(y.ndim - 2))
   dims = (((x.ndim - 1,), (y.ndim - 1,)), (batch, batch))
-  return lax.dot_general(x, y, dims, preferred_element_type=jnp.float32)
+  return tile_dot(x, y, dims)
 
 
 def _t_times(x, y, batch):
@@ -294,7 +303,7 @@ def _t_times(x, y, batch):
   rows = tuple(range(batch, x.ndim - 2))
   keep = tuple(range(batch))
   dims = ((rows + (x.ndim - 1,), rows + (y.ndim - 2,)), (keep, keep))
-  return lax.dot_general(xt, y, dims, preferred_element_type=jnp.float32)
+  return tile_dot(xt, y, dims)
 
 
 def tile_grads(logits, lse, delta, q, k, v, do, *, softcap=None, scale=None, dropout=None,
