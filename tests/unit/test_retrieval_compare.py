@@ -71,6 +71,7 @@ def test_line_figure_in_units_of_L_with_fine_tunes_marked(tmp_path):
   trained from another run's parameters at 2L labelled as a fine-tune."""
   _workdir(tmp_path, 'rope', 0, lambda n, d: 1.0 if n == 16 else 0.5)
   _workdir(tmp_path, 'rope', 1, lambda n, d: 1.0 if n == 16 else 0.0)
+  _workdir(tmp_path, 'rope', 2, lambda n, d: 1.0 if n == 16 else 0.25)
   _workdir(tmp_path, 'yarn', 0, lambda n, d: 1.0)
   config_path = os.path.join(tmp_path, 'model.position=yarn,seed=0', 'config.json')
   with open(config_path) as f:
@@ -90,4 +91,9 @@ def test_line_figure_in_units_of_L_with_fine_tunes_marked(tmp_path):
   assert any('(fine-tuned at 2L) (1)' in t for t in labels), labels
   rope = [line for line, t in zip(ax.get_lines(), labels) if 'rope' in t][0]
   assert list(rope.get_ydata()) == [100.0, 25.0]  # the seeds' mean at 16 and 32 tokens
-  assert len(ax.collections) == 1  # one band: the two-seed cell's interval
+  assert len(ax.collections) == 1  # one band: the three-seed cell's interval
+  # At 32 tokens the seeds score 50, 0 and 25%: a t interval would reach -37%; the bootstrap band
+  # keeps to the seeds' range.
+  band = ax.collections[0].get_paths()[0].vertices  # [points, (x, y)]
+  assert set(band[band[:, 0] == 2.0, 1]) == {0.0, 50.0}  # at 2L
+  assert set(band[band[:, 0] == 1.0, 1]) == {100.0}

@@ -21,12 +21,15 @@ eval.py add their tables: loss by length (--lengths, tools/compare/extrapolation
 retrieval accuracy by length, with every cell's heat map in OUT_retrieval.png
 (tools/compare/retrieval.py).
 
-Statistics (tools/compare/stats.py): every cell's final validation loss and eval.json metrics as
-a mean with a 95% t interval across seeds, in a table and in OUT_stats.json; with --baseline=CELL
-(a cell's name as the table prints it) a t-test of every cell against it, paired by seed where
-both ran the same seeds, else Welch's, and a verdict at 5%: better, worse or n.s. The final
-validation loss's verdict also reads in the picture's legend; OUT_intervals.png draws each cell's
-mean and interval as a dot, coloured by its verdict (tools/compare/stats_figure.py).
+Statistics (tools/compare/stats.py, tools/compare/significance.py): every cell's final validation
+loss and eval.json metrics as a mean with a 95% interval across seeds (t; for accuracy, retrieval
+and recall a bootstrap one inside [0, 1], with the seeds solved), in a table and in
+OUT_stats.json; with --baseline=CELL (a cell's name as the table prints it) a permutation test of
+every cell against it, the sign-flip test paired by seed where both ran the same seeds, else the
+two-sample one, Holm's correction over the table, and a verdict at 5% of the corrected p:
+better, worse or n.s. (with the minimum detectable effect). The final validation loss's verdict
+also reads in the picture's legend; OUT_intervals.png draws each cell's mean and interval as a
+dot, coloured by its verdict (tools/compare/stats_figure.py).
 
 Flags (on the raw train loss of each run, documented in the table's footnote):
 - diverged: a non-finite loss, or a spike: after the first 10% of the run's steps, a train loss
@@ -70,7 +73,8 @@ def define_flags():
                     'a per-layer diagnostic bare (attn_sink_share) is its mean over the layers.')
   flags.DEFINE_string('baseline', None, 'A cell\'s name as the table prints it (its overrides '
                       'without the seed): every other cell gets a verdict against it, better, '
-                      'worse or n.s. at 5% (paired t-test by seed, else Welch).')
+                      'worse or n.s. at 5% after Holm\'s correction over the table (sign-flip '
+                      'permutation test paired by seed, else a two-sample permutation test).')
   flags.DEFINE_string('band', 'minmax', 'The band around each group\'s mean across seeds: minmax, '
                       'std (mean -/+ one standard deviation) or none.')
 

@@ -1,8 +1,9 @@
 """Passkey retrieval across runs (tools.compare): the accuracy per length as mean [min, max] across
-seeds; OUT_retrieval_lines.png, the accuracy against length per cell, mean with its 95% t interval
-across seeds, lengths in units of the shortest training length L (fine-tunes dashed and named as
-such); and OUT_retrieval.png, every cell's heat map averaged over its seeds on a colour-blind-safe
-map; from each workdir's eval.json `retrieval` (eval.py on a data.task=passkey run).
+seeds; OUT_retrieval_lines.png, the accuracy against length per cell, mean with its 95% interval
+across seeds (tools.compare.stats' bootstrap one, inside 0-100%; from 3 seeds), lengths in units
+of the shortest training length L (fine-tunes dashed and named as such); and OUT_retrieval.png,
+every cell's heat map averaged over its seeds on a colour-blind-safe map; from each workdir's
+eval.json `retrieval` (eval.py on a data.task=passkey run).
 
 A run's accuracy at a length is the mean over the report's depths (0-100% in 10% steps, the same
 number of examples at each). A cell's evaluation variants (a sweep's eval_variants, kept as
@@ -64,8 +65,9 @@ def _fine_tuned(found, groups):
 
 def line_figure(rows, fine_tuned):
   """Accuracy against length per row of `cell_rows` (mean over depths, then across seeds with
-  the 95% t interval as a band), lengths in units of the shortest training length L; a row
-  trained longer is named by its length (`fine-tuned at 4L` where `fine_tuned`) and dashed."""
+  the 95% bootstrap interval as a band, from 3 seeds), lengths in units of the shortest training
+  length L; a row trained longer is named by its length (`fine-tuned at 4L` where `fine_tuned`)
+  and dashed."""
   plt = plot_style.pyplot()
   base = min(length for _, length, _ in rows)
   with plt.rc_context(plot_style.STYLE):
@@ -74,7 +76,8 @@ def line_figure(rows, fine_tuned):
     for i, ((label, length, reports), tuned) in enumerate(zip(rows, fine_tuned)):
       by_length = [_accuracy_by_length(r) for r in reports]
       xs = sorted(n for n in by_length[0] if all(n in b for b in by_length))
-      found = [stats_lib.interval([100 * b[n] for b in by_length]) for n in xs]
+      # A bounded score: the bootstrap interval stays inside 0-100% where a t interval would not.
+      found = [stats_lib.bootstrap_interval([100 * b[n] for b in by_length]) for n in xs]
       mean = np.array([m for m, _ in found])
       color = group_styles.PALETTE[i % len(group_styles.PALETTE)]
       if length != base:
@@ -83,7 +86,7 @@ def line_figure(rows, fine_tuned):
       units = [n / base for n in xs]
       ax.plot(units, mean, style, color=color, marker='o', markersize=3.5, lw=1.3,
               label=f'{label} ({len(reports)})')
-      if len(reports) > 1:
+      if len(reports) > 2:  # the bootstrap has no 95% interval at 2 seeds
         ax.fill_between(units, [lo for _, (lo, _) in found], [hi for _, (_, hi) in found],
                         color=color, alpha=0.15, linewidth=0)
       ticks.update(units)
@@ -95,7 +98,7 @@ def line_figure(rows, fine_tuned):
     ax.set_xlabel(f'length (L = {base} tokens)')
     ax.set_ylabel('retrieval accuracy (%)')
     ax.legend(fontsize=6.5, loc='center left', bbox_to_anchor=(1.01, 0.5), frameon=False,
-              title='(seeds): mean, band 95% t interval', title_fontsize=6.5)
+              title='(seeds): mean, band 95% bootstrap interval', title_fontsize=6.5)
   return fig
 
 

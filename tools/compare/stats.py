@@ -1,11 +1,26 @@
-"""Statistics across seeds for tools.compare: each cell's mean with a 95% t interval, and with a
-baseline cell a two-sided t-test and a verdict (`better`, `worse` or `n.s.` at 5%).
+"""Statistics across seeds for tools.compare: each cell's mean with a 95% interval, and with a
+baseline cell a permutation test, Holm's correction over the table and a verdict (`better`,
+`worse` or `n.s.` at 5%) that cannot claim more than the seeds show.
 
-The test pairs the seeds (a paired t-test on the per-seed differences) when the two cells ran the
-same seeds: train.seed sets both the initialisation and the data order, so seed s of one cell and
-seed s of the other share both, and pairing removes what they share from the noise. Otherwise it
-is Welch's t-test (unequal variances). A cell with a single seed has no interval and no test
-(`n/a`).
+- The interval: for an unbounded metric (losses, ratios) the Student t interval (t with n - 1
+  degrees of freedom). For a bounded one (`bounded`: accuracy, retrieval, recall, all in [0, 1])
+  Hesterberg's expanded percentile bootstrap (The American Statistician 69(4), 2015): the
+  quantiles of the mean over RESAMPLES resamples of the seeds (fixed RNG seed: deterministic), at
+  the tail a t interval would use, Phi(-sqrt(n / (n - 1)) t_{0.975, n-1}) (the plain percentile
+  interval is too narrow at a few seeds). Resampled means lie within the seeds' range, so the
+  interval stays inside [0, 1]; at 3 or 4 seeds it is about that range. None at 2 seeds or fewer
+  (`n/a`). A bounded metric also counts its seeds at or above SOLVED: `3 (2 solved)`.
+- The test (tools.compare.significance): paired by seed where both cells ran the same seeds
+  (train.seed sets both the initialisation and the data order, so pairing removes what seed s of
+  either cell shares), the exact sign-flip test on the differences; otherwise the exact
+  two-sample permutation test (both with fixed-seed Monte Carlo beyond 2^16 arrangements). A
+  difference with no spread gets the test's smallest p, never 0: 0.25 paired at 3 seeds.
+- Holm's correction over every test of one table (all cells x metrics against the baseline);
+  the verdict follows `p_holm`: `better`/`worse` by the metric's direction at p_holm < 5%, else
+  `n.s.`, with the minimum detectable effect (`mde`: the approximate t-based difference found
+  with 80% power at an uncorrected two-sided 5%, or `none reachable` where the seeds cannot reach
+  5%). `n.s.` is never `level`: `significance.equivalent` (TOST at a stated margin) is the test
+  for that. A cell with a single seed has no test (`n/a`).
 
 Metrics (each with the direction that counts as better):
 - final_valid: the last validation loss of the run (lower);
@@ -22,17 +37,39 @@ from scipy import stats as scipy_stats
 
 from training import paths as paths_lib
 from tools.compare import extrapolation as extrapolation_compare
+from tools.compare import significance
 
-ALPHA = 0.05
+ALPHA = significance.ALPHA
 LOWER_IS_BETTER = ('final_valid', 'loss.', 'r2', 'r4', 'r8', 'loss_L', 'loss_pos@')
+# Scores in [0, 1], higher is better: bootstrap intervals and a count of solved seeds.
+BOUNDED = ('accuracy.', 'retrieval@', 'recall_pairs@', 'recall_distance@')
+# A seed solves a bounded metric at this score or above: the task done up to the odd example.
+SOLVED = 0.99
+RESAMPLES = 10_000  # of the bootstrap
+SEED = 0  # of the bootstrap's resamples: the same values give the same interval
+# The name callers and tests use for the cell-against-baseline test.
+test = significance.test
 
 
 def lower_is_better(metric: str) -> bool:
   return metric.startswith(LOWER_IS_BETTER)
 
 
-def interval(values):
-  """(mean, [lo, hi]) with the 95% t interval across seeds; [None, None] for fewer than two."""
+def bounded(metric: str) -> bool:
+  """Whether `metric` is a score in [0, 1] (accuracy, retrieval, recall)."""
+  return metric.startswith(BOUNDED)
+
+
+def interval(values, metric=None):
+  """(mean, [lo, hi]): the 95% interval across seeds, [None, None] where there is none.
+
+  Args:
+    values: one value per seed.
+    metric: its name; a `bounded` one gets `bootstrap_interval`, any other (or None) the t
+      interval (None for fewer than two seeds).
+  """
+  if metric is not None and bounded(metric):
+    return bootstrap_interval(values)
   values = np.asarray(values, np.float64)
   mean = float(np.mean(values))
   if len(values) < 2:
@@ -42,36 +79,31 @@ def interval(values):
   return mean, [float(mean - half), float(mean + half)]
 
 
-def _p_value(result, differences):
-  """The test's p, or for zero spread 1.0 (no difference at all) or 0.0 (a constant one)."""
-  p = float(result.pvalue)
-  if math.isnan(p):
-    return 1.0 if np.allclose(differences, 0.0) else 0.0
-  return p
+def bootstrap_interval(values):
+  """(mean, [lo, hi]): the 95% expanded percentile bootstrap interval of the mean (inside the
+  values' range), [None, None] for two seeds or fewer."""
+  values = np.asarray(values, np.float64)
+  mean, n = float(np.mean(values)), len(values)
+  if n <= 2:  # 2 seeds have 3 distinct resampled means: no 95% interval
+    return mean, [None, None]
+  # The plain percentile interval ignores that the spread is estimated from n values: take the
+  # tail at which a normal reaches as far as the t interval, widened by sqrt(n / (n - 1)) for the
+  # bootstrap's divisor n (Hesterberg 2015).
+  tail = scipy_stats.norm.cdf(-math.sqrt(n / (n - 1)) * scipy_stats.t.ppf(1 - ALPHA / 2, n - 1))
+  means = values[np.random.default_rng(SEED).integers(0, n, (RESAMPLES, n))].mean(1)
+  # A resample of one value repeated can average a last bit beyond it: keep to the values' range.
+  lo, hi = np.clip(np.quantile(means, [tail, 1 - tail]), values.min(), values.max())
+  return mean, [float(lo), float(hi)]
 
 
-def test(values, seeds, base_values, base_seeds):
-  """(p, 'paired' | 'welch') of cell values against the baseline's, or (None, reason) when a
-  side has a single seed. Paired where both cells ran the same seeds."""
-  if len(values) < 2 or len(base_values) < 2:
-    return None, 'one seed'
-  if seeds is not None and base_seeds is not None and sorted(seeds) == sorted(base_seeds) and len(
-      set(seeds)) == len(seeds):
-    order, base_order = np.argsort(seeds), np.argsort(base_seeds)
-    a, b = np.asarray(values)[order], np.asarray(base_values)[base_order]
-    differences = a - b
-    if np.allclose(differences, differences.mean()):  # no spread: the test is undefined
-      return (1.0 if np.allclose(differences, 0.0) else 0.0), 'paired'
-    return _p_value(scipy_stats.ttest_rel(a, b), differences), 'paired'
-  a, b = np.asarray(values, np.float64), np.asarray(base_values, np.float64)
-  spread = np.concatenate([a - a.mean(), b - b.mean()])
-  if np.allclose(spread, 0.0):  # no variance on either side: the means are the whole story
-    return (1.0 if math.isclose(a.mean(), b.mean()) else 0.0), 'welch'
-  return _p_value(scipy_stats.ttest_ind(a, b, equal_var=False), a.mean() - b.mean()), 'welch'
+def solved(metric, values):
+  """How many seeds reach SOLVED on a `bounded` metric; None for another."""
+  return int(np.sum(np.asarray(values) >= SOLVED)) if bounded(metric) else None
 
 
 def verdict(metric, mean, base_mean, p):
-  """'better' / 'worse' (p < 5%, by the metric's direction), 'n.s.', or 'n/a' (no test)."""
+  """'better' / 'worse' (p < 5%, by the metric's direction), 'n.s.', or 'n/a' (no test); `p` is
+  the Holm-adjusted one in a table."""
   if p is None:
     return 'n/a'
   if p >= ALPHA:
@@ -114,9 +146,11 @@ def _seed(run):
 
 
 def cell_stats(groups, baseline=None):
-  """{cell: {metric: {'mean', 'ci95', 'n', 'p', 'test', 'verdict'}}} of every group (a metric that
-  not every seed of a cell has is left out of that cell); 'p', 'test' and 'verdict' against
-  `baseline` (a group label), None without one.
+  """{cell: {metric: entry}} of every group (a metric that not every seed of a cell has is left out
+  of that cell), each entry {'mean', 'ci95', 'n', 'solved', 'p', 'p_holm', 'test', 'verdict',
+  'mde'}: 'solved' for a `bounded` metric only; the rest against `baseline` (a group label),
+  None without one. Holm's correction runs over every test of the result, and the verdict follows
+  its 'p_holm'.
 
   Raises:
     ValueError: `baseline` is not a cell's label (one line with the valid labels).
@@ -129,40 +163,68 @@ def cell_stats(groups, baseline=None):
   for label, runs in groups:
     metrics = [run_metrics(r) for r in runs]
     names = [m for m in metrics[0] if all(m in other for other in metrics)]
-    per_cell[label] = {name: ([m[name] for m in metrics], [_seed(r) for r in runs])
+    seeds = [_seed(r) for r in runs]
+    per_cell[label] = {name: ([m[name] for m in metrics], None if None in seeds else seeds)
                        for name in names}
   out = {}
   for label, by_metric in per_cell.items():
     out[label] = {}
     for name, (values, seeds) in by_metric.items():
-      mean, ci = interval(values)
-      entry = {'mean': mean, 'ci95': ci, 'n': len(values), 'p': None, 'test': None,
-               'verdict': None}
-      base = per_cell.get(baseline, {}).get(name) if baseline is not None else None
-      if base is not None and label != baseline:
-        seeds = None if None in seeds else seeds
-        base_seeds = None if None in base[1] else base[1]
-        p, kind = test(values, seeds, base[0], base_seeds)
-        entry.update(p=p, test=kind, verdict=verdict(name, mean, float(np.mean(base[0])), p))
-      elif label == baseline:
-        entry['verdict'] = 'baseline'
-      out[label][name] = entry
+      base = per_cell[baseline].get(name) if baseline not in (None, label) else None
+      out[label][name] = _entry(name, values, seeds, base)
+      if label == baseline:
+        out[label][name]['verdict'] = 'baseline'
+  if baseline is not None:
+    _correct(out, baseline)
   return out
 
 
+def _entry(name, values, seeds, base):
+  """One cell's entry for metric `name`; tested against `base` ((values, seeds) or None)."""
+  mean, ci = interval(values, name)
+  entry = {'mean': mean, 'ci95': ci, 'n': len(values), 'solved': solved(name, values),
+           'p': None, 'p_holm': None, 'test': None, 'verdict': None, 'mde': None}
+  if base is not None:
+    p, kind = test(values, seeds, *base)
+    entry.update(p=p, test=kind, mde=significance.mde(values, seeds, *base))
+  return entry
+
+
+def _correct(stats, baseline):
+  """Adds Holm's 'p_holm' to every tested entry of `stats` (one family: the whole table) and the
+  verdict it gives."""
+  tested = [(label, name) for label, by_metric in stats.items() for name, entry in by_metric.items()
+            if entry['test'] is not None]
+  adjusted = significance.holm([stats[label][name]['p'] for label, name in tested])
+  for (label, name), p_holm in zip(tested, adjusted):
+    entry = stats[label][name]
+    entry['p_holm'] = p_holm
+    entry['verdict'] = verdict(name, entry['mean'], stats[baseline][name]['mean'], p_holm)
+
+
 def fmt_interval(entry, digits=4):
-  """'mean [lo, hi]' (the 95% interval), or the mean alone for one seed."""
+  """'mean [lo, hi]' (the 95% interval), or the mean alone where there is none."""
   lo, hi = entry['ci95']
   if lo is None:
     return f'{entry["mean"]:.{digits}f}'
   return f'{entry["mean"]:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]'
 
 
+def fmt_verdict(entry, digits=4):
+  """The verdict, an `n.s.` with its minimum detectable effect: 'n.s. (MDE 0.0123)' or
+  'n.s. (none reachable at 3 seeds)'; '-' for none."""
+  if entry['verdict'] != 'n.s.' or entry['mde'] is None:
+    return entry['verdict'] or '-'
+  if entry['mde'] == significance.NONE_REACHABLE:
+    return f'n.s. (none reachable at {entry["n"]} seeds)'
+  return f'n.s. (MDE {entry["mde"]:.{digits}g})'
+
+
 def markdown(stats, baseline):
-  """| metric | cell | mean [95% CI] | seeds | p | verdict |: a row per metric and cell, metric
-  after metric."""
-  head = ['metric', 'cell', 'mean [95% CI]', 'seeds', 'p', f'vs {baseline}' if baseline else
-          'verdict']
+  """| metric | cell | mean [95% CI] | seeds | p | p Holm | verdict |: a row per metric and cell,
+  metric after metric."""
+  head = ['metric', 'cell', 'mean [95% CI]', 'seeds', 'p', 'p Holm',
+          f'vs {baseline}' if baseline else 'verdict']
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   names = list(dict.fromkeys(name for by_metric in stats.values() for name in by_metric))
   for name in names:
@@ -171,15 +233,22 @@ def markdown(stats, baseline):
         continue
       entry = by_metric[name]
       p = '-' if entry['p'] is None else f'{entry["p"]:.3g} ({entry["test"]})'
-      lines.append('| ' + ' | '.join([name, label, fmt_interval(entry), str(entry['n']), p,
-                                      entry['verdict'] or '-']) + ' |')
-  note = ('Mean and 95% t interval across seeds (Student t with n-1 degrees of freedom). ')
+      p_holm = '-' if entry['p_holm'] is None else f'{entry["p_holm"]:.3g}'
+      seeds = str(entry['n']) + ('' if entry['solved'] is None else f' ({entry["solved"]} solved)')
+      lines.append('| ' + ' | '.join([name, label, fmt_interval(entry), seeds, p, p_holm,
+                                      fmt_verdict(entry)]) + ' |')
+  note = ('Mean and 95% interval across seeds: Student t (n-1 degrees of freedom); for accuracy, '
+          'retrieval and recall, in [0, 1], the expanded percentile bootstrap (none at 2 seeds or '
+          f'fewer), with the seeds scoring at least {SOLVED} (solved). ')
   if baseline:
-    note += (f'p: two-sided t-test against {baseline}: paired by seed where both cells ran the '
-             "same seeds (train.seed sets the initialisation and the data order), else Welch's; "
-             'better/worse at p < 0.05 by the metric\'s direction (loss, final_valid, r_k: lower; '
-             'accuracy, retrieval, recall: higher), else n.s. (not separable); n/a: a cell with '
-             'one seed.')
+    note += (f'p: two-sided permutation test against {baseline}: paired by seed where both cells '
+             'ran the same seeds (train.seed sets the initialisation and the data order), the '
+             'exact sign-flip test (smallest p at 3 seeds: 0.25), else the two-sample '
+             "permutation test; p Holm: Holm's correction over every p of this table. "
+             'better/worse at p Holm < 0.05 by the metric\'s direction (loss, final_valid, r_k: '
+             'lower; accuracy, retrieval, recall: higher), else n.s. (not separable, not equal), '
+             'with the approximate difference found with 80% power at 5% (MDE), or none reachable '
+             'where the seeds cannot reach 5%; n/a: a cell with one seed.')
   return '\n'.join(lines + ['', note])
 
 
