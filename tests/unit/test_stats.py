@@ -151,7 +151,18 @@ def test_same_distribution_reads_ns_and_ten_standard_errors_read_better_or_worse
   same = found['norm_position=same']['final_valid']
   assert same['p'] > 0.05 and same['p_holm'] >= same['p'] and 0 < same['mde'] < 10 * se
   assert '| final_valid | norm_position=same |' in table and ' n.s. (MDE ' in table
-  assert 'final valid vs baseline' in table  # the main table names the verdict too
+  # The main table names the verdict too, under its own header: read back by header.
+  lines = table.splitlines()
+  first = next(i for i, line in enumerate(lines) if 'final valid vs baseline' in line)
+  main = lines[first:lines.index('', first)]  # the table ends at its blank line
+  head = [c.strip() for c in main[0].strip('|').split('|')]
+  rows = [dict(zip(head, (c.strip() for c in line.strip('|').split('|')))) for line in main[2:]]
+  rows = {row['cell']: row for row in rows}
+  assert rows['norm_position=base']['final valid vs baseline'] == 'baseline'
+  assert rows['norm_position=lower']['final valid vs baseline'] == 'better'
+  assert rows['norm_position=higher']['final valid vs baseline'] == 'worse'
+  for row in rows.values():
+    assert row['best valid'].split()[0] == row['final valid'].split()[0], row  # numbers only
   assert (tmp_path / 'cmp_intervals.png').stat().st_size > 10_000  # the dots with intervals
 
 

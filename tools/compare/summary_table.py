@@ -14,13 +14,14 @@ def markdown_table(summary, target_loss=None, target_split='valid'):
   tuned = sorted({f for row in summary for f in row.get('tuned') or ()})
   head = _header(target_loss, target_split, has_init, tuned)
   tested = any(row.get('verdict') for row in summary)  # tools.compare --baseline
+  verdict_at = head.index('best valid')  # the verdict follows the value it judges
   if tested:
-    head.insert(head.index('best valid'), 'final valid vs baseline')
+    head.insert(verdict_at, 'final valid vs baseline')
   lines = [_line(head), '|' + '---|' * len(head)]
   for row in summary:
     cells = _cells(row, target_loss, has_init, tuned)
     if tested:
-      cells.insert(head.index('best valid'), row.get('verdict') or '-')
+      cells.insert(verdict_at, row.get('verdict') or '-')
     lines.append(_line(cells))
   lines += ['', _footnote(has_init, tuned)]
   return '\n'.join(lines)
