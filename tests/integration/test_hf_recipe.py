@@ -54,6 +54,12 @@ def test_fine_tune_at_4l_then_evaluate_at_2x_and_passkey(tmp_path):
     model = json.load(f)['model']
   assert (model['rope_scaling'], model['rope_scaling_factor'], model['rope_original_length'],
           model['vocab_size']) == ('yarn', 4.0, 16, 96)
+  # Its export carries the imported tokenizer (the fine-tune reads the source's copy).
+  from tools.hf import export
+  export.export_checkpoint(tuned, str(tmp_path / 'hf'), log=lambda *_: None)
+  for name in ('tokenizer.json', 'tokenizer_config.json'):
+    with open(os.path.join(FIXTURE, name), 'rb') as a, open(tmp_path / 'hf' / name, 'rb') as b:
+      assert a.read() == b.read(), name
   out = _run('eval.py', f'--workdir={tuned}', '--lengths=1,2', '--split=validation')
   assert out.returncode == 0, out.stderr[-3000:]
   with open(os.path.join(tuned, 'eval.json')) as f:

@@ -117,6 +117,19 @@ def write_shards(out, named_arrays, shard_bytes=SHARD_BYTES):
     json.dump({'metadata': {}, 'weight_map': weight_map}, f, indent=2)
 
 
+def tokenizer_dir(workdir, config):
+  """The folder of the run's Hugging Face tokenizer files, or None: the run's own copy (an import
+  writes WORKDIR/tokenizer), else the folder its data.tokenizer names (a fine-tune of an import
+  reads the source's copy, configs/pretrained.py)."""
+  own = os.path.join(workdir, convert.TOKENIZER_DIR)
+  if os.path.isdir(own):
+    return own
+  named = config.data.get('tokenizer')
+  if isinstance(named, str) and os.path.isfile(os.path.join(named, 'tokenizer.json')):
+    return named
+  return None
+
+
 def export_checkpoint(workdir, out, *, model_type=None, dtype='float32', shard_bytes=SHARD_BYTES,
                       log=print):
   """`python -m tools.hf export`: the newest parameters of `workdir` as a Hugging Face folder,
@@ -139,9 +152,13 @@ def export_checkpoint(workdir, out, *, model_type=None, dtype='float32', shard_b
   write_shards(tmp, hf_tensors(model, families.tensor_list(m), dtype), shard_bytes)
   with open(os.path.join(tmp, 'config.json'), 'w') as f:
     json.dump(hf, f, indent=2)
-  tokenizer = os.path.join(workdir, convert.TOKENIZER_DIR)
-  for name in os.listdir(tokenizer) if os.path.isdir(tokenizer) else ():
+  tokenizer = tokenizer_dir(workdir, config)
+  for name in os.listdir(tokenizer) if tokenizer else ():
     shutil.copyfile(os.path.join(tokenizer, name), os.path.join(tmp, name))
   convert.finish_partial(tmp, out)
   log(f'hf: exported step {step} of {workdir} as {kind} into {out}')
+  if tokenizer is None:
+    log(f'hf: warning: {workdir} trained with data.tokenizer={config.data.get("tokenizer")!r}, '
+        'no Hugging Face tokenizer folder; exported the model alone (load a tokenizer of '
+        f'{vocab} ids beside it)')
   return hf
