@@ -101,6 +101,8 @@ def print_summary(result, splits):
     loss = (f'loss {result["loss"][split]:.4f}  ppl {result["perplexity"][split]:.3f}  '
             if split in result['loss'] else '')
     if t is None:
+      if split in result.get('accuracy', {}):  # tokens predicted exactly (MQAR's headline)
+        loss += f'accuracy {100 * result["accuracy"][split]:.1f}%'
       print(f'{split}: {loss.strip()}')
       continue
     print(f'{split}: {loss}exact_match {t["exact_match"]:.4f}  token_accuracy '
@@ -110,7 +112,8 @@ def print_summary(result, splits):
     print(line)
   for row in result.get('extrapolation', []):
     print(f'extrapolation x{row["multiple"]:g} L={row["length"]} {row["mode"]}: loss '
-          f'{row["loss"]:.4f} target_loss {row["target_loss"]:.4f} ppl {row["ppl"]:.3f}')
+          f'{row["loss"]:.4f} (target tokens alone: {row["target_loss"]:.4f})  ppl '
+          f'{row["ppl"]:.3f}')
 
 
 def check_flags():

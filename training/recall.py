@@ -93,10 +93,12 @@ def recall(config, model, tokenizer, examples=DEFAULT_EXAMPLES):
 
 
 def summary_lines(report):
-  """The report as two text lines (accuracy in %); none for an empty report."""
+  """The report as two text lines, each value the share of queries recalled in %; none for an
+  empty report."""
   if not report:
     return []
-  return ['recall by pairs: ' + '  '.join(f'{p}: {100 * a:.1f}' for p, a in
-                                          report['by_pairs'].items()),
-          'recall by key-query distance: ' + '  '.join(f'{d}: {100 * a:.1f}' for d, a in
-                                                       report['by_distance'].items())]
+  return ['recall by key-value pairs in the context: ' + '  '.join(
+              f'{p} {"pair" if p == "1" else "pairs"} {100 * a:.1f}%'
+              for p, a in report['by_pairs'].items()),
+          'recall by key-query distance in tokens: ' + '  '.join(
+              f'{d}: {100 * a:.1f}%' for d, a in report['by_distance'].items())]

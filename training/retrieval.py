@@ -99,14 +99,15 @@ def retrieval(config, model, tokenizer, lengths, depths=passkey.EVAL_DEPTHS,
 
 
 def summary_lines(report):
-  """The report as text: a header of depths, then one line per length of accuracies (%); none
-  for an empty report (a run that is not a passkey run)."""
+  """The report as text: a header of depths, then one line per length of the share of pass keys
+  retrieved (%); none for an empty report (a run that is not a passkey run)."""
   if not report:
     return []
   depths = list(next(iter(report.values())))
-  lines = [f'{"retrieval  depth":>16}: ' + ' '.join(f'{float(d):>4.0%}' for d in depths)]
+  lines = ['pass keys retrieved (%), by the depth of the key in the text:',
+           f'{"depth":>16}: ' + ' '.join(f'{float(d):>5.0%}' for d in depths)]
   for length, row in report.items():
-    lines.append(f'{"length " + length:>16}: ' + ' '.join(f'{100 * a:4.0f}' for a in row.values()))
+    lines.append(f'{"length " + length:>16}: ' + ' '.join(f'{100 * a:4.0f}%' for a in row.values()))
   return lines
 
 

@@ -212,7 +212,9 @@ def test_the_report_has_one_accuracy_per_length_and_depth(tok, tmp_path):
   assert list(map(retrieval.depth_key, passkey.EVAL_DEPTHS)) == [
       '0.0', '0.1', '0.2', '0.3', '0.4', '0.5', '0.6', '0.7', '0.8', '0.9', '1.0']
   lines = retrieval.summary_lines(report)
-  assert len(lines) == 3 and lines[0].split()[-1] == '100%' and lines[2].split()[-1] == '100'
+  assert len(lines) == 4 and lines[1].split()[-1] == '100%' and lines[3].split() == [
+      'length', '32:', '100%', '100%', '100%']
+  assert retrieval.summary_lines(wrong)[2].split()[-1] == '0%'
   assert retrieval.summary_lines({}) == []  # a run that is not a passkey run prints nothing
   path = plots.plot_retrieval(str(tmp_path), report, 'passkey', train_length=16)
   assert os.path.getsize(path) > 1000

@@ -223,4 +223,6 @@ def test_the_recall_report_by_pairs_and_distance(tmp_path):
   bad = recall.recall(config, _looker(tok, False), tok, examples=10)
   assert set(bad['by_pairs'].values()) == {0.0}
   assert recall.distance_bucket(2) == '2-3' and recall.distance_bucket(9) == '8-15'
-  assert recall.summary_lines(good)[0].startswith('recall by pairs: 1: 100.0')
+  assert recall.summary_lines(good)[0].startswith(
+      'recall by key-value pairs in the context: 1 pair 100.0%  2 pairs 100.0%')
+  assert recall.summary_lines(bad)[1].split()[-1] == '0.0%'
