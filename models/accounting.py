@@ -399,3 +399,38 @@ def training_bytes(cfg, vocab_size, batch_size, length, mesh_config, accum_steps
     activations = activation_bytes(cfg, vocab_size, -(-batch_size // accum_steps), length,
                                    mesh_config)
   return {'state': state, 'activations': activations, 'total': state + activations}
+
+
+# --- Training compute -----------------------------------------------------------------------------
+
+def training_flops_per_token(cfg, vocab_size, length):
+  """Training FLOPs per token of a resolved `config.model`: 3 x the forward's (the backward costs
+  twice the forward, the usual convention: one matmul for the activations' gradient and one for
+  the weights').
+
+  The forward is counted in closed form from the variant's own parameters, not from the dense
+  layer's: 2 FLOPs per weight a token passes through (`formula_params`' self- and
+  cross-attention, each layer's variant as it declares its `param_count`, so MLA's low-rank
+  projections and Gated DeltaNet's gates count as built; the FFN as `ffn_layers_params(active=
+  True)`, an MoE block's router, shared and k routed experts only), plus the D x V output
+  projection, plus the causal score pairs of `forward_flops` averaged over the row. Chosen over
+  XLA's cost analysis of the lowered program because a sweep expands every cell before the first
+  one runs and the closed form costs microseconds there; its limits: a linear or sparse variant's
+  scores count as the dense causal ones (its recurrence's own O(T·D·H) is left out), and
+  elementwise work (norms, softmax, activations) is not counted. A dense decoder reads 6N +
+  6·(causal pairs per token)·2·D·L, the 6N + attention of Kaplan et al. (2020).
+
+  Args:
+    cfg: a resolved `config.model` of a Transformer arch (`covers`).
+    vocab_size: V.
+    length: the training row's length T (`data.max_length`).
+
+  Returns:
+    FLOPs per training token (a float).
+  """
+  stacks, _ = stack_layout(cfg.arch)
+  parts = formula_params(cfg, vocab_size, length)
+  weights = (parts['attention'] + parts['cross_attention']
+             + ffn_layers_params(cfg, active=True) * stacks + cfg.d_model * vocab_size)
+  scores = forward_flops(cfg, vocab_size, length)['scores_causal'] / length
+  return 3.0 * (2 * weights + scores)

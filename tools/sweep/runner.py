@@ -20,6 +20,7 @@ from training import lock
 from training import paths
 from tools.sweep import processes
 from tools.sweep import cells as sweep_cells
+from tools.sweep import ladder as sweep_ladder
 from tools.sweep import spec as sweep_spec
 from tools.sweep import tune as sweep_tune
 
@@ -128,13 +129,22 @@ def run_sweep(spec, sweep_dir, *, seeds=None, dry_run=False, parallel=1, run_eva
   # Validate every cell before the first one runs: a typo in the last cell should not surface
   # after hours of the others. (A tuned cell's other seeds differ from its tuning runs in the
   # seed alone.)
-  steps = {c['name']: sweep_spec.cell_config(module, arg, c).train.steps for c in cells
-           if not c.get('tuning')}
+  configs = {c['name']: sweep_spec.cell_config(module, arg, c) for c in cells
+             if not c.get('tuning')}
+  steps = {name: config.train.steps for name, config in configs.items()}
+  for cell in cells:
+    cell['steps'] = steps.get(cell['name'])  # a ladder cell's matched train.steps
   if dry_run:
-    return _print_commands(spec, sweep, sweep_dir, cells, steps, out)
+    results = _print_commands(spec, sweep, sweep_dir, cells, steps, out)
+    rows = [sweep_ladder.row(configs[c['name']], c) for c in cells
+            if sweep_ladder.is_ladder(c) and c['name'] in configs]
+    if rows:
+      print(sweep_ladder.table(rows), file=out)
+    return results
 
   paths.makedirs(sweep_dir)
   with sweep_lock(sweep_dir):
+    sweep_ladder.write_index(sweep_dir, sweep, cells)
     return _run_cells(spec, path, arg, module, sweep, sweep_dir, cells, tunings, axis, steps,
                       parallel, run_eval, launch, out, children)
 
@@ -165,6 +175,7 @@ def _run_cells(spec, path, arg, module, sweep, sweep_dir, cells, tunings, axis, 
   def run(cell):
     if cell['name'] not in steps:  # a tuned cell's other seed: as its tuning run at that value
       steps[cell['name']] = sweep_spec.cell_config(module, arg, cell).train.steps
+    cell['steps'] = steps[cell['name']]
     return sweep_cells.run_cell(ctx, cell, steps[cell['name']])
 
   with children.handling():

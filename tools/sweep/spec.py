@@ -10,11 +10,15 @@ import os
 import re
 
 from layers import options
+from models import accounting
 from training import config_file
 from training import paths
+from training import state as state_lib
 from training import validation
+from tools import accounting as tools_accounting
 
-SWEEP_KEYS = ('grid', 'cells', 'seeds', 'eval_flags', 'eval_variants')
+SWEEP_KEYS = ('grid', 'cells', 'seeds', 'eval_flags', 'eval_variants', 'ladder')
+BUDGET = 'ladder.flops'  # a ladder cell's pseudo-field: its training-FLOP budget (sets train.steps)
 _UNSAFE = re.compile(r'[^A-Za-z0-9._=,+-]')
 MAX_NAME = 200  # characters; longer names are cut and end in a hash of the full name
 
@@ -100,6 +104,7 @@ def expand(sweep, seeds=None):
   _check_shape(sweep)
   grid = sweep.get('grid') or {}
   points = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
+  rungs = ladder_rungs(sweep)
   seeds = list(sweep.get('seeds') or [0]) if seeds is None else parse_seeds(seeds)
   cells, seen = [], {}
   for cell in sweep.get('cells') or [{}]:
@@ -107,17 +112,51 @@ def expand(sweep, seeds=None):
       overlap = set(cell) & set(point)
       if overlap:
         raise SweepError(f'fields {sorted(overlap)} are both in a cell and in the grid')
-      overrides = {**cell, **point}
-      if 'train.seed' in overrides:
-        raise SweepError("set seeds with the sweep's 'seeds' (or --seeds), not 'train.seed'")
-      for seed in seeds:
-        seeded, after = _resolve_sources(overrides, seed, seen)
-        name = cell_name(seeded, seed)
-        if name in seen:
-          raise SweepError(f'two cells are both named {name}')
-        seen[name] = True
-        cells.append({'name': name, 'overrides': seeded, 'seed': seed, 'after': after})
+      for rung in rungs:
+        overrides = {**cell, **point, **rung}
+        _add_cells(cells, seen, overrides, seeds)
   return cells
+
+
+def _add_cells(cells, seen, overrides, seeds):
+  """Appends one cell per seed of `overrides` to `cells` (SweepError on a duplicate name)."""
+  if 'train.seed' in overrides:
+    raise SweepError("set seeds with the sweep's 'seeds' (or --seeds), not 'train.seed'")
+  for seed in seeds:
+    seeded, after = _resolve_sources(overrides, seed, seen)
+    name = cell_name(seeded, seed)
+    if name in seen:
+      raise SweepError(f'two cells are both named {name}')
+    seen[name] = True
+    cells.append({'name': name, 'overrides': seeded, 'seed': seed, 'after': after})
+
+
+def ladder_rungs(sweep):
+  """The overrides of every (size, budget) of the sweep's 'ladder', sizes first: the size's
+  fields and `ladder.flops`; [{}] without a ladder."""
+  ladder = sweep.get('ladder')
+  if not ladder:
+    return [{}]
+  return [{**size, BUDGET: float(flops)} for size in ladder['sizes'] for flops in ladder['flops']]
+
+
+def _check_ladder(ladder):
+  """Raises SweepError unless `ladder` is {'sizes': [non-empty dicts], 'flops': [positive
+  numbers]}, the sizes naming the same fields."""
+  if not isinstance(ladder, dict) or set(ladder) != {'sizes', 'flops'}:
+    raise SweepError(f"'ladder' must be a dict with keys 'sizes' and 'flops'; got {ladder!r}")
+  sizes, flops = ladder['sizes'], ladder['flops']
+  if (not isinstance(sizes, (list, tuple)) or not sizes
+      or not all(isinstance(s, dict) and s for s in sizes)):
+    raise SweepError("ladder['sizes'] must be a non-empty list of non-empty dicts of overrides, "
+                     f"e.g. [{{'model.d_model': 64, 'model.num_layers': 4}}]; got {sizes!r}")
+  if len({tuple(sorted(s)) for s in sizes}) > 1 or 'train.steps' in sizes[0]:
+    raise SweepError(f"ladder['sizes'] must all set the same fields, none of them train.steps "
+                     f"(the budget sets it); got {sizes!r}")
+  if (not isinstance(flops, (list, tuple)) or not flops or any(
+      isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0 for f in flops)):
+    raise SweepError(f"ladder['flops'] must be a non-empty list of positive training-FLOP "
+                     f"budgets, e.g. [1e12, 3e12]; got {flops!r}")
 
 
 def _check_shape(sweep):
@@ -134,6 +173,13 @@ def _check_shape(sweep):
     bad = next((c for c in cells if not isinstance(c, dict)), cells)
     raise SweepError(f"'cells' must be a list of dicts of overrides ({{'field': value}}); got "
                      f'{bad!r}')
+  if 'ladder' in sweep:
+    _check_ladder(sweep['ladder'])
+    varied = set(sweep.get('grid') or {}).union(*cells)
+    clash = varied & (set(sweep['ladder']['sizes'][0]) | {'train.steps', BUDGET})
+    if clash:
+      raise SweepError(f'fields {sorted(clash)} are both in the ladder and in the cells or grid; '
+                       'valid: a ladder sets its size fields and train.steps alone')
   flags = sweep.get('eval_flags')
   selectors = [('eval_variants', s) for s in sweep.get('eval_variants') or {}]
   if isinstance(flags, dict):  # per selected cells; '' selects every cell
@@ -172,7 +218,10 @@ def base_config(module, arg):
 def cell_config(module, arg, cell):
   """The resolved, validated config of a cell (raises SweepError naming the field)."""
   config = base_config(module, arg)
+  budget = cell['overrides'].get(BUDGET)
   for field, value in list(cell['overrides'].items()) + [('train.seed', cell['seed'])]:
+    if field == BUDGET:
+      continue
     *parents, leaf = field.split('.')
     node = config
     try:
@@ -187,17 +236,43 @@ def cell_config(module, arg, cell):
       raise SweepError(f'cell {cell["name"]}: {field}={value!r}: {e}') from None
   config = validation.resolve(config)
   try:
+    if budget is not None:
+      config.train.steps = matched_steps(config, budget)
     validation.validate(config)
   except options.ConfigError as e:
     raise SweepError(f'cell {cell["name"]}: {e}') from None
   return config
 
 
+def tokens_per_step(config):
+  """Tokens one training step trains on: train.batch_size rows of data.max_length."""
+  return config.train.batch_size * config.data.max_length
+
+
+def flops_per_token(config):
+  """`models.accounting.training_flops_per_token` of a resolved config, V from its task."""
+  vocab = state_lib.model_vocab_size(config, tools_accounting.task_vocab_size(config.data))
+  return accounting.training_flops_per_token(config.model, vocab, config.data.max_length)
+
+
+def matched_steps(config, budget):
+  """The train.steps that spend `budget` training FLOPs on this config's own model (at least 1):
+  round(budget / (FLOPs per token x batch x length)), within half a step of the budget."""
+  if not accounting.covers(config.model.arch):
+    raise options.ConfigError(f'{BUDGET}: model.arch={config.model.arch!r} has no FLOP count; '
+                              'valid: a Transformer arch')
+  return max(1, round(budget / (flops_per_token(config) * tokens_per_step(config))))
+
+
 def train_command(spec, sweep_dir, cell, python='python', train_py='train.py'):
-  """The train.py argv of a cell."""
+  """The train.py argv of a cell; a ladder cell's budget is passed as its matched train.steps
+  (`cell['steps']`, set by the runner from `cell_config`)."""
   workdir = paths.join(sweep_dir, cell['name'])
   argv = [python, train_py, f'--config={spec}', f'--workdir={workdir}']
   for field, value in cell['overrides'].items():
+    if field == BUDGET:
+      argv.append(f'--config.train.steps={cell["steps"]}')
+      continue
     if field == 'train.init_from' and cell.get('after'):
       text = os.path.join(sweep_dir, cell['after'])  # the source cell's workdir
     else:
