@@ -224,8 +224,9 @@ def _setup(config, workdir, lead):
   tokenizer = pipeline.get_tokenizer(config.data)
   mesh = distributed.make_mesh(config)
   rules = sharding.rules_of(config.get('mesh', {}))
+  vocab_size = state_lib.model_vocab_size(config, tokenizer.vocab_size)
   graphdef, tx, state = state_lib.create_state(
-      config, state_lib.model_vocab_size(config, tokenizer.vocab_size), mesh,
+      config, vocab_size, mesh,
       special_ids=models.SpecialIds.from_tokenizer(tokenizer))
   # Rows first_row, ... of every global batch: all of it, or with data.shards and several
   # processes the shards of the rows this process's devices hold.
@@ -242,7 +243,7 @@ def _setup(config, workdir, lead):
   # The parameter groups: the jitted step's per-group norms and run_info.json's counts.
   groups, leaf_groups, group_sizes = diagnostics.param_groups(state['params'])
   info_path = paths.join(workdir, 'run_info.json')
-  info = _write_run_info(config, info_path, group_sizes, lead)
+  info = _write_run_info(config, info_path, group_sizes, lead, vocab_size)
   step_fn, diag_fn, eval_fn = _jitted(config, graphdef, tx, state, mesh, rules, leaf_groups)
   # Layers that redraw random features every R steps (the Performer; see redraw_features).
   model = nnx.merge(graphdef, *state_lib.model_variables(state))
@@ -305,16 +306,22 @@ def _restore(config, workdir, mngr, state, it):
   return state, 0, None
 
 
-def _write_run_info(config, info_path, group_sizes, lead):
+def _write_run_info(config, info_path, group_sizes, lead, vocab_size):
   """run_info.json (written by the lead process): the parameter count per group (metrics.jsonl
-  rows all carry a loss), and the corpus fingerprint eval.py and a resume compare the files with.
-  Returns what it holds."""
+  rows all carry a loss), the training FLOPs per token and of the whole run (a Transformer's:
+  `accounting.training_flops_per_token` x train.batch_size x data.max_length x train.steps, what
+  a tools.sweep ladder matches its budgets with), and the corpus fingerprint eval.py and a resume
+  compare the files with. Returns what it holds."""
   info = paths.read_json(info_path) if paths.exists(info_path) else {}
   info.update(num_params=sum(group_sizes.values()), params_by_group=group_sizes)
   if accounting.covers(config.model.arch):
     # The decoder's self-attention cache per token, all layers (models.accounting; None without
     # a decoder): what its variant declares (2·K·H a layer, MLA's d_c + d_h^R).
     info['kv_cache_per_token'] = accounting.kv_cache_per_token(config.model)
+    length = config.data.max_length
+    info['flops_per_token'] = accounting.training_flops_per_token(config.model, vocab_size, length)
+    info['train_flops'] = (info['flops_per_token'] * config.train.batch_size * length
+                           * config.train.steps)
   spec = pipeline.text_spec(config.data)
   if spec is not None:
     info.setdefault('corpus', text_corpus.fingerprint(spec))

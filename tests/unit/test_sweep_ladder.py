@@ -124,3 +124,12 @@ def test_a_variant_counts_its_own_projections(attention):
   dense = accounting.training_flops_per_token(tiny(64).model, 256, 64)
   other = accounting.training_flops_per_token(tiny(64, attention=attention).model, 256, 64)
   assert abs(other / dense - 1) > 0.01
+
+
+def test_run_info_records_training_flops(tmp_path):
+  from training import loop
+  config = tiny(64)
+  info = loop._write_run_info(config, str(tmp_path / 'run_info.json'), {'all': 1}, True, 256)
+  fpt = accounting.training_flops_per_token(config.model, 256, 64)
+  assert info['flops_per_token'] == fpt
+  assert info['train_flops'] == fpt * config.train.batch_size * 64 * config.train.steps
