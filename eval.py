@@ -13,6 +13,7 @@ import sys
 from training import host
 
 # Evaluation writes eval.json only when it completes: a signal at any moment is one line.
+host.die_with_parent()  # a sweep cell goes when its runner does
 host.exit_at_once_on_signals('eval', 'before it completed; eval.json is not written')
 host.cpu_when_no_accelerator()  # before JAX starts
 

@@ -10,6 +10,7 @@ import sys
 from training import host
 from training import supervisor
 
+host.die_with_parent()  # a sweep cell goes when its runner does
 host.exit_at_once_on_signals('train')  # before the slow imports: a Ctrl-C now is one line
 host.cpu_when_no_accelerator()  # before JAX starts
 supervisor.supervise('train')  # several processes: a lost one is reported in one line

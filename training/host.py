@@ -24,6 +24,36 @@ def exit_at_once_on_signals(program, note='before training began; nothing was sa
     signal.signal(signum, stop)
 
 
+# Set by a parent that starts train.py or eval.py as a child it must take along when it dies
+# (tools.sweep's runner): '<signal number>:<parent pid>'.
+PARENT_DEATH_SIGNAL = 'ATTNLAB_PARENT_DEATH_SIGNAL'
+
+
+def parent_death_env(signum):
+  """The environment entry that makes the child `die_with_parent(signum)`."""
+  return {PARENT_DEATH_SIGNAL: f'{int(signum)}:{os.getpid()}'}
+
+
+def die_with_parent():
+  """In a child started with `parent_death_env`: the signal it names arrives when the parent's
+  thread that started this process dies, however it dies (SIGKILL included; Linux's
+  PR_SET_PDEATHSIG, elsewhere nothing). Set here, after exec, rather than in a `preexec_fn`: a
+  preexec_fn runs Python between fork and exec in a copy of a multithreaded parent (JAX's
+  threads), where a lock held by another thread deadlocks it, and JAX warns of exactly that on
+  every cell. A parent already gone (the race before this call) sends the signal at once. Call it
+  first thing."""
+  entry = os.environ.pop(PARENT_DEATH_SIGNAL, None)
+  if not entry:
+    return
+  signum, parent = (int(x) for x in entry.split(':'))
+  try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG = 1
+  except (OSError, AttributeError):
+    return
+  if os.getppid() != parent:
+    os.kill(os.getpid(), signum)
+
+
 def define_host_malloc_flag():
   """--host_malloc, shared by train.py and eval.py."""
   flags.DEFINE_enum('host_malloc', 'auto', ['auto', 'on', 'off'], 'Tune glibc malloc before JAX '

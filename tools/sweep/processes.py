@@ -1,7 +1,6 @@
 """The sweep runner's cell processes, and the SIGINT/SIGTERM it forwards to them."""
 
 import contextlib
-import ctypes
 import fcntl
 import os
 import shlex
@@ -11,22 +10,13 @@ import sys
 import threading
 import time
 
+from training import host
+
 # The repository root (tools/sweep/ is two below it): cells run from here.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 WAIT_SECS = 600  # how long a cell waits for a run of an earlier runner to release its workdir
-
-
-def _die_with_runner():
-  """In the cell, before exec: SIGTERM when the runner's thread that started it dies, however it
-  dies (SIGKILL included), so the cell saves a checkpoint and stops instead of running on,
-  orphaned (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
-  try:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-  except (OSError, AttributeError):
-    pass
 
 
 def wait_for_workdir(argv, log, timeout=WAIT_SECS):
@@ -87,8 +77,11 @@ class Children:
       log.write(f'\n$ {shlex.join(argv)}\n')
       log.flush()
       wait_for_workdir(argv, log)
-      proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                              start_new_session=True, preexec_fn=_die_with_runner)
+      # SIGTERM when the runner's thread that started it dies, however it dies (SIGKILL
+      # included), so the cell saves a checkpoint and stops instead of running on, orphaned.
+      proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              env={**env, **host.parent_death_env(signal.SIGTERM)},
+                              start_new_session=True)
       self.procs.add(proc)
       if self.signum:  # the signal came between the check above and Popen: pass it on too
         proc.send_signal(self.signum)
