@@ -3,8 +3,10 @@ space, instead of a traceback from deep inside TFDS or a file write."""
 
 import contextlib
 import errno
+import io
 import os
 import shutil
+import sys
 
 # The errors of a full disk, a file over RLIMIT_FSIZE and a full quota; TFDS's array_record writer
 # reports them as a RuntimeError carrying the same words.
@@ -41,9 +43,16 @@ def preparing(folder: str, what: str):
 
   The builders keep nothing half-written (each writes into a temporary name and renames, or marks
   completion last), so the same command prepares the dataset afresh once there is room.
+
+  TFDS's own banner ("Downloading and preparing dataset Unknown size ...") is printed to stdout
+  and is wrong here (every dataset is generated on this host; nothing is downloaded): it gives way
+  to one line on stderr.
   """
+  print(f'data: preparing {what} in {folder} (generated here, nothing is downloaded; later runs '
+        'reuse it)', file=sys.stderr, flush=True)
   try:
-    yield
+    with contextlib.redirect_stdout(io.StringIO()):
+      yield
   except (OSError, RuntimeError) as e:
     reason = disk_reason(e)
     if reason is None:
