@@ -6,6 +6,7 @@ from training import paths as paths_lib  # local or gs:// (the arguments are `pa
 from tools.compare import figure as compare_figure
 from tools.compare import curves as curves_lib
 from tools.compare import extrapolation as extrapolation_compare
+from tools.compare import ladder as ladder_lib
 from tools.compare import metrics as metric_compare
 from tools.compare import retrieval as retrieval_compare
 from tools.compare import runs as runs_lib
@@ -43,7 +44,8 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
     the tuning table of `tools.compare.tune_table`; for runs with eval.json extrapolation rows,
     `extrapolation_compare`'s table; for passkey runs with a retrieval report,
     `retrieval_compare`'s; with `metrics`, `metric_compare`'s; then `tools.compare.stats`' table,
-    whose numbers are written to OUT_stats.json).
+    whose numbers are written to OUT_stats.json; for a ladder sweep, `tools.compare.ladder`'s
+    table against `baseline`, a variant, with OUT_ladder.json and OUT_ladder.png).
   """
   runs, left_out = runs_lib.load_runs(paths)
   # A tuned sweep (tools.sweep --tune): each cell at its chosen value; the tuning runs at the
@@ -55,7 +57,11 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   curves_lib.band([(np.zeros(1), np.zeros(1))], band_kind)
   groups = summary_lib.group_runs(runs)
   summary = summary_lib.summarize(groups, target_loss, target_split)
-  stats = stats_lib.cell_stats(groups, baseline)  # a bad --baseline before any drawing
+  # A ladder sweep's --baseline names a variant (tools.compare.ladder), not a table cell.
+  ladder = bool(ladder_lib.read_index(paths))
+  table_baseline = None if ladder else baseline
+  stats = stats_lib.cell_stats(groups, table_baseline)  # a bad --baseline before any drawing
+  ladder_part = ladder_lib.report(runs, paths, out, baseline) if ladder else ''
   for row in summary:
     row['verdict'] = stats[row['label']].get('final_valid', {}).get('verdict')
   metric_compare.check_metrics(groups, metrics)  # a bad --metrics before any drawing
@@ -72,12 +78,13 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   logged = metric_compare.report(groups, summary, out, metrics, color_by=color_by,
                                  style_by=style_by, band_kind=band_kind)
   stats_lib.write(stats, out)
-  drawn = stats_figure.draw(stats, out, baseline)
+  drawn = stats_figure.draw(stats, out, table_baseline)
   tested = (f'Statistics (numbers in {stats_lib.stats_path(out)}'
             + (f'; picture: {drawn}' if drawn else '') + '):\n\n'
-            + stats_lib.markdown(stats, baseline))
+            + stats_lib.markdown(stats, table_baseline))
   return '\n\n'.join(part for part in (_left_out(left_out), table, tuning, extrapolation,
-                                       retrieval, logged, tested) if part)
+                                       retrieval, logged, tested, ladder_part)
+                     if part)
 
 
 def _left_out(left_out):
