@@ -32,6 +32,7 @@ from training import distributed  # noqa: E402
 from training import evaluation  # noqa: E402
 from training import extrapolation  # noqa: E402
 from training import paths  # noqa: E402
+from training import quiet  # noqa: E402
 from training import recall  # noqa: E402
 from training import retrieval  # noqa: E402
 
@@ -142,6 +143,7 @@ def main(argv):
   if len(argv) > 1:
     cli_checks.fail('eval', f'unexpected arguments {argv[1:]}; valid: flags only')
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
+  quiet.drop_harmless_warnings()  # ... and a few warnings that need no action
   if _COMPARE.value:
     others = [a for a in sys.argv[1:] if not a.startswith('--compare')]
     print('eval: comparing runs moved to its own tool; run: python -m tools.compare '

@@ -31,6 +31,7 @@ from training import distributed  # noqa: E402
 from training import loop  # noqa: E402
 from training import memory  # noqa: E402
 from training import paths  # noqa: E402
+from training import quiet  # noqa: E402
 from training import state as state_lib  # noqa: E402
 from training import train_checks  # noqa: E402
 
@@ -67,6 +68,7 @@ def main(argv):
     cli_checks.fail('train', f'unexpected arguments {argv[1:]}; valid: flags only (--config, '
                     '--workdir, --config.FIELD=VALUE, ...)')
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
+  quiet.drop_harmless_warnings()  # ... and a few warnings that need no action
   supervisor.quiet_fault_dumps()
   if FLAGS.sweep:
     print(f'train: sweeps moved to their own tool; run: {moved_to_sweep_tool(sys.argv)}',
