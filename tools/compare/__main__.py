@@ -31,6 +31,13 @@ better, worse or n.s. (with the minimum detectable effect). The final validation
 also reads in the picture's legend; OUT_intervals.png draws each cell's mean and interval as a
 dot, coloured by its verdict (tools/compare/stats_figure.py).
 
+A ladder sweep (tools.sweep's 'ladder', its SWEEP_DIR/ladder.json) takes --baseline=VARIANT (the
+variant's overrides without size and budget, e.g. model.attention=dense) and adds the ladder's
+table, OUT_ladder.json and OUT_ladder.png: each variant's compute-optimal frontier, its fitted
+L(C) = E + A·C^-alpha, its effective-compute multiplier against the baseline with a bootstrap 95%
+interval, and verdicts per budget (Holm over the ladder) and overall (better or worse only when
+every budget agrees, budget-dependent when they disagree); tools/compare/ladder.py.
+
 Flags (on the raw train loss of each run, documented in the table's footnote):
 - diverged: a non-finite loss, or a spike: after the first 10% of the run's steps, a train loss
   above 2x the running minimum of the train losses logged so far.
@@ -72,9 +79,10 @@ def define_flags():
                     'loss (OUT_metrics.png) and tabulate, e.g. moe_drop_fraction,moe_load_cv; '
                     'a per-layer diagnostic bare (attn_sink_share) is its mean over the layers.')
   flags.DEFINE_string('baseline', None, 'A cell\'s name as the table prints it (its overrides '
-                      'without the seed): every other cell gets a verdict against it, better, '
-                      'worse or n.s. at 5% after Holm\'s correction over the table (sign-flip '
-                      'permutation test paired by seed, else a two-sample permutation test).')
+                      'without the seed; a ladder sweep\'s: a variant): every other cell gets a '
+                      'verdict against it, better, worse or n.s. at 5% after Holm\'s correction '
+                      'over the table (sign-flip permutation test paired by seed, else a '
+                      'two-sample permutation test).')
   flags.DEFINE_string('band', 'minmax', 'The band around each group\'s mean across seeds: minmax, '
                       'std (mean -/+ one standard deviation) or none.')
 

@@ -12,6 +12,17 @@ A sweep file defines `get_config(arg=None)`, the base config of every cell, and 
      'eval_flags': ['--lengths=1,2,4'],
      'eval_variants': {'model.position=rope': ['--rope_scaling=ntk:4']}}
 
+`'ladder': {'sizes': [{'model.d_model': 64, 'model.num_layers': 4}, ...], 'flops': [1e13, 3e13]}`
+runs every cell at every size x training-FLOP budget x seed, each with the `train.steps` that
+spends its budget on its own model: round(budget / (FLOPs per token x batch x length)), FLOPs per
+token from `models.accounting.training_flops_per_token` of the cell's resolved config (its
+attention variant and MoE included). The size's fields and the pseudo-field `ladder.flops=BUDGET`
+join the cell's name; `train.py` gets `--config.train.steps=N` instead of it. `--dry_run` then
+adds a table of parameters, tokens, tokens per parameter, steps and an estimated time on this host,
+and a warning line for a cell outside 1 to 1,000 tokens per parameter; the runner writes
+SWEEP_DIR/ladder.json, from which `tools.compare --baseline=VARIANT` fits each variant's frontier
+(docs/sweeps.md, "Compute-matched ladders").
+
 `'train.init_from': {'cell': {overrides}}` starts a cell from an earlier cell's parameters (same
 seed; its workdir is passed), once that cell is done, also with --parallel (context_extension.py).
 
