@@ -82,6 +82,12 @@ def test_every_ablation_file_expands_into_valid_configs(path):
         assert config[section][name] == value
 
 
+def test_docs_sweeps_lists_every_sweep_file():
+  with open(os.path.join(ROOT, 'docs', 'sweeps.md')) as f:
+    listed = {line.split('`')[1] for line in f if line.startswith('| `') and '.py`' in line}
+  assert {os.path.basename(p) for p in ABLATIONS} <= listed
+
+
 def test_eval_flags_per_selected_cells_and_variants():
   """eval_flags as a list go to every cell; as a dict, a cell takes the flags of every selector it
   matches ('' matches all); each eval_variants flag adds a run of the same checkpoint."""
