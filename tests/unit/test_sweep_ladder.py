@@ -133,3 +133,14 @@ def test_run_info_records_training_flops(tmp_path):
   fpt = accounting.training_flops_per_token(config.model, 256, 64)
   assert info['flops_per_token'] == fpt
   assert info['train_flops'] == fpt * config.train.batch_size * 64 * config.train.steps
+
+
+def test_a_tuned_ladder_dry_run_prints_matched_steps_for_its_tuning_runs(tmp_path):
+  one_rung = {'sizes': LADDER['ladder']['sizes'][:1], 'flops': [1e12]}
+  ladder = dict(LADDER, cells=[{}], ladder=one_rung)
+  out = io.StringIO()
+  sweep_runner.run_sweep(sweep_file(tmp_path, ladder), str(tmp_path / 'sw'), dry_run=True,
+                         tune='train.learning_rate:0.001,0.002', out=out)
+  commands = [line for line in out.getvalue().splitlines() if line.startswith('python')]
+  assert len(commands) == 2  # one tuning run a value; the other seed waits for them
+  assert all('--config.train.steps=' in c for c in commands)

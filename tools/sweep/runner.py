@@ -195,6 +195,10 @@ def _print_commands(spec, sweep, sweep_dir, cells, steps, out):
         print(f'# {cell["name"]}: {waits}', file=out)
         results[cell['name']] = 'dry_run'
         continue
+      # A ladder cell's steps do not depend on the tuned value or the seed: its tuning run's.
+      stem = cell['name'].rsplit(',seed=', 1)[0]
+      cell['steps'] = next((n for k, n in steps.items() if k.rsplit(',seed=', 1)[0] == stem),
+                           None)
     print(shlex.join(sweep_spec.train_command(spec, sweep_dir, cell)), file=out)
     for _, argv in sweep_spec.eval_commands(sweep, sweep_dir, cell):
       print(shlex.join(argv), file=out)

@@ -271,6 +271,9 @@ def train_command(spec, sweep_dir, cell, python='python', train_py='train.py'):
   argv = [python, train_py, f'--config={spec}', f'--workdir={workdir}']
   for field, value in cell['overrides'].items():
     if field == BUDGET:
+      if cell.get('steps') is None:
+        raise SweepError(f'cell {cell["name"]}: no matched train.steps for its {BUDGET}; valid: '
+                         'a cell whose config the runner resolved (sweep_spec.cell_config)')
       argv.append(f'--config.train.steps={cell["steps"]}')
       continue
     if field == 'train.init_from' and cell.get('after'):
