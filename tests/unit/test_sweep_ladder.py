@@ -77,6 +77,7 @@ def test_index_names_each_cell_by_its_variant_size_and_budget():
 @pytest.mark.parametrize('ladder, message', [
     ({'sizes': [{'model.d_model': 32}]}, "keys 'sizes' and 'flops'"),
     ({'sizes': [], 'flops': [1e12]}, "ladder['sizes'] must be a non-empty list"),
+    ({'sizes': {'s': {}}, 'flops': [1e12]}, "ladder['sizes'] must be a non-empty list"),
     ({'sizes': [{'model.d_model': 32}, {'model.num_layers': 2}], 'flops': [1e12]},
      'the same fields'),
     ({'sizes': [{'model.d_model': 32}], 'flops': [0]}, "ladder['flops'] must be"),
@@ -144,3 +145,12 @@ def test_a_tuned_ladder_dry_run_prints_matched_steps_for_its_tuning_runs(tmp_pat
   commands = [line for line in out.getvalue().splitlines() if line.startswith('python')]
   assert len(commands) == 2  # one tuning run a value; the other seed waits for them
   assert all('--config.train.steps=' in c for c in commands)
+
+
+def test_named_sizes_name_the_index_and_expand_like_a_list():
+  named = dict(LADDER, ladder={'sizes': {'s': LADDER['ladder']['sizes'][0],
+                                         'm': LADDER['ladder']['sizes'][1]},
+                               'flops': LADDER['ladder']['flops']})
+  cells = sweep_spec.expand(named)
+  assert [c['name'] for c in cells] == [c['name'] for c in sweep_spec.expand(LADDER)]
+  assert sorted({e['size'] for e in sweep_ladder.index(named, cells).values()}) == ['m', 's']

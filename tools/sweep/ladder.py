@@ -34,15 +34,18 @@ def split(cell, size_fields):
 
 
 def index(sweep, cells):
-  """{cell name without its seed: {'variant', 'size' (their names, `cell_name` without the seed;
-  '' for none), 'flops'}} of the ladder's cells."""
-  size_fields = set(sweep['ladder']['sizes'][0])
+  """{cell name without its seed: {'variant' (its overrides as a cell name without the seed, ''
+  for none), 'size' (`spec.ladder_sizes`' name), 'flops'}} of the ladder's cells."""
+  names = {sweep_spec.cell_name(o, 0): name
+           for name, o in sweep_spec.ladder_sizes(sweep['ladder']).items()}
+  size_fields = set(next(iter(sweep_spec.ladder_sizes(sweep['ladder']).values())))
   out = {}
   for cell in cells:
     if is_ladder(cell):
       variant, size, budget = split(cell, size_fields)
       out[cell['name'].rsplit(',seed=', 1)[0]] = {
-          'variant': _label(variant), 'size': _label(size), 'flops': budget}
+          'variant': _label(variant), 'size': names[sweep_spec.cell_name(size, 0)],
+          'flops': budget}
   return out
 
 

@@ -137,7 +137,17 @@ def ladder_rungs(sweep):
   ladder = sweep.get('ladder')
   if not ladder:
     return [{}]
-  return [{**size, BUDGET: float(flops)} for size in ladder['sizes'] for flops in ladder['flops']]
+  return [{**size, BUDGET: float(flops)} for size in ladder_sizes(ladder).values()
+          for flops in ladder['flops']]
+
+
+def ladder_sizes(ladder):
+  """{size name: overrides} of a ladder: its own names when 'sizes' is a dict, else each size's
+  overrides as a cell name ('model.d_model=64,model.num_layers=4')."""
+  sizes = ladder['sizes']
+  if isinstance(sizes, dict):
+    return dict(sizes)
+  return {cell_name(size, 0).rsplit(',seed=', 1)[0]: size for size in sizes}
 
 
 def _check_ladder(ladder):
@@ -146,10 +156,13 @@ def _check_ladder(ladder):
   if not isinstance(ladder, dict) or set(ladder) != {'sizes', 'flops'}:
     raise SweepError(f"'ladder' must be a dict with keys 'sizes' and 'flops'; got {ladder!r}")
   sizes, flops = ladder['sizes'], ladder['flops']
+  if isinstance(sizes, dict):  # named sizes: {'small': {...}, 'large': {...}}
+    sizes = list(sizes.values())
   if (not isinstance(sizes, (list, tuple)) or not sizes
       or not all(isinstance(s, dict) and s for s in sizes)):
-    raise SweepError("ladder['sizes'] must be a non-empty list of non-empty dicts of overrides, "
-                     f"e.g. [{{'model.d_model': 64, 'model.num_layers': 4}}]; got {sizes!r}")
+    raise SweepError("ladder['sizes'] must be a non-empty list (or dict by name) of non-empty "
+                     "dicts of overrides, e.g. [{'model.d_model': 64, 'model.num_layers': 4}]; "
+                     f"got {ladder['sizes']!r}")
   if len({tuple(sorted(s)) for s in sizes}) > 1 or 'train.steps' in sizes[0]:
     raise SweepError(f"ladder['sizes'] must all set the same fields, none of them train.steps "
                      f"(the budget sets it); got {sizes!r}")
@@ -176,7 +189,8 @@ def _check_shape(sweep):
   if 'ladder' in sweep:
     _check_ladder(sweep['ladder'])
     varied = set(sweep.get('grid') or {}).union(*cells)
-    clash = varied & (set(sweep['ladder']['sizes'][0]) | {'train.steps', BUDGET})
+    size_fields = set(next(iter(ladder_sizes(sweep['ladder']).values())))
+    clash = varied & (size_fields | {'train.steps', BUDGET})
     if clash:
       raise SweepError(f'fields {sorted(clash)} are both in the ladder and in the cells or grid; '
                        'valid: a ladder sets its size fields and train.steps alone')
