@@ -53,9 +53,11 @@ def _residuals(params, xs, ys, owners, e_mode):
   return np.log(ys) - np.log(e + np.exp(pairs[:, 0]) * xs ** -pairs[:, 1])
 
 
-def _fit_group(points, scale, e_mode):
+def _fit_group(points, scale, e_mode, law=None):
   """Least squares of `points` [[(compute, mean loss)] per variant] with one E over all of them
-  (e_mode 'shared'), or E = 0 ('pinned'). Returns [(E, A, alpha)] per variant."""
+  (e_mode 'shared'), or E = 0 ('pinned'), started from `law` (E, A, alpha) of a single variant
+  when given (the bootstrap's refits start from the point estimate). Returns [(E, A, alpha)] per
+  variant."""
   xs = np.array([c / scale for pts in points for c, _ in pts])
   ys = np.array([y for pts in points for _, y in pts])
   owners = np.array([v for v, pts in enumerate(points) for _ in pts])
@@ -68,6 +70,13 @@ def _fit_group(points, scale, e_mode):
               0.3]
     lo += [-50.0, 0.0]
     hi += [50.0, 5.0]
+  if law is not None and len(points) == 1 and e_mode == 'shared':
+    e, a, alpha = law
+    start = [e, math.log(a / scale ** alpha), alpha]
+  # least_squares needs a start strictly inside the bounds (an alpha fitted at 0, an E above
+  # a redrawn frontier's lowest loss).
+  span = np.subtract(hi, lo) * 1e-6
+  start = np.clip(start, np.add(lo, span), np.subtract(hi, span))
   fit = optimize.least_squares(_residuals, start, bounds=(lo, hi),
                                args=(xs, ys, owners, e_mode))
   e = 0.0 if e_mode == 'pinned' else float(fit.x[0])
@@ -125,7 +134,8 @@ def multiplier_interval(cells, base_cells, base_law, mode, scale):
     base_front = frontier(_redraw(base_cells, rng))
     law = base_law
     if mode == 'own':
-      law = fit_laws([base_front], scale, 'own')[0]
+      points = [(c, float(np.mean(list(losses.values())))) for _, c, losses in base_front]
+      law = _fit_group([points], scale, 'shared', base_law)[0]
     elif mode == 'shared':  # E stays the joint fit's: A and alpha refitted around it
       law = _refit_fixed_e(base_front, base_law[0], scale)
     ratios = per_budget_multipliers(front, law)
