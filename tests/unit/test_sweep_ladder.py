@@ -154,3 +154,31 @@ def test_named_sizes_name_the_index_and_expand_like_a_list():
   cells = sweep_spec.expand(named)
   assert [c['name'] for c in cells] == [c['name'] for c in sweep_spec.expand(LADDER)]
   assert sorted({e['size'] for e in sweep_ladder.index(named, cells).values()}) == ['m', 's']
+
+
+def test_a_ladder_run_writes_its_index_and_trains_each_cell_at_its_matched_steps(tmp_path):
+  import json
+  import os
+  ladder = dict(LADDER, seeds=[0])
+  launched = {}
+
+  def launch(argv, log_path, env):
+    del log_path, env
+    workdir = next(a for a in argv if a.startswith('--workdir=')).split('=', 1)[1]
+    steps = int(next(a for a in argv if a.startswith('--config.train.steps=')).split('=')[1])
+    launched[os.path.basename(workdir)] = steps
+    os.makedirs(os.path.join(workdir, 'checkpoints', str(steps)))  # as train.py finishing would
+    return 0
+
+  sweep_dir = tmp_path / 'sw'
+  results = sweep_runner.run_sweep(sweep_file(tmp_path, ladder), str(sweep_dir), launch=launch,
+                                   out=io.StringIO())
+  assert set(results.values()) == {'done'} and len(launched) == 8
+  index = json.loads((sweep_dir / sweep_ladder.INDEX).read_text())
+  assert set(index) == {n.rsplit(',seed=', 1)[0] for n in launched}
+  # The larger size at the same budget trains fewer steps.
+  small = launched['ladder.flops=1000000000000.0,model.attention=dense,model.d_model=32,'
+                   'model.num_layers=2,seed=0']
+  large = launched['ladder.flops=1000000000000.0,model.attention=dense,model.d_model=64,'
+                   'model.num_layers=2,seed=0']
+  assert large < small
