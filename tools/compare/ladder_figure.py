@@ -51,8 +51,8 @@ def draw(result, cells, path):
     ax.set_ylabel('final validation loss')
     ax.grid(alpha=0.3, which='both')
     ax.legend(loc='upper right')
-    ax.set_title(f'compute-optimal frontier and L(C) = E + A·C^-alpha, against '
-                 f'{result["baseline"]}; bars: 95% across seeds')
+    ax.set_title(f'frontier and fitted L(C) = E + A·C^-alpha against {result["baseline"]}; '
+                 'bars: 95% across seeds', fontsize=10)
   paths_lib.makedirs(paths_lib.dirname(paths_lib.absolute(path)))
   plot_style.save_figure(fig, path)
   plt.close(fig)
