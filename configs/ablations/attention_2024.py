@@ -49,6 +49,19 @@ LEARNING_RATES = (1e-3, 4e-3, 8e-3)  # :stability: the tuned rate, 4x and 8x
 # the short forms and :sinks: a quarter of :code's tokens a step, half its steps
 SHORT_BATCH, SHORT_STEPS = 8, 1000
 
+# What tools.study runs and reports (tools/study/declared.py).
+STUDY = {
+    'page': 'docs/studies/attention_2024.md',
+    'baseline': {'model.attention': 'dense'},
+    'metrics': ('accuracy.test', 'recall_pairs@16', 'final_valid'),
+    'forms': {
+        'smoke': ('quick', 'not measured'),
+        'full': ('', 'not measured'),
+        'code': ('code', '8-14 minutes a run, two at a time'),
+        'stability': ('stability', 'not measured', {'train.learning_rate': 0.001}),
+    },
+}
+
 
 def get_config(arg=None):
   """configs/mqar.py, or with `code`/`stability` configs/python_code.py (`quick` passed on)."""

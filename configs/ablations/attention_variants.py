@@ -26,6 +26,17 @@ NON_CAUSAL = {'linformer': 'dense'}
 # Variants with only a causal form: they run in the decoder, under this encoder.
 CAUSAL_ONLY = {'gated_deltanet': 'dense'}
 
+# What tools.study runs and reports (tools/study/declared.py).
+STUDY = {
+    'page': 'docs/studies/attention_variants.md',
+    'baseline': {'model.attention': 'dense'},
+    'metrics': ('final_valid', 'loss.test'),
+    'forms': {
+        'smoke': ('quick', 'not measured'),
+        'full': ('', 'not measured'),
+    },
+}
+
 
 def get_config(arg=None):
   """configs/encoder_decoder.py with each variant's sizes scaled to its 24-token rows.

@@ -21,6 +21,17 @@ SCALINGS = ('none', 'pi', 'ntk', 'yarn')
 FINE_TUNE_STEPS = (50, 200)
 EXTENDED_LENGTH = 256
 
+# What tools.study runs and reports (tools/study/declared.py).
+STUDY = {
+    'page': 'docs/studies/context_extension.md',
+    'baseline': None,
+    'metrics': ('final_valid', 'r2', 'r4'),
+    'forms': {
+        'smoke': ('quick', 'not measured'),
+        'full': ('', '28.9 minutes'),
+    },
+}
+
 
 def get_config(arg=None):
   """The base of every cell: configs/extrapolation.py with RoPE."""

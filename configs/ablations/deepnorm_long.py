@@ -39,6 +39,18 @@ SCALES_STEPS, SCALES_RATE = 500, 2e-3  # :scales, the start alone at DeepNorm's 
 DEEPNORM_SCALES = ['alpha_beta', 'alpha', 'beta']  # both (the paper), alpha alone, beta alone
 OTHER_ARGS = ('scales', 'scales,quick')  # the sweep file's other forms (tests/unit/test_sweep.py)
 
+# What tools.study runs and reports (tools/study/declared.py).
+STUDY = {
+    'page': 'docs/studies/deepnorm_long.md',
+    'baseline': {'model.norm_position': 'pre'},
+    'metrics': ('final_valid',),
+    'forms': {
+        'smoke': ('quick', 'not measured'),
+        'full': ('', '66 minutes at --parallel=2 on a shared machine'),
+        'scales': ('scales', 'not measured', {'model.deepnorm_scales': 'alpha_beta'}),
+    },
+}
+
 
 def get_config(arg=None):
   """The depth study's base at 12 layers, 2,000 steps and 100 warmup steps (`scales`: 500 steps

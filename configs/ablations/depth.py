@@ -25,6 +25,17 @@ NORM_POSITIONS = ['post', 'pre', 'deepnorm', 'sandwich', 'rezero']
 DEPTHS = [6, 12, 24]
 STEPS, WARMUP = 500, 100
 
+# What tools.study runs and reports (tools/study/declared.py).
+STUDY = {
+    'page': 'docs/studies/depth.md',
+    'baseline': None,
+    'metrics': ('final_valid',),
+    'forms': {
+        'smoke': ('quick', 'not measured'),
+        'full': ('', 'about 77 minutes of wall clock'),
+    },
+}
+
 
 def get_config(arg=None):
   """The base of every cell: the Post-LN vs Pre-LN study's, at lr 1e-3 and 500 steps."""

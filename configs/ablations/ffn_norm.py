@@ -7,6 +7,17 @@ The gated FFNs (swiglu, geglu) have a third projection: the table's parameter co
 
 from configs import extrapolation
 
+# What tools.study runs and reports (tools/study/declared.py).
+STUDY = {
+    'page': 'docs/sweeps.md',
+    'baseline': None,
+    'metrics': ('final_valid',),
+    'forms': {
+        'smoke': ('quick', 'not measured'),
+        'full': ('', 'not measured'),
+    },
+}
+
 
 def get_config(arg=None):
   """Decoder-only LM on the toy stream at L=64 (configs/extrapolation.py)."""

@@ -24,6 +24,17 @@ Smoke:   --sweep=configs/ablations/memorize_moe.py:quick
 
 from configs import memorize
 
+# What tools.study runs and reports (tools/study/declared.py).
+STUDY = {
+    'page': 'docs/studies/memorize_moe.md',
+    'baseline': {'model.d_ff': 256},
+    'metrics': ('accuracy.test', 'final_valid'),
+    'forms': {
+        'smoke': ('quick', 'not measured'),
+        'full': ('', 'not measured'),
+    },
+}
+
 
 def get_config(arg=None):
   return memorize.get_config(arg)

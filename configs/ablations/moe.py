@@ -53,6 +53,18 @@ ENCODER_CELLS = {
     'expert_choice': {**MOE, 'model.moe_routing': 'experts', 'model.moe_capacity_factor': 1.0},
 }
 
+# What tools.study runs and reports (tools/study/declared.py).
+STUDY = {
+    'page': 'docs/studies/moe.md',
+    'baseline': {'model.d_ff': 256},
+    'metrics': ('final_valid',),
+    'forms': {
+        'smoke': ('quick', 'not measured'),
+        'full': ('', 'about 110 minutes'),
+        'encoder': ('encoder', 'not measured', {'model.moe_capacity_factor': 1.25}),
+    },
+}
+
 
 def get_config(arg=None):
   """configs/extrapolation.py, or with `encoder` in `arg` configs/encoder_only.py at 1,000

@@ -32,6 +32,19 @@ WIDTHS = (64, 128)  # :width: dense and linear at each
 OTHER_ARGS = ('width', 'width,quick', 'pair', 'pair,quick')  # the sweep file's other forms
                                                              # (tests/unit/test_sweep.py)
 
+# What tools.study runs and reports (tools/study/declared.py).
+STUDY = {
+    'page': 'docs/studies/mqar_attention.md',
+    'baseline': {'model.attention': 'dense'},
+    'metrics': ('accuracy.test', 'recall_pairs@16', 'recall_pairs@32'),
+    'forms': {
+        'smoke': ('quick', 'not measured'),
+        'full': ('', '100 minutes at --parallel=2 (8 cells x 5 seeds, with their evaluations)'),
+        'width': ('width', 'not measured', {'model.attention': 'dense', 'model.d_model': 64}),
+        'pair': ('pair', 'not measured'),
+    },
+}
+
 
 def get_config(arg=None):
   """configs/mqar.py with each variant's sizes set for 128-token rows (`quick` passed on)."""

@@ -33,6 +33,17 @@ SCALINGS = ('none', 'pi', 'ntk', 'yarn')
 FINE_TUNE_STEPS = (50, 200)
 EXTENDED_LENGTH = 256  # 4L
 
+# What tools.study runs and reports (tools/study/declared.py).
+STUDY = {
+    'page': 'docs/studies/passkey.md',
+    'baseline': None,
+    'metrics': ('retrieval@64', 'retrieval@128', 'retrieval@256'),
+    'forms': {
+        'smoke': ('quick', 'not measured'),
+        'full': ('', '122 minutes at --parallel=2'),
+    },
+}
+
 
 def get_config(arg=None):
   """configs/passkey.py for 2,000 steps (the quick form: a few steps, a small model)."""

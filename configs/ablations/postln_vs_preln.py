@@ -26,6 +26,18 @@ OTHER_ARGS = ('code', 'code,quick')  # the sweep file's other forms (tests/unit/
 # :code: (num_layers, learning_rate, steps, warmup_steps), each Post-LN and Pre-LN
 CODE_SETTINGS = [(layers, 1e-3, 1000, warmup) for layers in (6, 12) for warmup in (0, 100)]
 
+# What tools.study runs and reports (tools/study/declared.py).
+STUDY = {
+    'page': 'docs/studies/postln_vs_preln.md',
+    'baseline': None,
+    'metrics': ('final_valid',),
+    'forms': {
+        'smoke': ('quick', 'not measured'),
+        'full': ('', '32 minutes on a shared 2-core machine'),
+        'code': ('code', 'about 100 minutes'),
+    },
+}
+
 
 def get_config(arg=None):
   """The base of every cell (the cells set depth, norm position, learning rate, steps, warmup)."""

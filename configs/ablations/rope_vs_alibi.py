@@ -36,6 +36,18 @@ REFERENCE_LENGTH = 256  # :code: the reference trained at 4L
 REFERENCE_BATCH = 8  # :code: the reference's rows of 4L, as many tokens as 32 rows of L
 OTHER_ARGS = ('code', 'code,quick')  # the sweep file's other forms (tests/unit/test_sweep.py)
 
+# What tools.study runs and reports (tools/study/declared.py).
+STUDY = {
+    'page': 'docs/studies/positions.md',
+    'baseline': {'model.position': 'rope'},
+    'metrics': ('final_valid', 'r2', 'r4', 'r8'),
+    'forms': {
+        'smoke': ('quick', 'not measured'),
+        'full': ('', '29.5 minutes at --parallel=2 on the idle 2-core machine'),
+        'code': ('code', 'not measured'),
+    },
+}
+
 
 def get_config(arg=None):
   """The base config every cell starts from."""

@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers import ROOT
 from tools.compare import comparison as compare
+from tools.study import __main__ as study_cli
 from tools.sweep import runner as sweep_runner
 
 WRAPPER = '''
@@ -29,6 +30,9 @@ def get_config(arg=None):
 
 def get_sweep(arg=None):
   return {keep}(study.get_sweep(arg))
+
+
+STUDY = study.STUDY
 '''
 
 
@@ -95,21 +99,27 @@ def test_mqar_attention_study_smoke(tmp_path, study_data):
   sweep_dir = tmp_path / 'mqar'
   keep = ("(lambda sweep: dict(sweep, cells=[c for c in sweep['cells'] if c['model.attention'] "
           "in ('dense', 'linear') and 'model.num_kv_heads' not in c]))")
-  _run(_wrapped(tmp_path, 'mqar_attention', study_data, keep), sweep_dir, seeds=[0],
-       run_eval=True)
-  cells = sorted(os.listdir(sweep_dir))
+  # In one command, as `python -m tools.study FILE:smoke --dir=DIR` runs it.
+  printed = io.StringIO()
+  head = study_cli.run_study(_wrapped(tmp_path, 'mqar_attention', study_data,
+                                      keep).replace(':quick', ':smoke'),
+                             str(sweep_dir), seeds=[0], out=printed)
+  assert 'failed' not in printed.getvalue(), printed.getvalue()
+  assert 'baseline: attention=dense;' in printed.getvalue()
+  assert '| accuracy.test | attention=dense |' in head and '| baseline |' in head
+  assert '| recall_pairs@16 |' not in head  # quick rows hold 4 pairs: the metric is absent
+  cells = sorted(c for c in os.listdir(sweep_dir) if c.startswith('model.'))
   assert cells == ['model.attention=dense,seed=0', 'model.attention=linear,seed=0'], cells
+  assert (sweep_dir / 'compare.md').exists() and (sweep_dir / 'compare_intervals.png').exists()
   with open(sweep_dir / cells[0] / 'eval.json') as f:
     result = json.load(f)
   assert list(result['recall']['by_pairs']) == ['1', '2', '4', '8']  # quick: 4 pairs in 32 tokens
   assert 0.0 <= result['accuracy']['test'] <= 1.0 and result['recall']['by_distance']
-  table = compare.compare([str(sweep_dir)], str(tmp_path / 'cmp.png'),
-                          baseline='attention=dense')
-  with open(tmp_path / 'cmp_stats.json') as f:
+  with open(sweep_dir / 'compare_stats.json') as f:
     found = json.load(f)
   assert found['attention=linear']['recall_pairs@4']['verdict'] == 'n/a'  # one seed: no test
   assert found['attention=dense']['accuracy.test']['verdict'] == 'baseline'
-  assert '| accuracy.test | attention=linear |' in table
+  assert '| accuracy.test | attention=linear |' in (sweep_dir / 'compare.md').read_text()
 
 
 def test_memorize_moe_study_smoke(tmp_path, study_data):
