@@ -110,7 +110,7 @@ def test_mqar_attention_study_smoke(tmp_path, study_data):
   assert '| recall_pairs@16 |' not in head  # quick rows hold 4 pairs: the metric is absent
   cells = sorted(c for c in os.listdir(sweep_dir) if c.startswith('model.'))
   assert cells == ['model.attention=dense,seed=0', 'model.attention=linear,seed=0'], cells
-  assert (sweep_dir / 'compare.md').exists() and (sweep_dir / 'compare_intervals.png').exists()
+  assert (sweep_dir / 'compare.txt').exists() and (sweep_dir / 'compare_intervals.png').exists()
   with open(sweep_dir / cells[0] / 'eval.json') as f:
     result = json.load(f)
   assert list(result['recall']['by_pairs']) == ['1', '2', '4', '8']  # quick: 4 pairs in 32 tokens
@@ -119,7 +119,7 @@ def test_mqar_attention_study_smoke(tmp_path, study_data):
     found = json.load(f)
   assert found['attention=linear']['recall_pairs@4']['verdict'] == 'n/a'  # one seed: no test
   assert found['attention=dense']['accuracy.test']['verdict'] == 'baseline'
-  assert '| accuracy.test | attention=linear |' in (sweep_dir / 'compare.md').read_text()
+  assert '| accuracy.test | attention=linear |' in (sweep_dir / 'compare.txt').read_text()
 
 
 def test_memorize_moe_study_smoke(tmp_path, study_data):

@@ -54,8 +54,8 @@ def test_a_bad_declaration_is_one_line():
   module = types.SimpleNamespace(__file__='x.py', STUDY={'page': 'docs/sweeps.md'})
   with pytest.raises(declared.StudyError, match='STUDY must be a dict with the keys page, '):
     declared.read(module)
-  module.STUDY = {'page': 'docs/nothing.md', 'baseline': None, 'metrics': (), 'forms': {}}
-  with pytest.raises(declared.StudyError, match="STUDY\\['page'\\]='docs/nothing.md' does not"):
+  module.STUDY = {'page': 'docs/nothing.txt', 'baseline': None, 'metrics': (), 'forms': {}}
+  with pytest.raises(declared.StudyError, match="STUDY\\['page'\\]='docs/nothing.txt' does not"):
     declared.read(module)
 
 

@@ -83,7 +83,7 @@ def test_every_ablation_file_expands_into_valid_configs(path):
 
 
 def test_docs_sweeps_lists_every_sweep_file():
-  with open(os.path.join(ROOT, 'docs', 'sweeps.md')) as f:
+  with open(os.path.join(ROOT, 'docs/sweeps.md')) as f:
     listed = {line.split('`')[1] for line in f if line.startswith('| `') and '.py`' in line}
   assert {os.path.basename(p) for p in ABLATIONS} <= listed
 

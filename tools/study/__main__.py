@@ -6,7 +6,7 @@
 FORM is a form the file's STUDY declares (smoke, full, ...; tools/study/declared.py) or any
 argument its sweep takes (quick). The cells train and evaluate as `tools.sweep --sweep_eval` runs
 them (finished cells are skipped, interrupted ones resume: rerun the same command), then
-`tools.compare DIR --baseline=<the study's baseline cell>` writes DIR/compare.md, its pictures and
+`tools.compare DIR --baseline=<the study's baseline cell>` writes DIR/compare.txt, its pictures and
 DIR/compare_stats.json; the command ends with the headline metrics' table and the pictures' paths.
 """
 
@@ -32,7 +32,7 @@ FLAGS = flags.FLAGS
 
 def define_flags():
   flags.DEFINE_string('dir', None, 'The study\'s directory: one workdir per cell, and the '
-                      'comparison (compare.md, compare*.png, compare_stats.json).')
+                      'comparison (compare.txt, compare*.png, compare_stats.json).')
   flags.DEFINE_list('seeds', None, 'Seeds to run (default: the study file\'s).')
   flags.DEFINE_integer('parallel', 1, 'Cells run side by side, each on one XLA/OpenMP thread.')
   flags.DEFINE_bool('list', False, 'Print every study file with its forms, their cost, its page '
@@ -91,7 +91,7 @@ def run_study(spec, study_dir, *, seeds=None, parallel=1, out=sys.stdout):
   label = baseline_label(study_dir, cell)
   png = paths.join(study_dir, 'compare.png')
   table = comparison.compare([study_dir], png, baseline=label)
-  with open(paths.join(study_dir, 'compare.md'), 'w') as f:
+  with open(paths.join(study_dir, 'compare.txt'), 'w') as f:
     f.write(table + '\n')
   stats_path = stats_lib.stats_path(png)
   with open(stats_path) as f:
@@ -99,7 +99,7 @@ def run_study(spec, study_dir, *, seeds=None, parallel=1, out=sys.stdout):
   head = headline(stats, study['metrics'])
   pictures = sorted(glob.glob(paths.join(study_dir, 'compare*.png')))
   print(f'\nbaseline: {label or "none"}; the whole comparison: '
-        f'{paths.join(study_dir, "compare.md")}\n\n{head}\n\npictures: ' + ', '.join(pictures),
+        f'{paths.join(study_dir, "compare.txt")}\n\n{head}\n\npictures: ' + ', '.join(pictures),
         file=out)
   return head
 
