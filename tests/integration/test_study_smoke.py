@@ -116,7 +116,9 @@ def test_mqar_attention_study_smoke(tmp_path, study_data):
   assert list(result['recall']['by_pairs']) == ['1', '2', '4', '8']  # quick: 4 pairs in 32 tokens
   assert 0.0 <= result['accuracy']['test'] <= 1.0 and result['recall']['by_distance']
   with open(sweep_dir / 'compare_stats.json') as f:
-    found = json.load(f)
+    written = json.load(f)
+  found = written['cells']
+  assert written['about']['baseline'] == 'attention=dense'
   assert found['attention=linear']['recall_pairs@4']['verdict'] == 'n/a'  # one seed: no test
   assert found['attention=dense']['accuracy.test']['verdict'] == 'baseline'
   assert '| accuracy.test | attention=linear |' in (sweep_dir / 'compare.txt').read_text()
@@ -178,4 +180,4 @@ def test_code_postln_study_smoke(tmp_path, study_data):
     assert json.load(f)['data']['task'] == 'python_code'
   compare.compare([str(sweep_dir)], str(tmp_path / 'cmp.png'), baseline='norm_position=pre')
   with open(tmp_path / 'cmp_stats.json') as f:
-    assert json.load(f)['norm_position=post']['final_valid']['verdict'] == 'n/a'  # one seed
+    assert json.load(f)['cells']['norm_position=post']['final_valid']['verdict'] == 'n/a'

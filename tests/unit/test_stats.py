@@ -139,7 +139,10 @@ def test_same_distribution_reads_ns_and_ten_standard_errors_read_better_or_worse
          noise, seeds=n, shared_seeds=False)
   out = tmp_path / 'cmp.png'
   table = compare.compare([str(tmp_path / 'sw')], str(out), baseline='norm_position=base')
-  found = json.loads((tmp_path / 'cmp_stats.json').read_text())
+  written = json.loads((tmp_path / 'cmp_stats.json').read_text())
+  about, found = written['about'], written['cells']
+  assert about['baseline'] == 'norm_position=base' and len(about['commit'] or 'x' * 40) == 40
+  assert about['date'].endswith('+00:00') and about['command']
   verdicts = {cell: found[cell]['final_valid']['verdict'] for cell in found}
   assert verdicts == {'norm_position=base': 'baseline', 'norm_position=same': 'n.s.',
                       'norm_position=lower': 'better', 'norm_position=higher': 'worse'}
@@ -188,7 +191,7 @@ def test_eval_metrics_join_the_statistics(tmp_path):
     table = compare.compare([str(tmp_path / str(seeds) / 'sw')], str(tmp_path / 'c.png'),
                             baseline='norm_position=a')
     stats_file = json.loads((tmp_path / 'c_stats.json').read_text())
-    found = stats_file['norm_position=b']
+    found = stats_file['cells']['norm_position=b']
     accuracy = found['accuracy.test']
     assert accuracy['verdict'] == wanted and accuracy['test'] == 'paired'
     assert accuracy['p'] == 2 / 2 ** seeds and np.isclose(accuracy['p_holm'],
@@ -196,7 +199,7 @@ def test_eval_metrics_join_the_statistics(tmp_path):
     assert found['recall_pairs@4']['verdict'] == wanted
     assert found['loss.test']['verdict'] == 'n.s.' and found['recall_distance@2-3']['p'] == 1.0
     # k of n seeds solved (>= 0.99), and bounded intervals inside [0, 1].
-    assert stats_file['norm_position=a']['accuracy.test']['solved'] == seeds
+    assert stats_file['cells']['norm_position=a']['accuracy.test']['solved'] == seeds
     assert accuracy['solved'] == 0 and found['final_valid']['solved'] is None
     assert 0.3 <= accuracy['ci95'][0] <= accuracy['ci95'][1] <= 0.3 + 0.001 * 2 * seeds
     assert f'| {seeds} ({seeds} solved) |' in table and f'| {seeds} (0 solved) |' in table
@@ -220,7 +223,7 @@ def test_the_loss_by_position_joins_the_statistics_in_buckets_four_times_wider(t
                            'loss': float(curve.mean())}],
         'extrapolation_per_position': {str(length): curve.tolist()}}))
   compare.compare([str(tmp_path / 'sw')], str(tmp_path / 'c.png'), baseline='norm_position=a')
-  found = json.loads((tmp_path / 'c_stats.json').read_text())
+  found = json.loads((tmp_path / 'c_stats.json').read_text())['cells']
   b = found['norm_position=b']
   assert [m for m in b if m.startswith('loss_pos@')] == [
       'loss_pos@0-3', 'loss_pos@4-15', 'loss_pos@16-63', 'loss_pos@64-79']

@@ -77,7 +77,7 @@ def compare(paths, out, *, smoothing=None, logy=False, logx=False, target_loss=N
   tuning = tune_table.markdown(choices, groups)
   logged = metric_compare.report(groups, summary, out, metrics, color_by=color_by,
                                  style_by=style_by, band_kind=band_kind)
-  stats_lib.write(stats, out)
+  stats_lib.write(stats, out, table_baseline)
   drawn = stats_figure.draw(stats, out, table_baseline)
   tested = (f'Statistics (numbers in {stats_lib.stats_path(out)}'
             + (f'; picture: {drawn}' if drawn else '') + '):\n\n'

@@ -30,7 +30,12 @@ Metrics (each with the direction that counts as better):
   higher), mqar recall_pairs@<P> and recall_distance@<lo-hi> (higher).
 """
 
+import datetime
 import math
+import os
+import shlex
+import subprocess
+import sys
 
 import numpy as np
 from scipy import stats as scipy_stats
@@ -257,9 +262,23 @@ def stats_path(out):
   return (out[:-4] if out.endswith('.png') else out) + '_stats.json'
 
 
-def write(stats, out):
-  """Writes the stats JSON beside `out`; returns its path."""
+def about(baseline):
+  """What produced the numbers: the baseline, the commit (None outside a git checkout), the UTC
+  date and the command."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  try:
+    commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=root, capture_output=True,
+                            text=True, timeout=10).stdout.strip() or None
+  except (OSError, subprocess.SubprocessError):
+    commit = None
+  return {'baseline': baseline, 'commit': commit,
+          'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+          'command': shlex.join([os.path.basename(sys.executable)] + sys.argv)}
+
+
+def write(stats, out, baseline=None):
+  """Writes `{"about": about(baseline), "cells": stats}` beside `out`; returns its path."""
   path = stats_path(out)
   paths_lib.makedirs(paths_lib.dirname(paths_lib.absolute(path)))
-  paths_lib.write_json(path, stats)
+  paths_lib.write_json(path, {'about': about(baseline), 'cells': stats})
   return path

@@ -95,7 +95,7 @@ def run_study(spec, study_dir, *, seeds=None, parallel=1, out=sys.stdout):
     f.write(table + '\n')
   stats_path = stats_lib.stats_path(png)
   with open(stats_path) as f:
-    stats = json.load(f)
+    stats = json.load(f)['cells']
   head = headline(stats, study['metrics'])
   pictures = sorted(glob.glob(paths.join(study_dir, 'compare*.png')))
   print(f'\nbaseline: {label or "none"}; the whole comparison: '
