@@ -80,6 +80,13 @@ def test_labels_name_only_the_fields_that_differ():
   assert note == ''
 
 
+
+def test_kv_heads_as_many_as_the_heads_read_as_nothing():
+  configs = [{'model.attention': a, 'model.num_heads': 4, 'model.num_kv_heads': k}
+             for a, k in (('dense', 4), ('dense', 2), ('dense', 1), ('linear', 4))]
+  labels, _ = legend.legend_labels(configs, ['model.attention', 'model.num_kv_heads'])
+  assert labels == ['dense', 'dense · 2 kv heads', 'dense · 1 kv head', 'linear']
+
 def test_long_labels_leave_out_each_fields_most_common_value():
   """The study's nine cells differ in five fields: full labels run to 44 characters (flags aside),
   so the common value of each field outside colour and style (lr 2e-3, 500 steps, no warmup) is

@@ -30,7 +30,7 @@ ABBREVIATIONS = {
     'model.d_model': lambda v: f'd{v}',
     'model.d_ff': lambda v: f'ff {v}',
     'model.num_heads': lambda v: f'{v} heads',
-    'model.num_kv_heads': lambda v: f'{v} kv heads',
+    'model.num_kv_heads': lambda v: f'{v} kv head{"" if v == 1 else "s"}',
     'model.dropout': lambda v: f'dropout {_num(v)}',
     'train.learning_rate': lambda v: f'lr {_num(v)}',
     'train.warmup_steps': lambda v: f'warmup {_count(v)}' if v else 'no warmup',
@@ -72,6 +72,16 @@ def abbreviate(field, value):
   return f'{name}={_num(value)}'
 
 
+def _part(field, config):
+  """A group's value of `field` abbreviated; as many KV heads as query heads is plain multi-head
+  attention and reads as nothing (linear attention, which has no KV heads to share, would read
+  '4 kv heads' beside GQA's '2 kv heads')."""
+  value = config.get(field)
+  if field == 'model.num_kv_heads' and value == config.get('model.num_heads'):
+    return ''
+  return abbreviate(field, value)
+
+
 def legend_labels(configs, fields, flags=None, keep=(), max_len=MAX_LABEL):
   """Short legend labels: the values of the differing `fields`, abbreviated, then flag words.
 
@@ -92,7 +102,7 @@ def legend_labels(configs, fields, flags=None, keep=(), max_len=MAX_LABEL):
     (labels, note): `note` is '' or 'unless noted: lr 2e-3 · 500 steps'.
   """
   flags = flags or [[] for _ in configs]
-  parts = [[abbreviate(field, config.get(field)) for field in fields] for config in configs]
+  parts = [[_part(field, config) for field in fields] for config in configs]
   longest = max((len(SEPARATOR.join(p)) for p in parts), default=0)
   omit = _common_values(fields, parts, keep) if longest > max_len else {}
   labels = []
