@@ -385,3 +385,20 @@ def test_write_eval_outputs_marks_the_runs_training_length(tmp_path, monkeypatch
   assert os.path.getsize(result['loss_curve']) > 10000
   with open(tmp_path / 'eval.json') as f:
     assert json.load(f)['extrapolation_plot'] == result['extrapolation_plot']
+
+
+def test_the_loss_curve_reads_its_log_ticks_as_plain_numbers(tmp_path, monkeypatch):
+  with open(tmp_path / 'metrics.jsonl', 'w') as f:
+    for step, loss in ((10, 5.8), (20, 4.1), (30, 2.3)):
+      f.write(json.dumps({'step': step, 'split': 'train', 'loss': loss}) + '\n')
+  seen = {}
+  save = plots._save
+
+  def spy(fig, ax, path):
+    fig.canvas.draw()
+    seen['labels'] = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+    return save(fig, ax, path)
+
+  monkeypatch.setattr(plots, '_save', spy)
+  plots.plot_loss_curve(str(tmp_path))
+  assert seen['labels'] and all(float(t) > 0 for t in seen['labels']), seen  # not 6x10^0

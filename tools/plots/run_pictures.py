@@ -252,7 +252,7 @@ def plot_loss_curve(workdir):
     ax.plot(steps, losses, label=split, marker='o' if split != 'train' else None)
   ax.set_xlabel('step')
   ax.set_ylabel('loss (nats/token)')
-  ax.set_yscale('log')
+  plot_style.plain_log_axis(ax.yaxis)  # 2, 3, 4, 6 rather than 6x10^0
   ax.set_title(paths.basename(workdir))
   return _save(fig, ax, paths.join(workdir, 'loss_curve.png'))
 
