@@ -7,6 +7,7 @@ import io
 import os
 import shutil
 import sys
+import time
 
 # The errors of a full disk, a file over RLIMIT_FSIZE and a full quota; TFDS's array_record writer
 # reports them as a RuntimeError carrying the same words.
@@ -46,13 +47,16 @@ def preparing(folder: str, what: str):
 
   TFDS's own banner ("Downloading and preparing dataset Unknown size ...") is printed to stdout
   and is wrong here (every dataset is generated on this host; nothing is downloaded): it gives way
-  to one line on stderr.
+  to one line on stderr once a TFDS preparation succeeded (one that fails, on a bad file or a
+  vocabulary too large, stays the one line of its error; a preparation without TFDS says nothing).
   """
-  print(f'data: preparing {what} in {folder} (generated here, nothing is downloaded; later runs '
-        'reuse it)', file=sys.stderr, flush=True)
+  start, banner = time.monotonic(), io.StringIO()
   try:
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(banner):
       yield
+    if banner.getvalue():
+      print(f'data: prepared {what} in {folder} in {time.monotonic() - start:.0f} s (generated '
+            'here, nothing downloaded; later runs reuse it)', file=sys.stderr, flush=True)
   except (OSError, RuntimeError) as e:
     reason = disk_reason(e)
     if reason is None:
