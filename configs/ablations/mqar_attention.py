@@ -38,7 +38,7 @@ STUDY = {
     'baseline': {'model.attention': 'dense'},
     'metrics': ('accuracy.test', 'recall_pairs@16', 'recall_pairs@32'),
     'forms': {
-        'smoke': ('quick', 'not measured'),
+        'smoke': ('quick', '10 minutes at --seeds=0,1 (16 cells, 33-44 s each with eval)'),
         'full': ('', '100 minutes at --parallel=2 (8 cells x 5 seeds, with their evaluations)'),
         'width': ('width', 'not measured', {'model.attention': 'dense', 'model.d_model': 64}),
         'pair': ('pair', 'not measured'),
